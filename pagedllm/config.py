@@ -1,0 +1,165 @@
+"""ModelConfig: the one description of a decoder that the model, the loaders and the cache share.
+
+HF configs spell the same thing several ways (``rope_theta`` vs ``rope_parameters``, ``head_dim``
+present or derived, per-architecture bias flags). We normalise them once here, so the model code
+reads plain fields and never sees a raw config dict.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import ModelLoadError, UnsupportedModelError
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    type: str = "default"
+    factor: float = 1.0
+    # llama3-style frequency-dependent scaling only
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    # per layer: None for full attention, else the window size in tokens
+    sliding_windows: tuple[int | None, ...] = ()
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf_dict(cls, d: dict, source: str = "config") -> "ModelConfig":
+        archs = d.get("architectures") or []
+        arch = archs[0] if archs else _ARCH_BY_MODEL_TYPE.get(d.get("model_type", ""))
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"{source}: architecture {arch or d.get('model_type')!r} is not supported; "
+                f"pagedllm supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        try:
+            hidden = int(d["hidden_size"])
+            heads = int(d["num_attention_heads"])
+            layers = int(d["num_hidden_layers"])
+            cfg = cls(
+                architecture=arch,
+                vocab_size=int(d["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(d["intermediate_size"]),
+                num_layers=layers,
+                num_heads=heads,
+                num_kv_heads=int(d.get("num_key_value_heads") or heads),
+                head_dim=int(d.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+                rope=_rope_from_hf(d, source),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                qkv_bias=arch == "Qwen2ForCausalLM" or bool(d.get("attention_bias")),
+                o_bias=arch != "Qwen2ForCausalLM" and bool(d.get("attention_bias")),
+                mlp_bias=bool(d.get("mlp_bias")),
+                qk_norm=arch == "Qwen3ForCausalLM",
+                sliding_windows=_sliding_windows_from_hf(d, arch, layers),
+                bos_token_id=d.get("bos_token_id"),
+                eos_token_ids=_as_tuple(d.get("eos_token_id")),
+            )
+        except KeyError as e:
+            raise ModelLoadError(f"{source}: required field {e.args[0]!r} is missing") from None
+        if cfg.num_heads % cfg.num_kv_heads:
+            raise ModelLoadError(
+                f"{source}: num_attention_heads ({cfg.num_heads}) is not a multiple of "
+                f"num_key_value_heads ({cfg.num_kv_heads})"
+            )
+        return cfg
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ModelLoadError(f"{path}: no such file (a model directory needs config.json)")
+        try:
+            d = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_hf_dict(d, source=str(path))
+
+
+_ARCH_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def _as_tuple(v) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    return tuple(v) if isinstance(v, (list, tuple)) else (int(v),)
+
+
+def _rope_from_hf(d: dict, source: str) -> RopeConfig:
+    # transformers >= 5 writes rope_parameters; older checkpoints rope_theta + rope_scaling.
+    params = dict(d.get("rope_parameters") or {})
+    scaling = d.get("rope_scaling") or {}
+    merged = {**scaling, **params}
+    theta = merged.get("rope_theta", d.get("rope_theta", 10000.0))
+    rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"{source}: rope type {rope_type!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    return RopeConfig(
+        theta=float(theta),
+        type=rope_type,
+        factor=float(merged.get("factor", 1.0)),
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            merged.get("original_max_position_embeddings", d.get("max_position_embeddings", 8192))
+        ),
+    )
+
+
+def _sliding_windows_from_hf(d: dict, arch: str, layers: int) -> tuple[int | None, ...]:
+    window = d.get("sliding_window")
+    if arch == "MistralForCausalLM":
+        return (int(window) if window else None,) * layers
+    types = d.get("layer_types")
+    if types and window and d.get("use_sliding_window", True):
+        return tuple(int(window) if t == "sliding_attention" else None for t in types)
+    if d.get("use_sliding_window") and window:
+        # Qwen2-style: layers from max_window_layers on use the window.
+        first = int(d.get("max_window_layers", layers))
+        return tuple(int(window) if i >= first else None for i in range(layers))
+    return (None,) * layers

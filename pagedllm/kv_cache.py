@@ -1,0 +1,52 @@
+"""The paged KV cache: per layer, one K and one V tensor cut into fixed-size blocks.
+
+::
+
+    layer l, K:  block 0           block 1           ...  block N-1
+                [slot 0..bs-1]    [slot 0..bs-1]         [slot 0..bs-1]
+                 each slot = num_kv_heads x head_dim values
+
+A token's K/V lives at *slot* ``block_id * block_size + offset``; a sequence's block table maps
+its token positions to blocks. The tensors are allocated once at start-up and never grow: the
+block manager hands blocks out and takes them back, the attention seam reads and writes slots.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block costs across all layers, K and V. The only place this is computed."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+class KVCache:
+    """K/V storage for ``num_blocks`` blocks of ``block_size`` slots, for every layer.
+
+    Tensors are kept flat as ``[num_blocks * block_size, num_kv_heads, head_dim]`` so a write is
+    one indexed copy by slot and a read is one gather by slot.
+    """
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = dtype
+        shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.bytes_per_block = kv_bytes_per_block(cfg, block_size, dtype)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.bytes_per_block * self.num_blocks

@@ -1,0 +1,82 @@
+"""Turns what the user named (nothing, a model directory, a .gguf file) into weights and tokenizer.
+
+Every path ends in an HF-style directory: a GGUF file is converted once into the cache, then
+loaded like any checkpoint. Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import ModelLoadError
+from ..models import DecoderLM
+from .checkpoint import load_decoder
+from .default_model import DEFAULT_MODEL_NAME, default_gguf_path
+from .gguf_convert import converted_dir
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    model: DecoderLM
+    config: ModelConfig
+    tokenizer: object | None  # a transformers tokenizer, or None for a weights-only directory
+    path: Path  # the HF-style directory the weights came from
+    name: str
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype in DTYPES.values():
+            return dtype
+    elif dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"dtype {dtype!r} is not supported; use float32 or bfloat16")
+
+
+def resolve_model_dir(model: str | Path | None) -> tuple[Path, str]:
+    """(HF-style directory, display name) for what the user named."""
+    if model is None:
+        return converted_dir(default_gguf_path()), DEFAULT_MODEL_NAME
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path}: a model directory needs config.json and *.safetensors")
+        return path, path.name
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"{path}: no such file")
+        return converted_dir(path), path.stem
+    if not path.exists():
+        raise ModelLoadError(
+            f"{model}: no such file or directory. pagedllm loads a local HF directory "
+            "(config.json + *.safetensors) or a .gguf file; it never downloads from a model hub"
+        )
+    raise ModelLoadError(f"{path}: not a model directory or a .gguf file")
+
+
+def load(model: str | Path | None = None, dtype: str | torch.dtype = "float32") -> LoadedModel:
+    torch_dtype = parse_dtype(dtype)
+    model_dir, name = resolve_model_dir(model)
+    decoder = load_decoder(model_dir, torch_dtype)
+    return LoadedModel(decoder, decoder.config, load_tokenizer(model_dir), model_dir, name)
+
+
+def load_tokenizer(model_dir: Path):
+    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as e:
+        raise ModelLoadError(f"{model_dir}: cannot load its tokenizer ({type(e).__name__}: {e})") from None

@@ -1,0 +1,208 @@
+"""Converts a GGUF file once into an HF-style directory in the user cache, so later starts load
+plain safetensors in seconds instead of dequantizing again.
+
+The directory holds config.json, model.safetensors (float32: dequantized values are kept exactly)
+and the tokenizer (built by transformers from the GGUF metadata, chat template included). Its name
+includes a key over the file's path, size and mtime, so a changed file is converted afresh. It is
+written to a temporary folder and renamed into place, so an interrupted conversion leaves nothing
+half-written behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import ModelLoadError, UnsupportedModelError
+from .safetensors_io import write_streaming
+
+log = logging.getLogger(__name__)
+
+CONVERTER_VERSION = 1
+_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PAGEDLLM_CACHE") or Path.home() / ".cache" / "pagedllm")
+
+
+def converted_dir(gguf_path: Path) -> Path:
+    """The cache folder for this GGUF file, converting it first if needed."""
+    gguf_path = gguf_path.resolve()
+    try:
+        st = gguf_path.stat()
+    except OSError:
+        raise ModelLoadError(f"{gguf_path}: no such file") from None
+    key = hashlib.sha256(
+        f"{gguf_path}|{st.st_size}|{st.st_mtime_ns}|{CONVERTER_VERSION}".encode()
+    ).hexdigest()[:16]
+    target = cache_root() / f"{gguf_path.stem}-{key}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+    try:
+        log.info("converting %s into %s (once)", gguf_path, target)
+        convert(gguf_path, tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process won the race; its result is as good as ours
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def convert(gguf_path: Path, out_dir: Path) -> None:
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(gguf_path)
+    except Exception as e:  # the gguf package raises bare ValueError/struct/mmap errors
+        raise ModelLoadError(f"{gguf_path}: not a readable GGUF file: corrupt or truncated ({type(e).__name__}: {e})") from None
+    meta = _metadata(reader)
+    arch = meta.get("general.architecture")
+    if arch not in _ARCHS:
+        raise UnsupportedModelError(
+            f"{gguf_path}: GGUF architecture {arch!r} is not supported; "
+            f"supported: {', '.join(sorted(_ARCHS))}"
+        )
+    tensors = {t.name: t for t in reader.tensors}
+    if "rope_freqs.weight" in tensors or meta.get(f"{arch}.rope.scaling.type", "none") not in ("none",):
+        raise UnsupportedModelError(
+            f"{gguf_path}: GGUF rope scaling is not supported; load the HF checkpoint instead"
+        )
+    if "token_embd.weight" not in tensors:
+        raise ModelLoadError(f"{gguf_path}: GGUF file has no token_embd.weight tensor")
+    config = _hf_config(meta, arch, tie="output.weight" not in tensors, path=gguf_path)
+    config["vocab_size"] = int(tensors["token_embd.weight"].shape[1])
+    specs, sources = [], {}
+    for name, t in tensors.items():
+        hf = _hf_name(name)
+        if hf is None:
+            raise UnsupportedModelError(f"{gguf_path}: unexpected tensor {name!r} for {arch}")
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        specs.append((hf, torch.float32, shape))
+        sources[hf] = t
+    permute = arch == "llama"  # llama.cpp's converter permutes q/k rows for its rope layout
+
+    def produce(hf_name: str) -> torch.Tensor:
+        return _dequantize(sources[hf_name], hf_name, config, permute, gguf_path)
+
+    write_streaming(out_dir / "model.safetensors", specs, produce, {"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    _save_tokenizer(gguf_path, out_dir)
+
+
+def _metadata(reader) -> dict:
+    out = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml."):
+            continue  # large arrays; the tokenizer converter reads them itself
+        try:
+            out[key] = field.contents()
+        except Exception:
+            continue
+    return out
+
+
+def _hf_config(meta: dict, arch: str, tie: bool, path: Path) -> dict:
+    def get(name, default=None):
+        v = meta.get(f"{arch}.{name}", default)
+        if v is None:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{name}")
+        return v
+
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    cfg = {
+        "architectures": [_ARCHS[arch]],
+        "model_type": arch,
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": int(get("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": int(get("context_length")),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "tie_word_embeddings": tie,
+        "torch_dtype": "float32",
+    }
+    for key, hf in (("tokenizer.ggml.bos_token_id", "bos_token_id"),
+                    ("tokenizer.ggml.eos_token_id", "eos_token_id")):
+        if key in meta:
+            cfg[hf] = int(meta[key])
+    return cfg
+
+
+def _hf_name(name: str) -> str | None:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    if name.startswith("blk."):
+        _, layer, rest = name.split(".", 2)
+        if rest in _LAYER_NAMES:
+            return f"model.layers.{int(layer)}.{_LAYER_NAMES[rest]}"
+    return None
+
+
+def _dequantize(t, hf_name: str, config: dict, permute: bool, path: Path) -> torch.Tensor:
+    from gguf import quants
+
+    try:
+        data = quants.dequantize(t.data, t.tensor_type)
+    except Exception as e:
+        raise ModelLoadError(f"{path}: cannot dequantize {t.name} ({t.tensor_type.name}): {e}") from None
+    w = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
+    w = w.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
+    if permute and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+        heads = config["num_attention_heads"] if "q_proj" in hf_name else config["num_key_value_heads"]
+        w = _unpermute_rope_rows(w, heads)
+    return w
+
+
+def _unpermute_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row order (pairs interleaved per head) back to HF's (halves)."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except Exception as e:
+        raise ModelLoadError(f"{gguf_path}: cannot build a tokenizer from its metadata ({e})") from None
+    tok.save_pretrained(out_dir)

@@ -1,0 +1,116 @@
+"""Streaming read and write of the safetensors format, one tensor at a time.
+
+Why not ``safetensors.safe_open``: it memory-maps the file, and every page it touches stays
+resident until the file is closed, so loading a model costs its weights twice in RSS. Reading each
+tensor with ``readinto`` straight into its final buffer keeps the peak at the weights plus one
+tensor, and lets us say precisely which file is truncated or corrupt.
+
+Format: 8-byte little-endian header length, a JSON header mapping names to dtype, shape and
+``data_offsets`` (relative to the end of the header), then the raw little-endian bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from ..errors import ModelLoadError
+
+DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+NAMES = {v: k for k, v in DTYPES.items()}
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """Returns ({name: entry}, data_start) after checking every entry fits inside the file."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ModelLoadError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > min(_MAX_HEADER, size - 8):
+            raise ModelLoadError(f"{path}: corrupt or truncated safetensors header (claims {n} bytes)")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ModelLoadError(f"{path}: corrupt safetensors header (not JSON)") from None
+    if not isinstance(header, dict):
+        raise ModelLoadError(f"{path}: corrupt safetensors header")
+    header.pop("__metadata__", None)
+    data_start = 8 + n
+    for name, e in header.items():
+        try:
+            dtype = DTYPES[e["dtype"]]
+            begin, end = e["data_offsets"]
+            count = 1
+            for d in e["shape"]:
+                count *= int(d)
+        except (KeyError, TypeError, ValueError):
+            raise ModelLoadError(f"{path}: corrupt entry for tensor {name!r}") from None
+        if end - begin != count * dtype.itemsize:
+            raise ModelLoadError(f"{path}: tensor {name!r} has a size that does not match its shape")
+        if data_start + end > size:
+            raise ModelLoadError(
+                f"{path}: truncated: tensor {name!r} ends at byte {data_start + end}, "
+                f"file has {size} bytes"
+            )
+    return header, data_start
+
+
+def iter_tensors(path: Path, header: dict, data_start: int,
+                 dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (name, tensor) in file order, each in a fresh buffer of ``dtype`` (default: as stored).
+
+    A tensor stored in another dtype is read into one reused scratch buffer and converted from
+    there: freeing a temporary per tensor would leave the allocator holding that memory anyway.
+    """
+    scratch = torch.empty(0, dtype=torch.uint8)
+    with open(path, "rb") as f:
+        for name, e in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            begin, end = e["data_offsets"]
+            stored = DTYPES[e["dtype"]]
+            convert = dtype is not None and dtype != stored
+            if convert and scratch.numel() < end - begin:
+                scratch = torch.empty(end - begin, dtype=torch.uint8)
+            buf = scratch[: end - begin] if convert else torch.empty(end - begin, dtype=torch.uint8)
+            f.seek(data_start + begin)
+            if end > begin and f.readinto(memoryview(buf.numpy())) != end - begin:
+                raise ModelLoadError(f"{path}: truncated while reading tensor {name!r}")
+            tensor = buf.view(stored).reshape(e["shape"])
+            yield name, tensor.to(dtype) if convert else tensor
+
+
+def write_streaming(path: Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                    produce, metadata: dict | None = None) -> None:
+    """Writes a safetensors file whose tensors are produced one at a time by ``produce(name)``.
+
+    The header is written first from ``specs``, so no more than one tensor is in memory.
+    """
+    header: dict = {"__metadata__": metadata or {}}
+    offset = 0
+    for name, dtype, shape in specs:
+        nbytes = dtype.itemsize
+        for d in shape:
+            nbytes *= d
+        header[name] = {"dtype": NAMES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for name, dtype, shape in specs:
+            t = produce(name).to(dtype).contiguous()
+            if tuple(t.shape) != tuple(shape):
+                raise ValueError(f"{name}: produced shape {tuple(t.shape)}, expected {shape}")
+            f.write(t.reshape(-1).view(torch.uint8).numpy().data)

@@ -1,0 +1,31 @@
+import os
+
+import pytest
+
+from tiny_models import ARCHS, save_tiny_model
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cache(tmp_path_factory):
+    """Tests never write the user's cache; the default model is converted once per session."""
+    if "PAGEDLLM_TEST_CACHE" in os.environ:
+        os.environ["PAGEDLLM_CACHE"] = os.environ["PAGEDLLM_TEST_CACHE"]
+    else:
+        os.environ["PAGEDLLM_CACHE"] = str(tmp_path_factory.mktemp("pagedllm-cache"))
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory):
+    """{arch name: (directory, transformers model)} for every supported architecture."""
+    out = {}
+    for name in ARCHS:
+        d = tmp_path_factory.mktemp(f"tiny-{name}")
+        out[name] = (d, save_tiny_model(name, d))
+    return out
+
+
+@pytest.fixture(scope="session")
+def default_llm():
+    from pagedllm import LLM
+
+    return LLM()

@@ -1,0 +1,124 @@
+"""Loading failures give a clear error naming the file and what is supported, never a deep traceback."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from pagedllm import ModelLoadError, UnsupportedModelError
+from pagedllm.loading import load
+from pagedllm.loading.default_model import default_gguf_path
+
+
+def copy_checkpoint(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_missing_path_says_nothing_is_downloaded(tmp_path):
+    with pytest.raises(ModelLoadError, match="never downloads") as e:
+        load("HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert "SmolLM2-135M-Instruct" in str(e.value)
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(ModelLoadError, match="config.json"):
+        load(tmp_path)
+
+
+def test_unknown_architecture_names_the_supported_ones(tiny_checkpoints, tmp_path):
+    d = copy_checkpoint(tiny_checkpoints["llama"][0], tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel") as e:
+        load(d)
+    for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        assert arch in str(e.value)
+    assert str(d / "config.json") in str(e.value)
+
+
+def test_truncated_safetensors_names_the_file(tiny_checkpoints, tmp_path):
+    d = copy_checkpoint(tiny_checkpoints["llama"][0], tmp_path / "m")
+    weights = d / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match="truncated") as e:
+        load(d)
+    assert str(weights) in str(e.value)
+
+
+def test_corrupt_safetensors_header(tiny_checkpoints, tmp_path):
+    d = copy_checkpoint(tiny_checkpoints["llama"][0], tmp_path / "m")
+    weights = d / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[8:40] = b"\xff" * 32
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match="corrupt") as e:
+        load(d)
+    assert str(weights) in str(e.value)
+
+
+def test_weights_that_do_not_match_the_config(tiny_checkpoints, tmp_path):
+    d = copy_checkpoint(tiny_checkpoints["llama"][0], tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["intermediate_size"] = 999
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="shape"):
+        load(d)
+
+
+def test_missing_shard_is_named(tiny_checkpoints, tmp_path):
+    d = copy_checkpoint(tiny_checkpoints["llama"][0], tmp_path / "m")
+    (d / "model.safetensors").rename(d / "model-00001-of-00002.safetensors")
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelLoadError, match="model-00002-of-00002.safetensors"):
+        load(d)
+
+
+def test_pytorch_bin_only_is_explained(tmp_path, tiny_checkpoints):
+    d = tmp_path / "m"
+    d.mkdir()
+    shutil.copy(tiny_checkpoints["llama"][0] / "config.json", d)
+    (d / "pytorch_model.bin").write_bytes(b"x")
+    with pytest.raises(ModelLoadError, match="only safetensors"):
+        load(d)
+
+
+def test_unsupported_dtype():
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        load(None, "float16")
+
+
+@pytest.mark.parametrize("content", [b"", b"GGUF", bytes(range(256)) * 4])
+def test_corrupt_gguf_names_the_file(tmp_path, content):
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(content)
+    with pytest.raises(ModelLoadError, match="broken.gguf"):
+        load(path)
+
+
+def test_truncated_gguf(tmp_path):
+    path = tmp_path / "half.gguf"
+    with open(default_gguf_path(), "rb") as f:
+        path.write_bytes(f.read(20_000_000))
+    with pytest.raises(ModelLoadError, match="corrupt or truncated") as e:
+        load(path)
+    assert "half.gguf" in str(e.value)
+
+
+def test_gguf_of_an_unsupported_architecture(tmp_path):
+    import gguf
+
+    path = tmp_path / "gpt2.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModelError, match="'gpt2'") as e:
+        load(path)
+    assert "llama" in str(e.value) and "gpt2.gguf" in str(e.value)

@@ -1,0 +1,61 @@
+"""Loading a checkpoint costs at most about twice its final weights in RAM, at peak."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+MEASURE = r"""
+import sys, torch
+from pagedllm.loading.checkpoint import load_decoder
+from pathlib import Path
+
+def rss(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+
+dtype = getattr(torch, sys.argv[2])
+# Warm up: the first model built on the meta device pulls in ~75 MiB of torch machinery, a fixed
+# per-process cost that has nothing to do with the size of the weights.
+with torch.device("meta"):
+    torch.nn.Embedding(2, 2)
+before = rss("VmRSS:")
+open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the current RSS
+model = load_decoder(Path(sys.argv[1]), dtype)
+weights = sum(p.numel() * p.element_size() for p in model.parameters())
+print(rss("VmHWM:") - before, weights)
+"""
+
+
+@pytest.fixture(scope="module")
+def medium_checkpoint(tmp_path_factory):
+    d = tmp_path_factory.mktemp("medium")
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=32000,
+               hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
+               num_key_value_heads=4, max_position_embeddings=2048, tie_word_embeddings=False)
+    (d / "config.json").write_text(json.dumps(cfg))
+    g = torch.Generator().manual_seed(0)
+    h, i = 512, 1376
+    tensors = {"model.embed_tokens.weight": (32000, h), "lm_head.weight": (32000, h),
+               "model.norm.weight": (h,)}
+    for layer in range(4):
+        p = f"model.layers.{layer}."
+        tensors.update({p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (256, h),
+                        p + "self_attn.v_proj.weight": (256, h), p + "self_attn.o_proj.weight": (h, h),
+                        p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                        p + "mlp.down_proj.weight": (h, i), p + "input_layernorm.weight": (h,),
+                        p + "post_attention_layernorm.weight": (h,)})
+    save_file({k: torch.randn(s, generator=g) for k, s in tensors.items()}, str(d / "model.safetensors"))
+    return d
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_peak_ram_while_loading_is_under_twice_the_weights(medium_checkpoint, dtype):
+    out = subprocess.run([sys.executable, "-c", MEASURE, str(medium_checkpoint), dtype],
+                         capture_output=True, text=True, check=True)
+    peak_growth, weights = map(int, out.stdout.split())
+    assert peak_growth <= 2.0 * weights, f"peak grew {peak_growth / 2**20:.0f} MiB for {weights / 2**20:.0f} MiB of weights"

@@ -1,0 +1,64 @@
+"""Greedy output and logits equal transformers', for every supported architecture."""
+
+import pytest
+import torch
+
+from greedy import assert_greedy_matches, hf_greedy
+from pagedllm import LLM, SamplingParams
+from pagedllm.attention import PagedAttention, SequenceSlice, StepLayout
+from pagedllm.kv_cache import KVCache
+from pagedllm.loading import load
+from tiny_models import ARCHS
+
+PROMPT_LENGTHS = [1, 5, 17, 40, 64, 3, 29]
+
+
+def prompts(vocab: int, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_equal_transformers_in_fp32(tiny_checkpoints, arch):
+    directory, hf = tiny_checkpoints[arch]
+    loaded = load(directory, "float32")
+    batch = prompts(loaded.config.vocab_size)
+    cache = KVCache(loaded.config, num_blocks=64, block_size=8, dtype=torch.float32)
+    # All prompts in one flat step, each with its own blocks; logits at every position.
+    slices, ids, positions, block = [], [], [], 0
+    for p in batch:
+        n_blocks = -(-len(p) // 8)
+        slices.append(SequenceSlice(len(ids), len(p), len(p), list(range(block, block + n_blocks))))
+        block += n_blocks
+        ids += p
+        positions += range(len(p))
+    layout = StepLayout.build(slices, 8)
+    logits = loaded.model(torch.tensor(ids), torch.tensor(positions), PagedAttention(cache, layout),
+                          torch.arange(len(ids)))
+    offset = 0
+    for p in batch:
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0].float()
+        torch.testing.assert_close(logits[offset:offset + len(p)], ref, atol=1e-4, rtol=0)
+        offset += len(p)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_32_tokens_equal_transformers_generate(tiny_checkpoints, arch):
+    directory, hf = tiny_checkpoints[arch]
+    llm = LLM(directory, block_size=8, num_blocks=128)
+    batch = prompts(llm.loaded.config.vocab_size, seed=2)
+    outs = llm.generate(batch, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    refs = [hf_greedy(hf, p, 32) for p in batch]
+    report = assert_greedy_matches([o.token_ids for o in outs], refs)
+    print(arch, report)
+
+
+def test_logits_are_computed_only_for_sampled_rows(tiny_checkpoints):
+    directory, _ = tiny_checkpoints["llama"]
+    loaded = load(directory)
+    cache = KVCache(loaded.config, num_blocks=8, block_size=8, dtype=torch.float32)
+    layout = StepLayout.build([SequenceSlice(0, 20, 20, [0, 1, 2])], 8)
+    rows = torch.tensor([19])
+    logits = loaded.model(torch.arange(1, 21), torch.arange(20), PagedAttention(cache, layout), rows)
+    assert logits.shape == (1, loaded.config.vocab_size)
