@@ -1,0 +1,178 @@
+"""The `pagedllm` command: generate and chat (serve, plan and bench arrive with their issues)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import sys
+import time
+from dataclasses import asdict
+
+from .errors import PagedLLMError
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and engine")
+    g.add_argument("--model", default=None,
+                   help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    g.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks")
+    g.add_argument("--max-batch-tokens", type=int, default=None, help="tokens computed per step")
+    g.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step")
+    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output")
+
+
+def _sampling_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def _params(args):
+    from .sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+def _llm(args):
+    from .llm import LLM
+
+    return LLM(args.model, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
+               max_batch_tokens=args.max_batch_tokens, max_num_seqs=args.max_num_seqs,
+               max_model_len=args.max_model_len)
+
+
+def cmd_generate(args) -> int:
+    """One prompt (streamed to stdout), or a JSONL batch job with a progress bar."""
+    llm = _llm(args)
+    params = _params(args)
+    if args.input:
+        return _batch_job(llm, args, params)
+    if args.prompt is None:
+        print("pagedllm generate: give a prompt, or --input prompts.jsonl", file=sys.stderr)
+        return 2
+    if args.raw:
+        stream = llm.stream(args.prompt, params)
+    else:
+        stream = llm.stream(llm.apply_chat_template([{"role": "user", "content": args.prompt}]), params)
+    for delta in stream:
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def _batch_job(llm, args, params) -> int:
+    """--input: one JSON object per line with "prompt" (raw text), "messages" (chat) or
+    "prompt_token_ids", plus optional sampling fields; --output gets one result per line."""
+    from .sampling_params import SamplingParams
+
+    prompts, per_params = [], []
+    with open(args.input) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                if "messages" in row:
+                    prompts.append(llm.apply_chat_template(row.pop("messages")))
+                elif "prompt_token_ids" in row:
+                    prompts.append(row.pop("prompt_token_ids"))
+                else:
+                    prompts.append(row.pop("prompt"))
+                row.pop("id", None)
+                per_params.append(SamplingParams(**{**asdict(params), **row}) if row else params)
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+                print(f"{args.input}:{n}: {e}", file=sys.stderr)
+                return 2
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, per_params, progress=True)
+    elapsed = time.perf_counter() - start
+    with (open(args.output, "w") if args.output else contextlib.nullcontext(sys.stdout)) as sink:
+        for i, out in enumerate(outputs):
+            sink.write(json.dumps({"index": i, "text": out.text, "token_ids": out.token_ids,
+                                   "finish_reason": out.finish_reason}) + "\n")
+    tokens = sum(len(o.token_ids) for o in outputs)
+    print(f"{len(outputs)} requests, {tokens} output tokens in {elapsed:.1f}s: "
+          f"{tokens / elapsed:.1f} output tokens/s", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    """Interactive chat: each answer streams as it is generated; the history is kept."""
+    llm = _llm(args)
+    params = _params(args)
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            sys.stdout.write("> ")
+            sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line:
+            break
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            break
+        history.append({"role": "user", "content": line})
+        answer = []
+        for delta in llm.stream(llm.apply_chat_template(history), params):
+            answer.append(delta)
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        history.append({"role": "assistant", "content": "".join(answer)})
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedllm", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log the engine's decisions")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="answer a prompt, or run a JSONL batch job")
+    gen.add_argument("prompt", nargs="?", help="the user message (chat template applied)")
+    gen.add_argument("--raw", action="store_true", help="send the prompt as is, no chat template")
+    gen.add_argument("--input", help="JSONL file of requests (batch job)")
+    gen.add_argument("--output", help="JSONL file for the results (default: stdout)")
+    _engine_flags(gen)
+    _sampling_flags(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat, streaming")
+    chat.add_argument("--system", default=None, help="system prompt")
+    _engine_flags(chat)
+    _sampling_flags(chat)
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (PagedLLMError, ValueError) as e:
+        print(f"pagedllm: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""LLM: the Python API. Loads a model, builds an engine, and runs prompts to completion.
+
+    from pagedllm import LLM, SamplingParams
+    llm = LLM()                                  # the embedded SmolLM2-135M-Instruct
+    out = llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(max_tokens=32))
+    print(out[0].text)
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence as Seq
+
+import torch
+
+from . import loading
+from .engine import LLMEngine
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | Path | None = None, *, dtype: str | torch.dtype = "float32",
+                 block_size: int = 16, num_blocks: int | None = None,
+                 max_batch_tokens: int | None = None, max_num_seqs: int | None = None,
+                 max_model_len: int | None = None):
+        self.loaded = loading.load(model, dtype)
+        self.tokenizer = self.loaded.tokenizer
+        self.engine = LLMEngine(self.loaded, block_size=block_size, num_blocks=num_blocks,
+                                max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
+                                max_model_len=max_model_len)
+
+    @property
+    def stats(self):
+        return self.engine.stats
+
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 progress: bool = False) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs come back in input order.
+
+        A prompt is a string or a list of token ids; one SamplingParams applies to all, or give
+        one per prompt. A prompt that can never run raises before anything is queued.
+        """
+        prompts = _as_prompt_list(prompts)
+        params = _per_prompt(sampling_params, len(prompts))
+        ids = [self.engine.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        for i, (p, sp) in enumerate(zip(ids, params)):
+            self.engine._validate(f"#{i}", p, sp)  # all-or-nothing: check before queueing any
+        request_ids = [self.engine.add_request(p, sp) for p, sp in zip(ids, params)]
+        results: dict[str, RequestOutput] = {}
+        bar = _Progress(len(prompts)) if progress else None
+        try:
+            while len(results) < len(request_ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        if bar:
+                            bar.update(len(out.token_ids))
+        except BaseException:
+            for rid in request_ids:
+                if rid not in results:
+                    self.engine.abort(rid)
+            raise
+        finally:
+            if bar:
+                bar.close()
+        outputs = [results[rid] for rid in request_ids]
+        for out, p in zip(outputs, prompts):
+            out.prompt = p if isinstance(p, str) else None
+        return outputs
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             progress: bool = False) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several; the chat template is applied."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate([self.apply_chat_template(c) for c in conversations], sampling_params, progress)
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yields text deltas as they become final; never splits a multi-byte character."""
+        rid = self.engine.add_request(prompt, sampling_params)
+        done = False
+        try:
+            while not done:
+                for out in self.engine.step():
+                    if out.request_id != rid:
+                        continue
+                    if out.delta_text:
+                        yield out.delta_text
+                    if out.finished:
+                        if out.finish_reason == "error":
+                            raise RuntimeError(out.error)
+                        done = True
+        finally:
+            if not done:
+                self.engine.abort(rid)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template: use generate() with a plain prompt")
+        if not messages:
+            raise ValueError("messages must not be empty")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], int):
+        return [prompts]
+    return prompts
+
+
+def _per_prompt(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    return params
+
+
+class _Progress:
+    """A one-line progress bar on stderr: requests done and output tokens/s."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.tokens = total, 0, 0
+        self.start = time.perf_counter()
+
+    def update(self, tokens: int) -> None:
+        self.done += 1
+        self.tokens += tokens
+        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+        width = 30
+        filled = width * self.done // max(self.total, 1)
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
+                         f"requests, {rate:.1f} tok/s")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        sys.stderr.write("\n")

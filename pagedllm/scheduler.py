@@ -1,0 +1,109 @@
+"""Scheduler: decides, step by step, which tokens of which requests run.
+
+Each step has a budget of ``max_batch_tokens`` tokens and at most ``max_num_seqs`` sequences.
+Running sequences go first (decodes and unfinished prompt chunks, oldest admission first), then
+waiting ones in arrival order (FCFS). A prompt that does not fit the remaining budget is chunked:
+it gets what is left, and the rest next step. When a running sequence needs a block and none is
+free, the most recently admitted sequence is preempted: its blocks are freed and it goes back to
+the front of the queue, to be recomputed (prompt plus what it generated) when room frees up.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    """What one step computes: for each sequence, how many of its next tokens."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_batch_tokens: int, max_num_seqs: int):
+        if max_batch_tokens < 1 or max_num_seqs < 1:
+            raise ValueError("max_batch_tokens and max_num_seqs must be >= 1")
+        self.blocks = blocks
+        self.max_batch_tokens = max_batch_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+        self._admissions = 0
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drops a sequence wherever it is and frees its blocks (finish or abort)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq.request_id)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_batch_tokens
+        scheduled: set[str] = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.blocks.can_grow(seq.request_id, seq.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                break  # seq preempted itself: nothing after it is left either
+            self.blocks.grow(seq.request_id, seq.num_computed_tokens + n)
+            batch.seqs.append(seq)
+            batch.num_tokens.append(n)
+            scheduled.add(seq.request_id)
+            budget -= n
+            i += 1
+        if batch.preempted:
+            return batch  # memory is tight: admit nobody new this step
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.blocks.can_grow(seq.request_id, seq.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            self.blocks.grow(seq.request_id, seq.num_computed_tokens + n)
+            seq.status = Status.RUNNING
+            seq.admitted_at = self._admissions
+            self._admissions += 1
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_tokens.append(n)
+            budget -= n
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.request_id)
+        seq.status = Status.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
