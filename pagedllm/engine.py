@@ -101,7 +101,7 @@ class LLMEngine:
         params = params or SamplingParams()
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        self._validate(request_id, ids, params)
+        self.validate(request_id, ids, params)
         seq = Sequence(request_id, ids, params)
         if params.seed is not None:
             seq.generator = torch.Generator().manual_seed(params.seed)
@@ -109,7 +109,7 @@ class LLMEngine:
         self.scheduler.add(seq)
         return request_id
 
-    def _validate(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
+    def validate(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
         if request_id in self.requests:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         if not ids:

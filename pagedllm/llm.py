@@ -50,7 +50,7 @@ class LLM:
         params = _per_prompt(sampling_params, len(prompts))
         ids = [self.engine.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         for i, (p, sp) in enumerate(zip(ids, params)):
-            self.engine._validate(f"#{i}", p, sp)  # all-or-nothing: check before queueing any
+            self.engine.validate(f"#{i}", p, sp)  # all-or-nothing: check before queueing any
         request_ids = [self.engine.add_request(p, sp) for p, sp in zip(ids, params)]
         results: dict[str, RequestOutput] = {}
         bar = _Progress(len(prompts)) if progress else None

@@ -62,3 +62,16 @@ def test_logits_are_computed_only_for_sampled_rows(tiny_checkpoints):
     rows = torch.tensor([19])
     logits = loaded.model(torch.arange(1, 21), torch.arange(20), PagedAttention(cache, layout), rows)
     assert logits.shape == (1, loaded.config.vocab_size)
+
+
+def test_bfloat16_loads_and_generates_close_to_fp32(tiny_checkpoints):
+    """bf16 is not bit-equal to fp32; it must load as bf16 and mostly agree on the first tokens."""
+    directory, _ = tiny_checkpoints["qwen3"]
+    llm = LLM(directory, dtype="bfloat16")
+    assert {p.dtype for p in llm.loaded.model.parameters()} == {torch.bfloat16}
+    assert llm.engine.kv_cache.dtype == torch.bfloat16
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    batch = prompts(llm.loaded.config.vocab_size, seed=4)
+    bf16 = [o.token_ids[0] for o in llm.generate(batch, params)]
+    fp32 = [o.token_ids[0] for o in LLM(directory).generate(batch, params)]
+    assert sum(a == b for a, b in zip(bf16, fp32)) >= len(batch) - 2
