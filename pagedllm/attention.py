@@ -1,17 +1,20 @@
 """The attention seam: how the model's attention layers read and write K/V.
 
 The model hands each layer's new q, k, v for the flat token batch to ``PagedAttention.attend``
-and gets the attention output back; it never sees blocks, slots or sequences. Everything about
-where K/V live is in ``StepLayout``, built once per step and shared by all layers.
+and gets the attention output back; it never sees blocks, slots or sequences. Where K/V live is
+in ``StepLayout``, built once per step and shared by all layers. A GPU kernel replaces
+``PagedAttention.attend`` and keeps the same inputs.
 
-CPU formulation (torch SDPA, no padded prefills):
+CPU formulation: plain matmul / softmax / matmul (the order of operations of HF's eager
+attention), tiled so that its workspace never grows with the batch or the cache:
 
-- decode rows (one new token per sequence) are batched into one SDPA call: their contexts are
-  gathered into ``[B, max_ctx]`` and padding keys are masked out;
-- each prefill chunk is one SDPA call over its own context; a chunk whose earlier part is already
-  cached gets an explicit causal mask with an offset.
+- decode rows (one new token each) are grouped so that a group gathers at most
+  ``gather_budget`` key slots (rows x longest context); padding keys are masked;
+- a prefill chunk's queries are cut into tiles of at most ``pairs_budget // (group_size * ctx)``
+  rows; the causal mask of a tile is built on the fly, never for the whole chunk.
 
-A GPU kernel replaces ``PagedAttention.attend`` and keeps the same inputs.
+So the attention workspace is bounded by the budget and by one sequence's context (its gathered
+K/V), which ``pagedllm.planner`` accounts for term by term.
 """
 
 from __future__ import annotations
@@ -19,7 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
+
+# Query rows x keys scored at once per KV head (2^18 pairs = 1 MiB of fp32 scores), and key slots
+# gathered at once for a group of decode rows (a longer single context is gathered whole).
+DEFAULT_PAIRS_BUDGET = 1 << 18
+DEFAULT_GATHER_BUDGET = 8192
 
 
 @dataclass
@@ -34,10 +41,29 @@ class SequenceSlice:
 
 
 @dataclass
-class _Prefill:
-    start: int
-    length: int
-    context_len: int
+class DecodeGroup:
+    rows: torch.Tensor  # [B] rows of the flat batch
+    gather: torch.Tensor  # [B, L] slots of each row's context (padding repeats its first slot)
+    context_lens: torch.Tensor  # [B]
+    masked: torch.Tensor | None  # [B, L] True where a key is padding (None: no padding)
+    _windowed: dict = field(default_factory=dict)
+
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """[B, L] True where a row may not look (padding, or outside the sliding window)."""
+        if window is None or window >= self.gather.shape[1]:
+            return self.masked
+        if window not in self._windowed:
+            pos = torch.arange(self.gather.shape[1])[None, :]
+            lens = self.context_lens[:, None]
+            self._windowed[window] = (pos >= lens) | (pos <= lens - 1 - window)
+        return self._windowed[window]
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # first row in the flat batch
+    length: int  # query rows
+    context_len: int  # keys, including the rows themselves
     gather: torch.Tensor  # [context_len] slots
 
 
@@ -45,66 +71,62 @@ class _Prefill:
 class StepLayout:
     """Where every token of one step reads and writes K/V. Built once, used by every layer."""
 
-    slot_mapping: torch.Tensor  # [T]: slot each new token's K/V is written to
-    decode_rows: torch.Tensor | None  # [B]: row in the flat batch of each decode token
-    decode_gather: torch.Tensor | None  # [B, max_ctx]: slots of each decode row's context
-    decode_context_lens: torch.Tensor | None  # [B]
-    prefills: list[_Prefill]
-    _masks: dict = field(default_factory=dict)
+    slot_mapping: torch.Tensor  # [T]
+    decode_groups: list[DecodeGroup]
+    prefills: list[PrefillChunk]
+    group_size: int  # query heads per KV head
+    pairs_budget: int = DEFAULT_PAIRS_BUDGET
 
     @classmethod
-    def build(cls, seqs: list[SequenceSlice], block_size: int) -> "StepLayout":
+    def build(cls, seqs: list[SequenceSlice], block_size: int, group_size: int,
+              pairs_budget: int = DEFAULT_PAIRS_BUDGET,
+              gather_budget: int = DEFAULT_GATHER_BUDGET) -> "StepLayout":
         slot_mapping: list[int] = []
-        decode, prefills = [], []
+        decodes, prefills = [], []
         for s in seqs:
-            first = s.context_len - s.query_len
             slots = _slots(s.block_table, block_size, s.context_len)
-            slot_mapping.extend(slots[first:])
+            slot_mapping.extend(slots[s.context_len - s.query_len:])
             if s.query_len == 1:
-                decode.append((s.query_start, slots))
+                decodes.append((s.query_start, slots))
             else:
-                prefills.append(_Prefill(s.query_start, s.query_len, s.context_len,
-                                         torch.tensor(slots, dtype=torch.long)))
-        rows = gather = lens = None
-        if decode:
-            max_ctx = max(len(sl) for _, sl in decode)
-            rows = torch.tensor([r for r, _ in decode], dtype=torch.long)
-            gather = torch.tensor([sl + [0] * (max_ctx - len(sl)) for _, sl in decode],
-                                  dtype=torch.long)
-            lens = torch.tensor([len(sl) for _, sl in decode], dtype=torch.long)
-        return cls(torch.tensor(slot_mapping, dtype=torch.long), rows, gather, lens, prefills)
+                prefills.append(PrefillChunk(s.query_start, s.query_len, s.context_len,
+                                             torch.tensor(slots, dtype=torch.long)))
+        return cls(torch.tensor(slot_mapping, dtype=torch.long),
+                   [_decode_group(g) for g in _pack_decodes(decodes, gather_budget)],
+                   prefills, group_size, pairs_budget)
 
-    def decode_mask(self, window: int | None) -> torch.Tensor:
-        """[B, 1, 1, max_ctx] True where a decode row may attend."""
-        key = ("decode", window)
-        if key not in self._masks:
-            idx = torch.arange(self.decode_gather.shape[1])
-            lens = self.decode_context_lens[:, None]
-            mask = idx[None, :] < lens
-            if window is not None:
-                mask &= idx[None, :] > lens - 1 - window
-            self._masks[key] = mask[:, None, None, :]
-        return self._masks[key]
-
-    def prefill_mask(self, i: int, window: int | None) -> torch.Tensor | None:
-        """[q, ctx] causal mask for prefill ``i`` (None when plain ``is_causal`` suffices)."""
-        p = self.prefills[i]
-        offset = p.context_len - p.length
-        if offset == 0 and (window is None or window >= p.context_len):
-            return None
-        key = (i, window)
-        if key not in self._masks:
-            q_pos = torch.arange(offset, p.context_len)[:, None]
-            k_pos = torch.arange(p.context_len)[None, :]
-            mask = k_pos <= q_pos
-            if window is not None:
-                mask &= k_pos > q_pos - window
-            self._masks[key] = mask
-        return self._masks[key]
+    def query_tile(self, context_len: int) -> int:
+        """Rows of a prefill chunk scored at once against ``context_len`` keys."""
+        return max(1, self.pairs_budget // (self.group_size * context_len))
 
 
 def _slots(block_table: list[int], block_size: int, n: int) -> list[int]:
     return [block_table[p // block_size] * block_size + p % block_size for p in range(n)]
+
+
+def _pack_decodes(decodes, max_keys: int):
+    """Groups decode rows (sorted by context length) so that rows x longest context <= max_keys."""
+    decodes = sorted(decodes, key=lambda d: len(d[1]))
+    group: list = []
+    for d in decodes:
+        if group and (len(group) + 1) * len(d[1]) > max_keys:
+            yield group
+            group = []
+        group.append(d)
+    if group:
+        yield group
+
+
+def _decode_group(group) -> DecodeGroup:
+    longest = len(group[-1][1])
+    rows = torch.tensor([r for r, _ in group], dtype=torch.long)
+    # Padding points at the row's own first slot: always written, so never garbage (the cache is
+    # allocated uninitialised), and masked out anyway.
+    gather = torch.tensor([sl + [sl[0]] * (longest - len(sl)) for _, sl in group], dtype=torch.long)
+    lens = torch.tensor([len(sl) for _, sl in group], dtype=torch.long)
+    padded = any(len(sl) < longest for _, sl in group)
+    masked = (torch.arange(longest)[None, :] >= lens[:, None]) if padded else None
+    return DecodeGroup(rows, gather, lens, masked)
 
 
 class PagedAttention:
@@ -119,22 +141,59 @@ class PagedAttention:
         """q: [T, H, D]; k, v: [T, KVH, D] for the step's new tokens. Returns [T, H, D]."""
         lay = self.layout
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
-        k_cache.index_copy_(0, lay.slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, lay.slot_mapping, v.to(v_cache.dtype))
+        k_cache.index_copy_(0, lay.slot_mapping, k)
+        v_cache.index_copy_(0, lay.slot_mapping, v)
         out = torch.empty_like(q)
-        if lay.decode_rows is not None:
-            qd = q.index_select(0, lay.decode_rows)[:, :, None, :]  # [B, H, 1, D]
-            kd = k_cache[lay.decode_gather].transpose(1, 2).to(q.dtype)  # [B, KVH, L, D]
-            vd = v_cache[lay.decode_gather].transpose(1, 2).to(q.dtype)
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=lay.decode_mask(window),
-                                               scale=scale, enable_gqa=True)
-            out.index_copy_(0, lay.decode_rows, o[:, :, 0, :])
-        for i, p in enumerate(lay.prefills):
-            qp = q[p.start:p.start + p.length].transpose(0, 1)[None]  # [1, H, q, D]
-            kp = k_cache[p.gather].transpose(0, 1)[None].to(q.dtype)  # [1, KVH, ctx, D]
-            vp = v_cache[p.gather].transpose(0, 1)[None].to(q.dtype)
-            mask = lay.prefill_mask(i, window)
-            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=mask is None,
-                                               scale=scale, enable_gqa=True)
-            out[p.start:p.start + p.length] = o[0].transpose(0, 1)
+        kv_heads = k.shape[1]
+        group = q.shape[1] // kv_heads
+        for g in lay.decode_groups:
+            keys, values = k_cache[g.gather], v_cache[g.gather]  # [B, L, KVH, D]
+            queries = q.index_select(0, g.rows)  # [B, H, D]
+            mask = g.mask(window)
+            for h in range(kv_heads):
+                heads = slice(h * group, (h + 1) * group)
+                scores = torch.bmm(queries[:, heads], keys[:, :, h].transpose(1, 2))  # [B, G, L]
+                probs = _softmax(scores, scale, None if mask is None else mask[:, None, :])
+                del scores
+                out[g.rows, heads] = torch.bmm(probs, values[:, :, h])
+                del probs
+            del keys, values, queries
+        for p in lay.prefills:
+            keys, values = k_cache[p.gather], v_cache[p.gather]  # [ctx, KVH, D]
+            tile = lay.query_tile(p.context_len)
+            first_pos = p.context_len - p.length
+            for t0 in range(0, p.length, tile):
+                t1 = min(t0 + tile, p.length)
+                mask = _causal_mask(first_pos + t0, first_pos + t1, p.context_len, window)
+                rows = slice(p.start + t0, p.start + t1)
+                for h in range(kv_heads):
+                    heads = slice(h * group, (h + 1) * group)
+                    queries = q[rows, heads].reshape(-1, q.shape[-1])  # [tile*G, D]
+                    scores = torch.mm(queries, keys[:, h].t()).view(t1 - t0, group, -1)
+                    del queries
+                    probs = _softmax(scores, scale, mask[:, None, :])
+                    del scores
+                    out[rows, heads] = torch.mm(probs.view(-1, probs.shape[-1]), values[:, h]).view(
+                        t1 - t0, group, -1)
+                    del probs
+                del mask
+            del keys, values
         return out
+
+
+def _softmax(scores: torch.Tensor, scale: float, masked: torch.Tensor | None) -> torch.Tensor:
+    """HF eager's order: scale, mask, softmax in float32, back to the activation dtype."""
+    scores.mul_(scale)
+    if masked is not None:
+        scores.masked_fill_(masked, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+
+
+def _causal_mask(first: int, end: int, context_len: int, window: int | None) -> torch.Tensor:
+    """[end - first, context_len] True where query position p may not see key position j."""
+    q_pos = torch.arange(first, end)[:, None]
+    k_pos = torch.arange(context_len)[None, :]
+    masked = k_pos > q_pos
+    if window is not None:
+        masked |= k_pos <= q_pos - window
+    return masked

@@ -7,14 +7,14 @@ later (prefix caching, parallel sampling) without changing this contract.
 
 from __future__ import annotations
 
-from collections import deque
-
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        # A stack: the most recently freed block is reused first, so a cache allocated lazily
+        # touches (and costs RAM for) only as many blocks as were ever in use at once.
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self.ref_counts = [0] * num_blocks
         self.tables: dict[str, list[int]] = {}
 
@@ -45,7 +45,7 @@ class BlockManager:
             raise RuntimeError(f"grow({seq_id}): needs {need} blocks, {len(self._free)} free")
         table = self.tables.setdefault(seq_id, [])
         for _ in range(need):
-            block = self._free.popleft()
+            block = self._free.pop()
             self.ref_counts[block] = 1
             table.append(block)
 

@@ -16,13 +16,21 @@ from .errors import PagedLLMError
 def _engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and engine")
     g.add_argument("--model", default=None,
-                   help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+                   help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct); "
+                        "for plan, a config.json is enough")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     g.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks")
     g.add_argument("--max-batch-tokens", type=int, default=None, help="tokens computed per step")
     g.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step")
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output")
+    g.add_argument("--kv-cache-dtype", default=None, choices=["float32", "bfloat16"],
+                   help="KV cache dtype (default: as --dtype)")
+    m = g.add_mutually_exclusive_group()
+    m.add_argument("--memory", default=None, help="the whole engine's budget, e.g. 6GiB")
+    m.add_argument("--memory-fraction", type=float, default=None,
+                   help="fraction of the memory free at start (default 0.9, cache capped at what "
+                        "max_num_seqs full-length requests can use)")
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -49,9 +57,44 @@ def _params(args):
 def _llm(args):
     from .llm import LLM
 
-    return LLM(args.model, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
-               max_batch_tokens=args.max_batch_tokens, max_num_seqs=args.max_num_seqs,
-               max_model_len=args.max_model_len)
+    return LLM(args.model, **_engine_kwargs(args))
+
+
+def _engine_kwargs(args) -> dict:
+    return dict(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
+                num_blocks=args.num_blocks, max_batch_tokens=args.max_batch_tokens,
+                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                memory=args.memory, memory_fraction=args.memory_fraction)
+
+
+def cmd_plan(args) -> int:
+    """Plans from config.json alone (no weights): a table, or JSON; exit 3 when it does not fit."""
+    from pathlib import Path
+
+    from .config import ModelConfig
+    from .planner import CacheDoesNotFitError, plan_engine
+
+    path = Path(args.model) if args.model else None
+    if path is not None and path.is_file() and path.suffix == ".json":
+        cfg, name = ModelConfig.from_file(path), (path.parent.name if path.name == "config.json" else path.stem)
+    elif path is not None and (path / "config.json").is_file():
+        cfg, name = ModelConfig.from_file(path), path.name
+    else:  # the default model, or a GGUF file: converted once (needs torch), then read
+        from .loading import resolve_model_dir
+
+        model_dir, name = resolve_model_dir(args.model)
+        cfg = ModelConfig.from_file(model_dir)
+    kwargs = _engine_kwargs(args)
+    try:
+        result = plan_engine(cfg, model_name=name, **kwargs)
+    except CacheDoesNotFitError as e:
+        if args.json:
+            print(json.dumps({"fits": False, "error": str(e), "breakdown": e.breakdown,
+                              "suggestions": e.suggestions}, indent=2))
+        print(f"pagedllm plan: does not fit: {e}", file=sys.stderr)
+        return 3
+    print(json.dumps({"fits": True, **result.to_dict()}, indent=2) if args.json else result.table())
+    return 0
 
 
 def cmd_generate(args) -> int:
@@ -158,6 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_flags(chat)
     _sampling_flags(chat)
     chat.set_defaults(func=cmd_chat)
+    plan = sub.add_parser("plan", help="what the engine needs and what fits, from config.json alone")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    _engine_flags(plan)
+    plan.set_defaults(func=cmd_plan)
     return parser
 
 

@@ -16,21 +16,17 @@ import torch
 
 from .block_manager import BlockManager
 from .detokenizer import Detokenizer
-from .kv_cache import KVCache, kv_bytes_per_block
+from .kv_cache import KVCache
+from .planner import MemoryPlan, StepShape, plan_engine
 from .loading import LoadedModel
 from .model_runner import ModelRunner
 from .outputs import RequestMetrics, RequestOutput
-from .sampler import Sampler
+from .sampler import CHUNK_ROWS, Sampler, needs_full_path
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 
 log = logging.getLogger(__name__)
-
-# Used until the memory planner sizes the cache: room for the KV of this many bytes.
-DEFAULT_KV_CACHE_BYTES = 512 * 1024**2
-DEFAULT_MAX_BATCH_TOKENS = 512
-DEFAULT_MAX_NUM_SEQS = 64
 
 
 class RequestRejected(ValueError):
@@ -53,23 +49,27 @@ class EngineStats:
     blocks_used: int = 0
     blocks_free: int = 0
     blocks_total: int = 0
+    oom_recoveries: int = 0
+    max_batch_tokens: int = 0  # the effective step budget (lowered by out-of-memory recoveries)
 
 
 class LLMEngine:
-    def __init__(self, loaded: LoadedModel, *, block_size: int = 16, num_blocks: int | None = None,
-                 max_batch_tokens: int | None = None, max_num_seqs: int | None = None,
-                 max_model_len: int | None = None, kv_cache_dtype: torch.dtype | None = None):
+    """Give it a loaded model and either a ``plan`` (from ``planner.plan_engine``) or the same
+    knobs ``plan_engine`` takes; the plan is checked before the KV cache is allocated."""
+
+    def __init__(self, loaded: LoadedModel, *, plan: MemoryPlan | None = None, **sizes):
         cfg = loaded.config
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
-        kv_dtype = kv_cache_dtype or next(loaded.model.parameters()).dtype
-        if num_blocks is None:
-            num_blocks = max(1, DEFAULT_KV_CACHE_BYTES // kv_bytes_per_block(cfg, block_size, kv_dtype))
-        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.blocks = BlockManager(num_blocks, block_size)
-        self.kv_cache = KVCache(cfg, num_blocks, block_size, kv_dtype)
-        self.scheduler = Scheduler(self.blocks, max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS,
-                                   max_num_seqs or DEFAULT_MAX_NUM_SEQS)
+        if plan is None:
+            weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+            plan = plan_engine(cfg, model_name=loaded.name, dtype=_dtype_name(loaded), already_loaded=weights,
+                               **sizes)
+        self.memory_plan = plan
+        self.max_model_len = plan.max_model_len
+        self.blocks = BlockManager(plan.num_blocks, plan.block_size)
+        self.kv_cache = KVCache(cfg, plan.num_blocks, plan.block_size, getattr(torch, plan.kv_dtype))
+        self.scheduler = Scheduler(self.blocks, plan.max_batch_tokens, plan.max_num_seqs)
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.blocks)
         eos = set(cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -78,11 +78,11 @@ class LLMEngine:
         self.sampler = Sampler(self.eos_token_ids)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, Sequence] = {}
-        self.stats = EngineStats(blocks_total=num_blocks, blocks_free=num_blocks)
+        self.last_step_shape: StepShape | None = None
+        self.stats = EngineStats(blocks_total=plan.num_blocks, blocks_free=plan.num_blocks,
+                                 max_batch_tokens=plan.max_batch_tokens)
         self._ids = itertools.count()
-        log.info("engine: %d blocks x %d tokens (%.2f GiB KV cache), max_batch_tokens=%d, max_num_seqs=%d",
-                 num_blocks, block_size, self.kv_cache.nbytes / 1024**3,
-                 self.scheduler.max_batch_tokens, self.scheduler.max_num_seqs)
+        log.info("memory plan:\n%s", plan.table())
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -118,16 +118,11 @@ class LLMEngine:
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise RequestRejected(f"prompt token ids must be integers in [0, {vocab})")
         need = len(ids) + params.max_tokens
-        if need > self.max_model_len:
+        if need > min(self.max_model_len, self.cache_capacity_tokens):
             raise RequestRejected(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {need} exceeds "
-                f"the model's maximum length of {self.max_model_len} tokens"
-            )
-        if need > self.cache_capacity_tokens:
-            raise RequestRejected(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {need} can never "
-                f"fit in the KV cache, which holds {self.cache_capacity_tokens} tokens "
-                f"({self.blocks.num_blocks} blocks of {self.blocks.block_size})"
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {need} tokens exceeds "
+                f"max_model_len={self.max_model_len} (the KV cache holds {self.cache_capacity_tokens} "
+                f"tokens: {self.blocks.num_blocks} blocks of {self.blocks.block_size})"
             )
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -144,37 +139,79 @@ class LLMEngine:
     # ---- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Runs one step; returns an output for every request that produced text or finished."""
+        """Runs one step; returns an output for every request that produced text or finished.
+
+        All computation happens before any request's state changes, so a step that runs out of
+        memory is simply retried smaller (see ``_recover_from_oom``) and loses nothing.
+        """
         batch = self.scheduler.schedule()
         self.stats.preemptions += len(batch.preempted)
         if not batch:
             self._refresh_stats(0)
             return []
-        logits, sampled = self.runner.run(batch)
+        try:
+            logits, sampled = self.runner.run(batch)
+            seqs = [batch.seqs[i] for i in sampled]
+            self.last_step_shape = self._shape(batch, seqs)
+            # a row is finite iff its max and min are (NaN propagates): no [S, vocab] temporaries
+            finite = (torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))).tolist()
+            good = [s for s, ok in zip(seqs, finite) if ok]
+            bad = [s for s, ok in zip(seqs, finite) if not ok]
+            if bad:
+                logits = logits[[i for i, ok in enumerate(finite) if ok]]
+            result = self.sampler(logits, good) if good else None
+            del logits
+        except (torch.OutOfMemoryError, MemoryError) as e:
+            self._recover_from_oom(batch, e)
+            return []
         for seq, n in zip(batch.seqs, batch.num_tokens):
             prompt_part = max(0, min(seq.num_prompt_tokens, seq.num_computed_tokens + n) - seq.num_computed_tokens)
             self.stats.prompt_tokens_computed += prompt_part
             seq.num_computed_tokens += n
-        seqs = [batch.seqs[i] for i in sampled]
         outputs = []
-        if seqs:
-            finite = torch.isfinite(logits).all(dim=-1).tolist()
-            bad = [s for s, ok in zip(seqs, finite) if not ok]
-            for seq in bad:
-                self._finish(seq, "error", "the model produced non-finite logits for this request")
-                self.stats.requests_failed += 1
-                outputs.append(self._output(seq))
-            if bad:
-                keep = [i for i, ok in enumerate(finite) if ok]
-                logits, seqs = logits[keep], [seqs[i] for i in keep]
-        if seqs:
-            result = self.sampler(logits, seqs)
+        for seq in bad:
+            self._finish(seq, "error", "the model produced non-finite logits for this request")
+            self.stats.requests_failed += 1
+            outputs.append(self._output(seq))
+        if result is not None:
             now = time.perf_counter()
-            for seq, token, lp in zip(seqs, result.token_ids, result.logprobs):
+            for seq, token, lp in zip(good, result.token_ids, result.logprobs):
                 outputs.append(self._append_token(seq, token, lp, now))
         self.stats.steps += 1
         self._refresh_stats(batch.total_tokens)
         return outputs
+
+    def _recover_from_oom(self, batch, error: BaseException) -> None:
+        """Halves the step budget so the same work is retried as smaller steps next time.
+
+        Nothing was committed: sequences keep their state and blocks, and the next schedule
+        splits their tokens under the lower budget. A one-token step that still fails re-raises.
+        """
+        if batch.total_tokens <= 1:
+            raise error
+        old = self.scheduler.max_batch_tokens
+        self.scheduler.max_batch_tokens = max(1, min(old, batch.total_tokens // 2))
+        self.stats.oom_recoveries += 1
+        self.stats.max_batch_tokens = self.scheduler.max_batch_tokens
+        log.warning("out of memory in a step of %d tokens (%s); max_batch_tokens %d -> %d",
+                    batch.total_tokens, type(error).__name__, old, self.scheduler.max_batch_tokens)
+
+    def _shape(self, batch, sampled: list[Sequence]) -> StepShape:
+        """This step as the memory planner sees it (checked against measured peaks in tests)."""
+        layout = self.runner.last_layout
+        full, penalized = [], []
+        for c0 in range(0, len(sampled), CHUNK_ROWS):
+            chunk = sampled[c0:c0 + CHUNK_ROWS]
+            if any(needs_full_path(s) for s in chunk):
+                full.append(len(chunk))
+            penalized += [s.num_tokens for s in chunk if s.params.repetition_penalty != 1
+                          or s.params.presence_penalty or s.params.frequency_penalty]
+        return StepShape(
+            tokens=batch.total_tokens, sampled=len(sampled),
+            decode_groups=[(g.gather.shape[0], g.gather.shape[1], g.masked is not None)
+                           for g in layout.decode_groups],
+            prefills=[(p.length, p.context_len) for p in layout.prefills],
+            full_sampler_rows=full, penalized_lengths=penalized)
 
     def _append_token(self, seq: Sequence, token: int, logprob: dict | None, now: float) -> RequestOutput:
         params = seq.params
@@ -231,3 +268,7 @@ class LLMEngine:
         s.waiting = len(self.scheduler.waiting)
         s.blocks_used = self.blocks.num_used
         s.blocks_free = self.blocks.num_free
+
+
+def _dtype_name(loaded: LoadedModel) -> str:
+    return str(next(loaded.model.parameters()).dtype).replace("torch.", "")

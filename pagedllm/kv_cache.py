@@ -16,12 +16,7 @@ from __future__ import annotations
 import torch
 
 from .config import ModelConfig
-
-
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block costs across all layers, K and V. The only place this is computed."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+from .planner import kv_bytes_per_block
 
 
 class KVCache:
@@ -39,8 +34,10 @@ class KVCache:
         self.block_size = block_size
         self.dtype = dtype
         shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        # Uninitialised on purpose: a slot is always written before it is read (padding reads
+        # repeat a written slot), and untouched pages cost no RAM until blocks are used.
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.bytes_per_block = kv_bytes_per_block(cfg, block_size, dtype)
 
     @property

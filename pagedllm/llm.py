@@ -16,8 +16,10 @@ from typing import Iterable, Iterator, Sequence as Seq
 import torch
 
 from . import loading
+from .config import ModelConfig
 from .engine import LLMEngine
 from .outputs import RequestOutput
+from .planner import plan_engine
 from .sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -25,14 +27,24 @@ Prompt = str | list[int]
 
 class LLM:
     def __init__(self, model: str | Path | None = None, *, dtype: str | torch.dtype = "float32",
-                 block_size: int = 16, num_blocks: int | None = None,
+                 kv_cache_dtype: str | None = None, block_size: int = 16, num_blocks: int | None = None,
                  max_batch_tokens: int | None = None, max_num_seqs: int | None = None,
-                 max_model_len: int | None = None):
-        self.loaded = loading.load(model, dtype)
+                 max_model_len: int | None = None, memory: str | int | None = None,
+                 memory_fraction: float | None = None):
+        """``memory="6GiB"`` (the whole engine) or ``memory_fraction=0.9`` of what is free now;
+        whatever of num_blocks / max_batch_tokens is left unset is solved for. The plan is
+        checked from config.json before any weight is loaded: CacheDoesNotFitError if it cannot fit.
+        """
+        model_dir, name = loading.resolve_model_dir(model)
+        dtype_name = str(loading.parse_dtype(dtype)).replace("torch.", "")
+        self.memory_plan = plan_engine(
+            ModelConfig.from_file(model_dir), model_name=name, dtype=dtype_name,
+            kv_cache_dtype=kv_cache_dtype, block_size=block_size, num_blocks=num_blocks,
+            max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+            memory=memory, memory_fraction=memory_fraction)
+        self.loaded = loading.load_dir(model_dir, name, dtype)
         self.tokenizer = self.loaded.tokenizer
-        self.engine = LLMEngine(self.loaded, block_size=block_size, num_blocks=num_blocks,
-                                max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
-                                max_model_len=max_model_len)
+        self.engine = LLMEngine(self.loaded, plan=self.memory_plan)
 
     @property
     def stats(self):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import PagedAttention, SequenceSlice, StepLayout
+from .attention import DEFAULT_GATHER_BUDGET, DEFAULT_PAIRS_BUDGET, PagedAttention, SequenceSlice, StepLayout
 from .block_manager import BlockManager
 from .kv_cache import KVCache
 from .models import DecoderLM
@@ -17,10 +17,14 @@ from .scheduler import ScheduledBatch
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderLM, kv_cache: KVCache, blocks: BlockManager):
+    def __init__(self, model: DecoderLM, kv_cache: KVCache, blocks: BlockManager,
+                 pairs_budget: int = DEFAULT_PAIRS_BUDGET, gather_budget: int = DEFAULT_GATHER_BUDGET):
+        self.pairs_budget = pairs_budget
+        self.gather_budget = gather_budget
         self.model = model
         self.kv_cache = kv_cache
         self.blocks = blocks
+        self.last_layout: StepLayout | None = None  # kept for step_shape() (memory accounting)
 
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """Returns (logits [S, vocab], indices into batch.seqs of the S sampled sequences)."""
@@ -37,7 +41,10 @@ class ModelRunner:
             if start + n == seq.num_tokens:
                 logits_rows.append(len(input_ids) - 1)
                 sampled.append(i)
-        layout = StepLayout.build(slices, self.kv_cache.block_size)
+        cfg = self.model.config
+        layout = StepLayout.build(slices, self.kv_cache.block_size, cfg.num_heads // cfg.num_kv_heads,
+                                  self.pairs_budget, self.gather_budget)
+        self.last_layout = layout
         logits = self.model(
             torch.tensor(input_ids, dtype=torch.long),
             torch.tensor(positions, dtype=torch.long),

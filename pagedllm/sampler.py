@@ -5,6 +5,11 @@ then temperature, then top-k / top-p / min-p filtering, then the draw. Greedy ro
 argmax of the penalized logits. Seeded rows draw with their own generator, so a request with a
 seed gets the same tokens whatever else shares the batch. Log-probabilities are reported from
 the model's raw distribution, like the OpenAI API does.
+
+Memory: rows are processed in chunks of ``CHUNK_ROWS``. A chunk of plain greedy rows costs
+nothing beyond the logits; any other chunk goes through one fixed pipeline whose peak is about
+25 bytes per (row, vocab entry) (see ``pagedllm.planner``), whatever the batch size. Penalties
+touch only the token ids a sequence has seen.
 """
 
 from __future__ import annotations
@@ -15,11 +20,20 @@ import torch
 
 from .sequence import Sequence
 
+CHUNK_ROWS = 8
+
 
 @dataclass
 class SampleResult:
     token_ids: list[int]
     logprobs: list[dict | None]  # per row: {"token": (id, logprob), "top": [(id, logprob), ...]}
+
+
+def needs_full_path(seq: Sequence) -> bool:
+    p = seq.params
+    return (not p.greedy or p.logprobs is not None or p.repetition_penalty != 1
+            or bool(p.presence_penalty) or bool(p.frequency_penalty)
+            or len(seq.output_token_ids) < p.min_tokens)
 
 
 class Sampler:
@@ -28,97 +42,95 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        logits = logits.float()
-        raw = logits
+        tokens: list[int] = []
+        logprobs: list[dict | None] = []
+        for c0 in range(0, len(seqs), CHUNK_ROWS):
+            chunk, rows = logits[c0:c0 + CHUNK_ROWS], seqs[c0:c0 + CHUNK_ROWS]
+            if any(needs_full_path(s) for s in rows):
+                t, lp = self._full(chunk, rows)
+            else:
+                t, lp = chunk.argmax(dim=-1).tolist(), [None] * len(rows)
+            tokens += t
+            logprobs += lp
+        return SampleResult(tokens, logprobs)
+
+    def _full(self, raw: torch.Tensor, seqs: list[Sequence]):
         params = [s.params for s in seqs]
-        if any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params):
-            logits = self._penalize(logits.clone(), seqs)
-        if any(len(s.output_token_ids) < s.params.min_tokens for s in seqs):
-            logits = self._block_stops(logits if logits is not raw else logits.clone(), seqs)
+        rows, vocab = raw.shape
+        col = lambda values: torch.tensor(values, dtype=torch.float32)[:, None]  # noqa: E731
+        logits = raw.clone()
+        for row, s in enumerate(seqs):
+            _penalize_row(logits[row], s)
+        self._block_stops(logits, seqs)
+        greedy_tokens = logits.argmax(dim=-1)
+        temps = col([p.temperature if not p.greedy else 1.0 for p in params])
+        logits.div_(temps)
+        probs = _filtered_probs(logits, params)
+        del logits
+        # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p. Seeded rows draw
+        # their noise from their own generator; the rest share one batched draw.
+        noise = torch.empty_like(probs).exponential_()
+        for row, s in enumerate(seqs):
+            if s.generator is not None:
+                noise[row].exponential_(generator=s.generator)
+        drawn = probs.div_(noise).argmax(dim=-1)
+        del noise, probs
         greedy = torch.tensor([p.greedy for p in params])
-        tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
-            temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params])
-            probs = self._filter(logits / temps[:, None], params).softmax(dim=-1)
-            drawn = self._draw(probs, seqs)
-            tokens = torch.where(greedy, tokens, drawn)
-        token_list = tokens.tolist()
-        return SampleResult(token_list, self._logprobs(raw, token_list, params))
+        tokens = torch.where(greedy, greedy_tokens, drawn).tolist()
+        return tokens, _logprobs(raw, tokens, params)
 
-    def _penalize(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        b, vocab = logits.shape
-        rep = torch.tensor([s.params.repetition_penalty for s in seqs])[:, None]
-        pres = torch.tensor([s.params.presence_penalty for s in seqs])[:, None]
-        freq = torch.tensor([s.params.frequency_penalty for s in seqs])[:, None]
-        out_counts = _counts([s.output_token_ids for s in seqs], b, vocab)
-        seen = (out_counts + _counts([s.prompt_token_ids for s in seqs], b, vocab)) > 0
-        penalized = torch.where(logits > 0, logits / rep, logits * rep)
-        logits = torch.where(seen, penalized, logits)
-        return logits - pres * (out_counts > 0) - freq * out_counts
-
-    def _block_stops(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _block_stops(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         for row, s in enumerate(seqs):
             if len(s.output_token_ids) < s.params.min_tokens:
                 stops = s.params.stop_token_ids + ([] if s.params.ignore_eos else self.eos_token_ids)
                 if stops:
                     logits[row, stops] = float("-inf")
-        return logits
 
-    @staticmethod
-    def _filter(logits: torch.Tensor, params) -> torch.Tensor:
-        vocab = logits.shape[-1]
-        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
-        top_p = torch.tensor([p.top_p for p in params])
-        min_p = torch.tensor([p.min_p for p in params])
-        if bool((top_k < vocab).any()) or bool((top_p < 1).any()):
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
-            rank = torch.arange(vocab)[None, :]
-            drop = rank >= top_k[:, None]
-            probs = sorted_logits.softmax(dim=-1)
-            # drop a token when the ones ranked above it already reach top_p
-            drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
-            drop[:, 0] = False
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-            logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
-        if bool((min_p > 0).any()):
-            probs = logits.softmax(dim=-1)
-            threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-            logits = logits.masked_fill(probs < threshold, float("-inf"))
-        return logits
 
-    @staticmethod
-    def _draw(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p. Each seeded row
-        # draws its noise from its own generator; the rest share one batched draw.
-        noise = torch.empty_like(probs).exponential_()
-        for row, s in enumerate(seqs):
-            if s.generator is not None:
-                noise[row].exponential_(generator=s.generator)
-        return (probs / noise).argmax(dim=-1)
+def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
+    """Softmax after top-k, top-p and min-p (each off for rows that do not ask for it)."""
+    rows, vocab = logits.shape
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
+    top_p = torch.tensor([p.top_p for p in params])
+    min_p = torch.tensor([p.min_p for p in params])
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    # drop a token when the ones ranked above it already reach top_p (rows with top_p < 1 only)
+    above = probs.cumsum(dim=-1).sub_(probs)
+    drop = above.ge_(top_p[:, None]).logical_and_((top_p < 1)[:, None]).bool()
+    del above
+    drop[:, 0] = False
+    drop |= torch.arange(vocab)[None, :] >= top_k[:, None]
+    drop |= probs < (min_p[:, None] * probs[:, :1])
+    sorted_logits.masked_fill_(drop, float("-inf"))
+    del drop, probs
+    logits.scatter_(1, order, sorted_logits)
+    del sorted_logits, order
+    return logits.softmax(dim=-1)
 
-    @staticmethod
-    def _logprobs(raw: torch.Tensor, tokens: list[int], params) -> list[dict | None]:
-        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        out: list[dict | None] = [None] * len(params)
-        if not rows:
-            return out
-        lp = raw[rows].log_softmax(dim=-1)
-        k = max(params[i].logprobs for i in rows)
-        top_vals, top_ids = lp.topk(max(k, 1), dim=-1)
-        for j, i in enumerate(rows):
-            n = params[i].logprobs
-            out[i] = {
-                "token": (tokens[i], float(lp[j, tokens[i]])),
-                "top": list(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist())),
-            }
+
+def _logprobs(raw: torch.Tensor, tokens: list[int], params) -> list[dict | None]:
+    out: list[dict | None] = [None] * len(params)
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
         return out
+    lp = raw.log_softmax(dim=-1)
+    k = max(1, max(params[i].logprobs for i in rows))
+    top_vals, top_ids = lp.topk(k, dim=-1)
+    for i in rows:
+        n = params[i].logprobs
+        out[i] = {"token": (tokens[i], float(lp[i, tokens[i]])),
+                  "top": list(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist()))}
+    return out
 
 
-def _counts(token_lists: list[list[int]], rows: int, vocab: int) -> torch.Tensor:
-    counts = torch.zeros(rows, vocab)
-    longest = max((len(t) for t in token_lists), default=0)
-    if longest:
-        ids = torch.tensor([t + [0] * (longest - len(t)) for t in token_lists])
-        ones = torch.tensor([[1.0] * len(t) + [0.0] * (longest - len(t)) for t in token_lists])
-        counts.scatter_add_(1, ids, ones)
-    return counts
+def _penalize_row(logits: torch.Tensor, seq: Sequence) -> None:
+    """Penalties touch only the tokens a sequence has seen, so they cost O(its length)."""
+    p = seq.params
+    if p.repetition_penalty != 1:
+        seen = torch.tensor(sorted(set(seq.prompt_token_ids) | set(seq.output_token_ids)), dtype=torch.long)
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and seq.output_token_ids:
+        ids, counts = torch.tensor(seq.output_token_ids, dtype=torch.long).unique(return_counts=True)
+        logits[ids] -= counts * p.frequency_penalty + p.presence_penalty

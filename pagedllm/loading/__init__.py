@@ -65,9 +65,12 @@ def resolve_model_dir(model: str | Path | None) -> tuple[Path, str]:
 
 
 def load(model: str | Path | None = None, dtype: str | torch.dtype = "float32") -> LoadedModel:
-    torch_dtype = parse_dtype(dtype)
     model_dir, name = resolve_model_dir(model)
-    decoder = load_decoder(model_dir, torch_dtype)
+    return load_dir(model_dir, name, dtype)
+
+
+def load_dir(model_dir: Path, name: str, dtype: str | torch.dtype = "float32") -> LoadedModel:
+    decoder = load_decoder(model_dir, parse_dtype(dtype))
     return LoadedModel(decoder, decoder.config, load_tokenizer(model_dir), model_dir, name)
 
 

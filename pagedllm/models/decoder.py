@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from .layers import MLP, RMSNorm, Rotary, apply_rotary
+from .layers import MLP, RMSNorm, Rotary, apply_rotary_
 
 
 class Attention(nn.Module):
@@ -43,9 +43,11 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        apply_rotary_(q, cos, sin)
+        apply_rotary_(k, cos, sin)
         out = attn.attend(self.layer, q, k, v, self.scale, self.window)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        del q, k, v
+        return self.o_proj(out.view(t, self.num_heads * self.head_dim))
 
 
 class DecoderLayer(nn.Module):
@@ -57,8 +59,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, h, cos, sin, attn):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        # Residual adds in place: h is this step's own buffer (same values as h + x).
+        h.add_(self.self_attn(self.input_layernorm(h), cos, sin, attn))
+        return h.add_(self.mlp(self.post_attention_layernorm(h)))
 
 
 class DecoderBody(nn.Module):

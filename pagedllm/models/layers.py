@@ -22,10 +22,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # HF's order of operations; the last multiply is done in place (same values, no copy).
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return x.to(dtype).mul_(self.weight)
 
 
 def rope_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
@@ -55,16 +56,19 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        freqs = torch.outer(positions.float(), self.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
+        del freqs
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D]; cos/sin: [T, 1, D]."""
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """In place: x = x * cos + rotate_half(x) * sin. x: [T, heads, D]; cos/sin: [T, 1, D]."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    rotated = torch.empty_like(x)
+    torch.neg(x[..., half:], out=rotated[..., :half])
+    rotated[..., half:] = x[..., :half]
+    return x.mul_(cos).add_(rotated.mul_(sin))
 
 
 class MLP(nn.Module):
@@ -76,4 +80,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # down(silu(gate(x)) * up(x)), with silu and the product in place: two [T, I] buffers.
+        gate = self.gate_proj(x)
+        F.silu(gate, inplace=True)
+        gate.mul_(self.up_proj(x))
+        return self.down_proj(gate)
