@@ -141,25 +141,25 @@ class PagedAttention:
         """q: [T, H, D]; k, v: [T, KVH, D] for the step's new tokens. Returns [T, H, D]."""
         lay = self.layout
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
-        k_cache.index_copy_(0, lay.slot_mapping, k)
-        v_cache.index_copy_(0, lay.slot_mapping, v)
+        k_cache.index_copy_(1, lay.slot_mapping, k.transpose(0, 1))
+        v_cache.index_copy_(1, lay.slot_mapping, v.transpose(0, 1))
         out = torch.empty_like(q)
         kv_heads = k.shape[1]
         group = q.shape[1] // kv_heads
         for g in lay.decode_groups:
-            keys, values = k_cache[g.gather], v_cache[g.gather]  # [B, L, KVH, D]
+            keys, values = k_cache[:, g.gather], v_cache[:, g.gather]  # [KVH, B, L, D]
             queries = q.index_select(0, g.rows)  # [B, H, D]
             mask = g.mask(window)
             for h in range(kv_heads):
                 heads = slice(h * group, (h + 1) * group)
-                scores = torch.bmm(queries[:, heads], keys[:, :, h].transpose(1, 2))  # [B, G, L]
+                scores = torch.bmm(queries[:, heads], keys[h].transpose(1, 2))  # [B, G, L]
                 probs = _softmax(scores, scale, None if mask is None else mask[:, None, :])
                 del scores
-                out[g.rows, heads] = torch.bmm(probs, values[:, :, h])
+                out[g.rows, heads] = torch.bmm(probs, values[h])
                 del probs
             del keys, values, queries
         for p in lay.prefills:
-            keys, values = k_cache[p.gather], v_cache[p.gather]  # [ctx, KVH, D]
+            keys, values = k_cache[:, p.gather], v_cache[:, p.gather]  # [KVH, ctx, D]
             tile = lay.query_tile(p.context_len)
             first_pos = p.context_len - p.length
             for t0 in range(0, p.length, tile):
@@ -169,11 +169,11 @@ class PagedAttention:
                 for h in range(kv_heads):
                     heads = slice(h * group, (h + 1) * group)
                     queries = q[rows, heads].reshape(-1, q.shape[-1])  # [tile*G, D]
-                    scores = torch.mm(queries, keys[:, h].t()).view(t1 - t0, group, -1)
+                    scores = torch.mm(queries, keys[h].t()).view(t1 - t0, group, -1)
                     del queries
                     probs = _softmax(scores, scale, mask[:, None, :])
                     del scores
-                    out[rows, heads] = torch.mm(probs.view(-1, probs.shape[-1]), values[:, h]).view(
+                    out[rows, heads] = torch.mm(probs.view(-1, probs.shape[-1]), values[h]).view(
                         t1 - t0, group, -1)
                     del probs
                 del mask

@@ -22,8 +22,9 @@ from .planner import kv_bytes_per_block
 class KVCache:
     """K/V storage for ``num_blocks`` blocks of ``block_size`` slots, for every layer.
 
-    Tensors are kept flat as ``[num_blocks * block_size, num_kv_heads, head_dim]`` so a write is
-    one indexed copy by slot and a read is one gather by slot.
+    Tensors are kept head-major and flat as ``[num_kv_heads, num_blocks * block_size, head_dim]``:
+    a write is one indexed copy by slot, a read one gather by slot, and each KV head's gathered
+    keys are contiguous, which the bf16 matmul kernels need to avoid copying them again.
     """
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int,
@@ -33,7 +34,7 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
-        shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_kv_heads, num_blocks * block_size, cfg.head_dim)
         # Uninitialised on purpose: a slot is always written before it is read (padding reads
         # repeat a written slot), and untouched pages cost no RAM until blocks are used.
         self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]

@@ -9,6 +9,7 @@ allocator (e.g. MKL's own packing buffers) is not tensor memory and is not count
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,10 @@ class track_peak:
         self.result = PeakMeasurement()
 
     def __enter__(self) -> PeakMeasurement:
+        # Garbage collected mid-block would show up as frees of memory this block never allocated.
+        gc.collect()
+        self._gc_was_enabled = gc.isenabled()
+        gc.disable()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -40,16 +45,40 @@ class track_peak:
         return self.result
 
     def __exit__(self, *exc) -> None:
+        if self._gc_was_enabled:
+            gc.enable()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.result.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._start
             self.result.net_bytes = torch.cuda.memory_allocated(self.device) - self._start
             return
         self._prof.__exit__(*exc)
-        events = sorted((e.start_ns(), e.nbytes()) for e in self._prof.profiler.kineto_results.events()
-                        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
-        live = peak = 0
-        for _, nbytes in events:
-            live += nbytes
-            peak = max(peak, live)
-        self.result.peak_bytes, self.result.net_bytes = peak, live
+        self.result.peak_bytes, self.result.net_bytes = _peak_of(self._prof)
+
+
+def _peak_of(prof) -> tuple[int, int]:
+    """Replays the allocation events in time order. A free counts only if its block was allocated
+    inside the block being measured: torch's CPU memory reporter keeps sizes across profiling
+    sessions, so a reused address can otherwise produce a free of memory this block never had."""
+    from torch._C._profiler import _EventType
+
+    events = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
+            events.append((e.start_time_ns, e.extra_fields.alloc_size, e.extra_fields.ptr))
+    events.sort()
+    sizes: dict[int, int] = {}
+    live = peak = 0
+    for _, size, ptr in events:
+        if size > 0:
+            sizes[ptr] = size
+        elif ptr in sizes:
+            size = -sizes.pop(ptr)
+        else:
+            continue
+        live += size
+        peak = max(peak, live)
+    return peak, live

@@ -50,7 +50,10 @@ DEFAULT_PAIRS_BUDGET = 1 << 18  # must match pagedllm.attention.DEFAULT_PAIRS_BU
 DEFAULT_GATHER_BUDGET = 8192  # must match pagedllm.attention.DEFAULT_GATHER_BUDGET
 SAMPLER_CHUNK_ROWS = 8  # must match pagedllm.sampler.CHUNK_ROWS
 SAMPLER_BYTES_PER_LOGIT = 25  # full sampling path: float32 copies, int64 sort order, masks
-FIXED_BYTES = 64 * 1024**2  # the allocator's and runtime's own slack, kept out of the cache
+SCALAR_SLACK = 256  # one-element temporaries (eps, scale factors) that ops create on the way
+# Kept out of the cache for what the model above does not itemise: per-request Python state,
+# tokenizer buffers, allocator rounding.
+FIXED_BYTES = 16 * 1024**2
 # CPU throughput vs max_batch_tokens flattens out by 512 tokens per step on this class of
 # machine (docs/memory.md has the sweep); larger steps only cost memory.
 AUTO_MAX_BATCH_TOKENS = 512
@@ -129,30 +132,39 @@ def _softmax_bytes(pairs: int, e: int) -> int:
     return pairs * (e + 4 + (0 if e == 4 else 4))
 
 
-def _attention_workspace(cfg: ModelConfig, s: EngineSettings, shape: StepShape, window_masks: bool) -> int:
+def _per_head(rows: int, keys: int, g: int, d: int, e: int, query_copy: bool) -> int:
+    """Peak of one KV head's matmul / softmax / matmul over ``rows`` query rows of ``g`` heads."""
+    pairs = rows * g * keys
+    return max(pairs * e + (rows * g * d * e if query_copy else 0),  # q @ k^T
+               _softmax_bytes(pairs, e),  # softmax in float32
+               pairs * e + rows * g * d * e)  # probs @ v
+
+
+def _attention_workspace(cfg: ModelConfig, s: EngineSettings, shape: StepShape, windowed: bool) -> int:
+    """Largest live workspace of one attention call (one decode group or one prefill tile)."""
     e, kv_e = dtype_bytes(s.dtype), dtype_bytes(s.kv)
     g, d = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
     dq, dk = cfg.num_heads * d, cfg.num_kv_heads * d
     worst = 0
     for rows, keys, _ in shape.decode_groups:
-        ws = 2 * rows * keys * dk * kv_e + rows * dq * e
-        ws += max(_softmax_bytes(rows * g * keys, e), rows * g * keys * e + 2 * rows * g * d * e)
-        if window_masks:
-            ws += rows * keys * (2 + INDEX)
-        worst = max(worst, ws)
+        gathered = 2 * rows * keys * dk * kv_e + rows * dq * e  # K, V, the group's queries
+        mask = rows * keys + (3 * rows * keys + INDEX * (keys + rows) if windowed else 0)
+        worst = max(worst, gathered + mask + _per_head(rows, keys, g, d, e, query_copy=False))
     for q_rows, ctx in shape.prefills:
         tile = min(q_rows, max(1, s.pairs_budget // (g * ctx)))
-        mask = tile * ctx * (2 if window_masks else 1) + INDEX * (2 * tile + ctx)
-        per_head = max(_softmax_bytes(tile * g * ctx, e), tile * g * (ctx * e + 2 * d * e))
-        worst = max(worst, 2 * ctx * dk * kv_e + mask + tile * g * d * e + per_head)
+        build = INDEX * (tile + ctx) + tile * ctx + (tile * ctx + INDEX * tile if windowed else 0)
+        body = tile * ctx + _per_head(tile, ctx, g, d, e, query_copy=True)
+        worst = max(worst, 2 * ctx * dk * kv_e + max(build, body))
     return worst
 
 
-def step_buffers(shape: StepShape) -> int:
-    """Index tensors built for the step: ids, positions, slots, logit rows, context gathers."""
+def step_buffers(shape: StepShape, windows: set[int] = frozenset()) -> int:
+    """Index tensors built for the step: ids, positions, slots, logit rows, context gathers, and
+    the decode masks (padding; one per sliding window shorter than the group's context)."""
     total = INDEX * (3 * shape.tokens + shape.sampled)
     for rows, keys, padded in shape.decode_groups:
         total += INDEX * (rows * keys + 2 * rows) + (rows * keys if padded else 0)
+        total += rows * keys * sum(1 for w in windows if w < keys)
     total += sum(INDEX * ctx for _, ctx in shape.prefills)
     return total
 
@@ -163,8 +175,9 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
     t, n = shape.tokens, shape.sampled
     h, i, v, d = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
     dq, dk = cfg.num_heads * d, cfg.num_kv_heads * d
-    windows = any(w is not None for w in cfg.sliding_windows)
-    x = step_buffers(shape)
+    window_sizes = {w for w in cfg.sliding_windows if w is not None}
+    windows = bool(window_sizes)
+    x = step_buffers(shape, window_sizes) + SCALAR_SLACK
     base = x + t * h * e + 2 * t * d * e  # buffers, residual stream, rotary tables
     xn, qkv = t * h * e, t * (dq + 2 * dk) * e
     phases = {
@@ -182,11 +195,14 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
     if e != 4:
         phases["logits to float32"] = base + n * h * e + n * v * (e + 4)
     if cfg.qk_norm:
-        phases["q/k norm"] = base + xn + qkv + t * dq * e + _norm_transient(t * cfg.num_heads, d, e)
+        # q's norm, then k's while q's result is alive; the inputs die after both
+        phases["q/k norm"] = base + xn + qkv + max(
+            _norm_transient(t * cfg.num_heads, d, e),
+            t * dq * e + _norm_transient(t * cfg.num_kv_heads, d, e))
     logits = n * v * 4
     sampler = max([r * v * SAMPLER_BYTES_PER_LOGIT + INDEX * v for r in shape.full_sampler_rows], default=0)
     penalties = max([40 * length for length in shape.penalized_lengths], default=0)
-    phases["sampler"] = logits + sampler + penalties + INDEX * n
+    phases["sampler"] = logits + sampler + penalties + INDEX * n + SCALAR_SLACK
     return phases
 
 

@@ -1,0 +1,73 @@
+"""The measured-vs-predicted grid: real engine steps of many shapes, each measured with
+``track_peak`` and predicted with ``planner.step_transient_bytes``. Shared by the tests and by
+``benchmarks/memory_grid.py``, which prints the table in docs/memory.md."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.engine import LLMEngine
+from pagedllm.memory_tracker import track_peak
+from pagedllm.planner import EngineSettings, step_phases
+from pagedllm.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+FULL = SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, top_k=50, min_p=0.05,
+                      repetition_penalty=1.1, presence_penalty=0.1, logprobs=2, ignore_eos=True)
+
+
+@dataclass
+class GridPoint:
+    name: str
+    tokens: int
+    sampled: int
+    measured: int
+    predicted: int
+    peak_phase: str
+
+    @property
+    def ratio(self) -> float:
+        return self.predicted / max(self.measured, 1)
+
+
+def scenarios(max_len: int):
+    """(name, prompt lengths, params, steps before the measured one, engine sizes)."""
+    long = min(2000, max_len - 8)
+    return [
+        ("prefill 1x16", [16], GREEDY, 0, dict(max_batch_tokens=512)),
+        ("prefill 1x(M=512)", [min(512, max_len - 8)], GREEDY, 0, dict(max_batch_tokens=512)),
+        ("prefill 8x64", [64] * 8, GREEDY, 0, dict(max_batch_tokens=512)),
+        ("decode 1", [30], GREEDY, 1, dict(max_batch_tokens=512)),
+        ("decode 64", [100 + i for i in range(64)], GREEDY, 1, dict(max_batch_tokens=8192)),
+        ("decode 64, full sampling", [100 + i for i in range(64)], FULL, 1, dict(max_batch_tokens=8192)),
+        ("chunked prefill 2nd chunk", [min(700, max_len - 8)], GREEDY, 1, dict(max_batch_tokens=256)),
+        ("long context, last chunk", [long], GREEDY, (long - 1) // 128, dict(max_batch_tokens=128)),
+        ("mixed decode + prefill", [50] * 10 + [300], GREEDY, 1, dict(max_batch_tokens=600)),
+        ("M=32 small steps", [200] * 3, GREEDY, 2, dict(max_batch_tokens=32)),
+    ]
+
+
+def run_grid(loaded, dtype: str, seed: int = 0) -> list[GridPoint]:
+    cfg = loaded.config
+    g = torch.Generator().manual_seed(seed)
+    prompt = lambda n: torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist()  # noqa: E731
+    settings = EngineSettings(dtype=dtype)
+    warm = LLMEngine(loaded, num_blocks=64, max_model_len=256)
+    warm.add_request(prompt(20), FULL)
+    warm.step(), warm.step()  # first-use initialisation stays out of the measurements
+    points = []
+    for name, lengths, params, before, sizes in scenarios(cfg.max_position_embeddings):
+        engine = LLMEngine(loaded, num_blocks=2048, **sizes)
+        for n in lengths:
+            engine.add_request(prompt(n), params)
+        for _ in range(before):
+            engine.step()
+        with track_peak() as m:
+            engine.step()
+        phases = step_phases(cfg, settings, engine.last_step_shape)
+        top = max(phases, key=phases.get)
+        shape = engine.last_step_shape
+        points.append(GridPoint(name, shape.tokens, shape.sampled, m.peak_bytes, phases[top], top))
+    return points

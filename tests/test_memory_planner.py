@@ -1,0 +1,266 @@
+"""The planner's promises: its prediction is checked against measured peaks; auto-sizing never
+exceeds the budget and is maximal; what does not fit fails before anything is allocated, saying
+what does fit."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from memory_grid import run_grid
+from pagedllm import CacheDoesNotFitError, LLM, SamplingParams
+from pagedllm import loading
+from pagedllm.config import ModelConfig
+from pagedllm.memory_tracker import track_peak
+from pagedllm.planner import (FIXED_BYTES, EngineSettings, _cgroup_free, activation_peak, kv_bytes_per_block,
+                              parameter_count, parse_memory, plan, resolve_budget)
+
+GiB = 1024**3
+
+
+def check_grid(loaded, dtype):
+    points = run_grid(loaded, dtype)
+    report = "\n".join(f"{p.name:28s} T={p.tokens:5d} S={p.sampled:3d} measured {p.measured:>10d} "
+                       f"predicted {p.predicted:>10d} x{p.ratio:.3f} ({p.peak_phase})" for p in points)
+    print(report)
+    for p in points:
+        assert p.measured <= p.predicted <= 1.10 * p.measured, report
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral", "llama3-rope-tied"])
+def test_step_memory_prediction_matches_measured_peak_on_tiny_models(tiny_checkpoints, arch, dtype):
+    check_grid(loading.load(tiny_checkpoints[arch][0], dtype), dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_step_memory_prediction_matches_measured_peak_on_the_default_model(dtype):
+    check_grid(loading.load(None, dtype), dtype)
+
+
+def test_activation_peak_bounds_the_heaviest_steps(tiny_checkpoints):
+    """What the planner reserves for activations covers the worst steps the limits allow."""
+    llm = LLM(tiny_checkpoints["qwen3"][0], max_batch_tokens=256, max_num_seqs=32, max_model_len=512,
+              num_blocks=1200)
+    engine, reserve = llm.engine, llm.memory_plan.activation_bytes
+    g = torch.Generator().manual_seed(0)
+    full = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.5, repetition_penalty=1.2, logprobs=5,
+                          ignore_eos=True)
+    for _ in range(32):
+        engine.add_request(torch.randint(3, 300, (480,), generator=g).tolist(), full)
+    peaks = []
+    while engine.has_unfinished():
+        with track_peak() as m:
+            engine.step()
+        peaks.append(m.peak_bytes)
+    assert max(peaks) <= reserve
+
+
+def test_cache_tensors_are_exactly_the_predicted_bytes(tiny_checkpoints):
+    llm = LLM(tiny_checkpoints["mistral"][0], memory="40MiB", block_size=8)
+    cache, plan_ = llm.engine.kv_cache, llm.memory_plan
+    actual = sum(t.numel() * t.element_size() for t in cache.k + cache.v)
+    assert actual == plan_.kv_cache_bytes == plan_.num_blocks * kv_bytes_per_block(llm.loaded.config, 8, "float32")
+    assert sum(p.numel() for p in llm.loaded.model.parameters()) == parameter_count(llm.loaded.config)
+    assert plan_.total_bytes <= 40 * 1024**2
+
+
+# ---- the solver ---------------------------------------------------------------------------------
+
+configs = st.builds(
+    lambda layers, kv, group, d, h_mult, inter_mult, vocab, tie, arch, ctx: ModelConfig.from_hf_dict({
+        "architectures": [arch], "num_hidden_layers": layers, "num_attention_heads": kv * group,
+        "num_key_value_heads": kv, "head_dim": d, "hidden_size": 64 * h_mult,
+        "intermediate_size": 64 * h_mult * inter_mult, "vocab_size": vocab,
+        "tie_word_embeddings": tie, "max_position_embeddings": ctx}),
+    st.integers(1, 96), st.integers(1, 16), st.integers(1, 8), st.sampled_from([32, 64, 128]),
+    st.integers(1, 128), st.integers(2, 5), st.integers(256, 256_000), st.booleans(),
+    st.sampled_from(["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"]),
+    st.sampled_from([2048, 8192, 32768, 131072]))
+engine_settings = st.builds(EngineSettings, dtype=st.sampled_from(["float32", "bfloat16"]),
+                            kv_dtype=st.sampled_from([None, "bfloat16", "float32"]),
+                            block_size=st.sampled_from([1, 8, 16, 32]))
+
+
+def total(cfg, s, n, m, seqs, max_len):
+    from pagedllm.planner import weight_bytes
+
+    return weight_bytes(cfg, s.dtype) + n * kv_bytes_per_block(cfg, s.block_size, s.kv) + \
+        activation_peak(cfg, s, m, seqs, max_len) + FIXED_BYTES
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=configs, s=engine_settings, budget_gib=st.floats(0.05, 2000), mode=st.sampled_from(["auto", "n", "m"]),
+       seqs=st.integers(1, 256), data=st.data())
+def test_solver_fits_and_is_maximal_and_its_suggestions_fit(cfg, s, budget_gib, mode, seqs, data):
+    budget = int(budget_gib * GiB)
+    n_given = data.draw(st.integers(1, 200_000)) if mode == "n" else None
+    m_given = data.draw(st.integers(1, 16384)) if mode == "m" else None
+    try:
+        p = plan(cfg, budget, settings=s, num_blocks=n_given, max_batch_tokens=m_given, max_num_seqs=seqs)
+    except CacheDoesNotFitError as e:
+        sug = e.suggestions
+        assert sug["memory_bytes"] > budget  # it really did not fit
+        if "num_blocks" in sug and mode != "n":  # the suggested cache fits with the same M
+            m = m_given or 1
+            assert total(cfg, s, sug["num_blocks"], m, seqs, p_len(cfg, s)) <= budget
+        if "max_batch_tokens" in sug and n_given is not None:
+            assert total(cfg, s, n_given, sug["max_batch_tokens"], seqs, p_len(cfg, s)) <= budget
+        return
+    max_len = p.max_model_len
+    used = total(cfg, s, p.num_blocks, p.max_batch_tokens, seqs, max_len)
+    assert used == p.total_bytes <= budget
+    assert p.num_blocks * s.block_size >= max_len
+    if mode != "n":  # N was solved: one more block would not fit
+        assert total(cfg, s, p.num_blocks + 1, p.max_batch_tokens, seqs, max_len) > budget
+    if mode == "n":  # M was solved: one more token per step would not fit
+        assert total(cfg, s, p.num_blocks, p.max_batch_tokens + 1, seqs, max_len) > budget
+
+
+def p_len(cfg, s):
+    return min(s.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+
+
+def small_cfg():
+    return ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 30,
+                                     "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576,
+                                     "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True,
+                                     "max_position_embeddings": 8192})
+
+
+def test_both_given_is_checked_and_the_error_says_what_fits():
+    cfg = small_cfg()
+    with pytest.raises(CacheDoesNotFitError) as e:
+        plan(cfg, 2 * GiB, num_blocks=2000, max_batch_tokens=20000, budget_source="memory=2GiB")
+    msg = str(e.value)
+    for part in ("GiB", "weights", "KV cache", "activations", "budget: 2.000 GiB (memory=2GiB)",
+                 "largest max_batch_tokens that fits with num_blocks=2000",
+                 "largest num_blocks that fits with max_batch_tokens=20000", "smallest memory", "bfloat16"):
+        assert part in msg
+    assert isinstance(e.value, MemoryError)
+    sug = e.value.suggestions
+    for n, m in ((sug["num_blocks"], 20000), (2000, sug["max_batch_tokens"])):
+        assert plan(cfg, 2 * GiB, num_blocks=n, max_batch_tokens=m).total_bytes <= 2 * GiB
+
+
+def test_weights_alone_too_big():
+    with pytest.raises(CacheDoesNotFitError, match="weights alone exceed"):
+        plan(small_cfg(), 256 * 1024**2)
+
+
+def test_cache_too_small_for_one_full_length_request_names_the_length_that_fits():
+    with pytest.raises(CacheDoesNotFitError, match=r"max_model_len <= 1600") as e:
+        plan(small_cfg(), 4 * GiB, num_blocks=100)
+    assert e.value.suggestions["max_model_len"] == 1600
+
+
+def test_plan_is_checked_before_any_weight_is_loaded(tiny_checkpoints, monkeypatch):
+    def fail(*a, **k):
+        raise AssertionError("weights were loaded before the plan was checked")
+
+    monkeypatch.setattr(loading, "load_dir", fail)
+    with pytest.raises(CacheDoesNotFitError):
+        LLM(tiny_checkpoints["llama"][0], memory="1MiB")
+
+
+# ---- the budget ---------------------------------------------------------------------------------
+
+
+def test_memory_strings():
+    assert parse_memory("6GiB") == 6 * GiB and parse_memory("512 MiB") == 512 * 1024**2
+    assert parse_memory("8GB") == 8 * 10**9 and parse_memory("1.5GiB") == int(1.5 * GiB) and parse_memory(123) == 123
+    with pytest.raises(ValueError, match="6 parsecs"):
+        parse_memory("6 parsecs")
+
+
+def test_cgroup_v2_and_v1_limits(tmp_path):
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "memory.max").write_text("4294967296\n")
+    (v2 / "memory.current").write_text("1073741824\n")
+    assert _cgroup_free(str(v2)) == (3 * GiB, "cgroup v2 memory.max - memory.current")
+    (v2 / "memory.max").write_text("max\n")
+    assert _cgroup_free(str(v2)) is None
+    v1 = tmp_path / "v1" / "memory"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text(str(2 * GiB))
+    (v1 / "memory.usage_in_bytes").write_text(str(GiB // 2))
+    assert _cgroup_free(str(tmp_path / "v1"))[0] == GiB + GiB // 2
+
+
+def test_fraction_of_free_memory():
+    budget, source = resolve_budget(None, 0.5)
+    assert "0.5 x" in source and "free" in source and budget > 0
+    with pytest.raises(ValueError):
+        resolve_budget("1GiB", 0.5)
+    with pytest.raises(ValueError):
+        resolve_budget(None, 1.5)
+
+
+def test_engine_with_a_memory_budget_serves_within_it(tiny_checkpoints):
+    llm = LLM(tiny_checkpoints["qwen2"][0], memory="48MiB", max_model_len=512)
+    p = llm.memory_plan
+    assert p.total_bytes <= 48 * 1024**2 < p.total_bytes + p.kv_bytes_per_block
+    outs = llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    assert all(len(o.token_ids) == 5 for o in outs)
+
+
+# ---- the runtime guard --------------------------------------------------------------------------
+
+
+def test_a_step_that_runs_out_of_memory_is_retried_smaller_and_loses_nothing(tiny_checkpoints):
+    directory = tiny_checkpoints["llama"][0]
+    prompts = [[i % 300 + 1] * (20 + i) for i in range(12)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(directory, max_batch_tokens=512).generate(prompts, params)]
+
+    llm = LLM(directory, max_batch_tokens=512)
+    real_run, failures = llm.engine.runner.run, []
+
+    def run_or_fail(batch):
+        if batch.total_tokens > 100:
+            failures.append(batch.total_tokens)
+            raise torch.OutOfMemoryError("injected: step too large")
+        return real_run(batch)
+
+    llm.engine.runner.run = run_or_fail
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == expected
+    assert llm.stats.oom_recoveries == len(failures) >= 1
+    assert llm.engine.scheduler.max_batch_tokens <= 100 and llm.stats.max_batch_tokens <= 100
+    assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
+
+
+# ---- the CLI ------------------------------------------------------------------------------------
+
+LLAMA_70B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "intermediate_size": 28672,
+             "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+             "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-05,
+             "rope_theta": 500000.0, "tie_word_embeddings": False,
+             "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                              "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
+
+
+def pagedllm(*args):
+    return subprocess.run([sys.executable, "-m", "pagedllm.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_plan_cli_plans_a_70b_model_from_its_config(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA_70B))
+    res = pagedllm("plan", "--model", str(config), "--memory", "200GiB", "--dtype", "bfloat16",
+                   "--max-model-len", "32768", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["fits"] and out["total_bytes"] <= 200 * GiB
+    assert 131 * GiB < out["weights_bytes"] < 132 * GiB  # 70.55B parameters in bf16
+    table = pagedllm("plan", "--model", str(config), "--memory", "200GiB", "--dtype", "bfloat16",
+                     "--max-model-len", "32768")
+    assert "KV cache" in table.stdout and "headroom" in table.stdout
+    too_small = pagedllm("plan", "--model", str(config), "--memory", "80GiB", "--dtype", "bfloat16")
+    assert too_small.returncode == 3 and "weights alone exceed" in too_small.stderr
