@@ -356,7 +356,13 @@ def plan(cfg: ModelConfig, budget_bytes: int, *, budget_source: str = "given", m
         _raise(context, "the weights alone exceed the budget", num_blocks, max_batch_tokens or 1)
     cap = cap_blocks if cap_blocks is not None else 1 << 62
     if num_blocks is None and max_batch_tokens is None:
-        m = min(AUTO_MAX_BATCH_TOKENS, max(1, largest_m(min_blocks, AUTO_MAX_BATCH_TOKENS)))
+        m = largest_m(min_blocks, AUTO_MAX_BATCH_TOKENS)
+        if m == 0:  # not even one full-length request fits, whatever the step size
+            n = largest_n(1)
+            _raise(context, f"the KV cache that fits ({n} blocks x {s.block_size} = {n * s.block_size} tokens) "
+                            f"cannot hold one request of max_model_len={max_len} tokens ({min_blocks} blocks): "
+                            f"set max_model_len <= {n * s.block_size}, or give more memory",
+                   None, AUTO_MAX_BATCH_TOKENS, {"max_model_len": n * s.block_size})
         n = min(cap, largest_n(m))
     elif num_blocks is None:
         m, n = max_batch_tokens, min(cap, largest_n(max_batch_tokens))
@@ -371,7 +377,7 @@ def plan(cfg: ModelConfig, budget_bytes: int, *, budget_source: str = "given", m
     if n < min_blocks:
         _raise(context, f"the KV cache ({n} blocks x {s.block_size} = {n * s.block_size} tokens) cannot hold "
                         f"one request of max_model_len={max_len} tokens ({min_blocks} blocks): set "
-                        f"max_model_len <= {n * s.block_size}, or num_blocks >= {min_blocks}", n, m,
+                        f"max_model_len <= {n * s.block_size}, or num_blocks >= {min_blocks}", num_blocks, m,
                {"max_model_len": n * s.block_size})
     return MemoryPlan(model_name, budget_bytes, budget_source, n, s.block_size, m, seqs, max_len,
                       s.dtype, s.kv, weights, n * per_block, per_block, act(m), FIXED_BYTES)
