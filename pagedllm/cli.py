@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import logging
+import signal
 import sys
 import time
 from dataclasses import asdict
@@ -65,6 +66,29 @@ def _engine_kwargs(args) -> dict:
                 num_blocks=args.num_blocks, max_batch_tokens=args.max_batch_tokens,
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                 memory=args.memory, memory_fraction=args.memory_fraction)
+
+
+def cmd_serve(args) -> int:
+    import os
+
+    import uvicorn
+
+    from .server.app import create_app
+
+    api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY")
+    app = create_app(_llm(args), served_model_name=args.served_model_name, api_key=api_key,
+                     max_body_bytes=args.max_body_bytes, max_waiting=args.max_waiting,
+                     shutdown_timeout=args.shutdown_timeout)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
+        timeout_graceful_shutdown=int(args.shutdown_timeout)))
+    # uvicorn re-raises SIGTERM after its graceful shutdown, so the process would die of the
+    # signal; we take SIGTERM/SIGINT ourselves: stop accepting, drain, exit 0.
+    server.capture_signals = contextlib.nullcontext
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
+    server.run()
+    return 0
 
 
 def cmd_plan(args) -> int:
@@ -201,6 +225,18 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_flags(chat)
     _sampling_flags(chat)
     chat.set_defaults(func=cmd_chat)
+    serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $PAGEDLLM_API_KEY)")
+    serve.add_argument("--served-model-name", default=None, help="the model id clients use")
+    serve.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429")
+    serve.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds to finish in-flight requests on SIGTERM before aborting them")
+    _engine_flags(serve)
+    serve.set_defaults(func=cmd_serve)
+
     plan = sub.add_parser("plan", help="what the engine needs and what fits, from config.json alone")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     _engine_flags(plan)

@@ -107,6 +107,7 @@ class LLMEngine:
             seq.generator = torch.Generator().manual_seed(params.seed)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
+        self._refresh_gauges()
         return request_id
 
     def validate(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
@@ -131,6 +132,7 @@ class LLMEngine:
             return None
         self._finish(seq, "abort")
         self.stats.requests_aborted += 1
+        self._refresh_gauges()
         return self._output(seq)
 
     def has_unfinished(self) -> bool:
@@ -261,9 +263,13 @@ class LLMEngine:
         )
 
     def _refresh_stats(self, step_tokens: int) -> None:
+        self.stats.last_step_tokens = step_tokens
+        self.stats.tokens_computed += step_tokens
+        self._refresh_gauges()
+
+    def _refresh_gauges(self) -> None:
+        """Queue lengths and block counts, kept current after every step, add and abort."""
         s = self.stats
-        s.last_step_tokens = step_tokens
-        s.tokens_computed += step_tokens
         s.running = len(self.scheduler.running)
         s.waiting = len(self.scheduler.waiting)
         s.blocks_used = self.blocks.num_used

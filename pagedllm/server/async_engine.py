@@ -1,0 +1,147 @@
+"""AsyncEngine: one LLMEngine stepped on its own thread, fed and drained from asyncio.
+
+A step is seconds of CPU work at worst; run on the event loop it would stall every connection.
+So the engine lives on one thread that owns it outright: requests and aborts reach it through a
+queue it drains between steps, and each step's outputs are handed back to the event loop, into
+one asyncio.Queue per request. Requests from all clients share every step (continuous batching).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..engine import LLMEngine, RequestRejected
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """More requests are waiting than the server accepts; the client should retry later."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    sink: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    arrival: float = field(default_factory=time.perf_counter)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_waiting: int = 256):
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self._ops: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+        self._pending = 0  # adds queued for the engine thread, not yet in the engine
+        self._lock = threading.Lock()
+        self.observers: list = []  # called on the engine thread with (outputs, step seconds)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def num_unfinished(self) -> int:
+        return self._pending + len(self._sinks)
+
+    def validate(self, prompt: list[int], params: SamplingParams) -> None:
+        """Raises RequestRejected for a request that can never run (reads static limits only)."""
+        self.engine.validate("", prompt, params)
+
+    def add(self, request_id: str, prompt: list[int], params: SamplingParams,
+            sink: asyncio.Queue | None = None) -> asyncio.Queue:
+        """Queues a request; its outputs arrive on ``sink`` (or a new queue, returned), the last
+        one with ``finished`` set. Several requests may share one sink."""
+        if self.error is not None:
+            raise RuntimeError(f"the engine has stopped: {self.error}")
+        stats = self.engine.stats
+        if stats.waiting + self._pending >= self.max_waiting:
+            raise QueueFull(f"{stats.waiting + self._pending} requests are waiting (limit {self.max_waiting})")
+        self.validate(prompt, params)
+        sink = sink if sink is not None else asyncio.Queue()
+        with self._lock:
+            self._pending += 1
+        self._ops.put(_Add(request_id, prompt, params, sink, asyncio.get_running_loop()))
+        self._wake.set()
+        return sink
+
+    def abort(self, request_id: str) -> None:
+        """Aborts a request wherever it is; its blocks are freed before the next step."""
+        self._ops.put(("abort", request_id))
+        self._wake.set()
+
+    # ---- the engine thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._apply_ops()
+                if not self.engine.has_unfinished():
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                start = time.perf_counter()
+                outputs = self.engine.step()
+                elapsed = time.perf_counter() - start
+                for observer in self.observers:
+                    observer(outputs, elapsed)
+                for out in outputs:
+                    self._deliver(out)
+        except BaseException as e:  # a bug, not bad input: fail every request loudly, keep the server up
+            log.exception("engine thread failed")
+            self.error = e
+            for rid in list(self._sinks):
+                self._deliver(RequestOutput(rid, [], "", [], True, "error", error=f"engine failure: {e}"))
+
+    def _apply_ops(self) -> None:
+        while True:
+            try:
+                op = self._ops.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(op, _Add):
+                with self._lock:
+                    self._pending -= 1
+                self._sinks[op.request_id] = (op.sink, op.loop)
+                try:
+                    self.engine.add_request(op.prompt, op.params, request_id=op.request_id)
+                    seq = self.engine.requests[op.request_id]
+                    seq.arrival_time = op.arrival
+                except (RequestRejected, ValueError) as e:
+                    self._deliver(RequestOutput(op.request_id, op.prompt, "", [], True, "error", error=str(e)))
+            else:
+                _, rid = op
+                out = self.engine.abort(rid)
+                if out is not None:
+                    self._deliver(out)
+                self._sinks.pop(rid, None)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        target = self._sinks.get(out.request_id)
+        if target is None:
+            return
+        sink, loop = target
+        if out.finished:
+            del self._sinks[out.request_id]
+        try:
+            loop.call_soon_threadsafe(sink.put_nowait, out)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass

@@ -1,0 +1,94 @@
+"""Prometheus metrics: the engine's counters read at scrape time, plus latency histograms that
+the request handlers observe (time to first token, time between tokens)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class ThroughputMeter:
+    """Generated tokens per second over the last ``window`` seconds (fed by the engine thread)."""
+
+    def __init__(self, window: float = 10.0):
+        self.window = window
+        self._events: deque[tuple[float, int]] = deque()
+        self._lock = threading.Lock()
+
+    def observe(self, outputs, _elapsed: float) -> None:
+        now = time.monotonic()
+        tokens = sum(1 for o in outputs if o.token_ids)
+        with self._lock:
+            self._events.append((now, tokens))
+            while self._events and self._events[0][0] < now - self.window:
+                self._events.popleft()
+
+    def rate(self) -> float:
+        now = time.monotonic()
+        with self._lock:
+            recent = [(t, n) for t, n in self._events if t >= now - self.window]
+        if not recent:
+            return 0.0
+        return sum(n for _, n in recent) / self.window
+
+
+class Metrics:
+    def __init__(self, engine, throughput: ThroughputMeter, model_name: str):
+        self.registry = CollectorRegistry()
+        self.ttft = Histogram("pagedllm_time_to_first_token_seconds", "Time from arrival to the first token",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("pagedllm_inter_token_latency_seconds", "Time between consecutive tokens",
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.http_errors: dict[int, int] = {}
+        self.registry.register(_EngineCollector(engine, throughput, self, model_name))
+
+    def count_error(self, status: int) -> None:
+        self.http_errors[status] = self.http_errors.get(status, 0) + 1
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    def __init__(self, engine, throughput: ThroughputMeter, metrics: Metrics, model_name: str):
+        self.engine, self.throughput, self.metrics, self.model = engine, throughput, metrics, model_name
+
+    def collect(self):
+        s = self.engine.stats
+        gauges = {
+            "pagedllm_requests_running": ("Requests being computed", s.running),
+            "pagedllm_requests_waiting": ("Requests queued for admission", s.waiting),
+            "pagedllm_kv_blocks_used": ("KV cache blocks in use", s.blocks_used),
+            "pagedllm_kv_blocks_total": ("KV cache blocks", s.blocks_total),
+            "pagedllm_max_batch_tokens": ("Effective tokens per step", s.max_batch_tokens),
+            "pagedllm_generation_tokens_per_second": ("Generated tokens per second, last 10 s",
+                                                      self.throughput.rate()),
+        }
+        for name, (doc, value) in gauges.items():
+            g = GaugeMetricFamily(name, doc, labels=["model"])
+            g.add_metric([self.model], value)
+            yield g
+        counters = {
+            "pagedllm_prompt_tokens": ("Prompt tokens computed", s.prompt_tokens_computed),
+            "pagedllm_generation_tokens": ("Tokens generated", s.tokens_generated),
+            "pagedllm_preemptions": ("Requests preempted for lack of blocks", s.preemptions),
+            "pagedllm_oom_recoveries": ("Steps retried smaller after running out of memory", s.oom_recoveries),
+            "pagedllm_requests_finished": ("Requests finished", s.requests_finished),
+            "pagedllm_requests_aborted": ("Requests aborted", s.requests_aborted),
+            "pagedllm_requests_failed": ("Requests failed inside the engine", s.requests_failed),
+            "pagedllm_steps": ("Engine steps", s.steps),
+        }
+        for name, (doc, value) in counters.items():
+            c = CounterMetricFamily(name, doc, labels=["model"])
+            c.add_metric([self.model], value)
+            yield c
+        errors = CounterMetricFamily("pagedllm_http_errors", "Error responses by status", labels=["status"])
+        for status, count in sorted(self.metrics.http_errors.items()):
+            errors.add_metric([str(status)], count)
+        yield errors

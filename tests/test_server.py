@@ -1,0 +1,218 @@
+"""The OpenAI-compatible server: the official client works against it, streaming equals
+non-streaming, disconnects free their blocks, bad input is a documented 4xx and never stops
+the others."""
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+
+from server_process import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProcess("--memory", "2GiB", "--max-num-seqs", "64", "--max-model-len", "2048")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def wait_for_free_blocks(server, timeout=20.0) -> float:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        used = server.metric("pagedllm_kv_blocks_used")
+        if used == 0 and server.metric("pagedllm_requests_running") == 0:
+            return used
+        time.sleep(0.2)
+    return server.metric("pagedllm_kv_blocks_used")
+
+
+def test_models_and_plan(client, server):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    plan = httpx.get(server.url + "/v1/plan").json()
+    assert plan["num_blocks"] > 0 and plan["total_bytes"] <= plan["budget_bytes"] == 2 * 1024**3
+
+
+def test_chat_with_the_openai_client(client):
+    r = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=24, temperature=0)
+    assert "Paris" in r.choices[0].message.content and r.choices[0].finish_reason == "stop"
+    assert r.usage.prompt_tokens > 10 and r.usage.completion_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0), dict(temperature=0.9, seed=7, top_p=0.9)])
+def test_streamed_chat_equals_non_streamed(client, params):
+    whole = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=32, **params)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=32, stream=True,
+                                                 stream_options={"include_usage": True}, **params))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+        [whole.choices[0].finish_reason]
+
+
+def test_completions_text_token_ids_and_lists(client):
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0, stream=True))
+    assert streamed == r.choices[0].text and "Paris" in r.choices[0].text
+    by_ids = client.completions.create(model=MODEL, prompt=[504, 3575, 282, 4649, 314], max_tokens=3, temperature=0)
+    assert by_ids.usage.prompt_tokens == 5
+    many = client.completions.create(model=MODEL, prompt=["One, two,", "A, B,"], max_tokens=3, temperature=0)
+    assert [c.index for c in many.choices] == [0, 1]
+
+
+def test_n_logprobs_and_stop(client):
+    r = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=8, n=3, temperature=1.0,
+                                       seed=1, logprobs=True, top_logprobs=2)
+    assert len(r.choices) == 3
+    for c in r.choices:
+        assert len(c.logprobs.content) >= 1 and len(c.logprobs.content[0].top_logprobs) == 2
+    stopped = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=24, temperature=0, stop=["Paris"])
+    assert stopped.choices[0].message.content == "The capital of France is "
+    lp = client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=2, temperature=0, logprobs=3)
+    assert len(lp.choices[0].logprobs.token_logprobs) == 2 and len(lp.choices[0].logprobs.top_logprobs[0]) == 3
+
+
+def test_32_streaming_clients_with_a_quarter_disconnecting_free_every_block(server):
+    async def one(i: int, http: httpx.AsyncClient):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": f"Count from {i} to {i + 40}."}],
+                "max_tokens": 48, "temperature": 0, "stream": True, "ignore_eos": True}
+        text = []
+        async with http.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if i % 4 == 0 and len(text) >= 2:
+                    return None  # disconnect mid-stream
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    import json
+
+                    chunk = json.loads(line[6:])
+                    if chunk["choices"]:
+                        text.append(chunk["choices"][0]["delta"].get("content", ""))
+                if line == "data: [DONE]":
+                    return "".join(text)
+        return None
+
+    async def main():
+        async with httpx.AsyncClient(timeout=300) as http:
+            return await asyncio.gather(*(one(i, http) for i in range(32)))
+
+    results = asyncio.run(main())
+    finished = [r for i, r in enumerate(results) if i % 4]
+    assert all(r for r in finished) and len(finished) == 24
+    assert wait_for_free_blocks(server) == 0
+    assert server.metric("pagedllm_requests_aborted_total") >= 8
+
+
+BAD = [
+    ("malformed JSON", "/v1/chat/completions", b"{not json", 400, "invalid_request_error"),
+    ("wrong field type", "/v1/chat/completions", {"messages": "hello"}, 400, "invalid_request_error"),
+    ("temperature out of range", "/v1/chat/completions", {"messages": FRANCE, "temperature": 5}, 400, "invalid_request_error"),
+    ("n out of range", "/v1/completions", {"prompt": "x", "n": 1000}, 400, "invalid_request_error"),
+    ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "invalid_request_error"),
+    ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "invalid_request_error"),
+    ("unknown role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "invalid_request_error"),
+    ("unknown model", "/v1/chat/completions", {"model": "gpt-9", "messages": FRANCE}, 404, "not_found_error"),
+    ("beyond the context", "/v1/completions", {"prompt": "hi", "max_tokens": 100000}, 400, "invalid_request_error"),
+    ("too many stops", "/v1/completions", {"prompt": "hi", "stop": [str(i) for i in range(40)]}, 400, "invalid_request_error"),
+    ("token id out of vocab", "/v1/completions", {"prompt": [999999999]}, 400, "invalid_request_error"),
+    ("logit_bias unsupported", "/v1/completions", {"prompt": "hi", "logit_bias": {"1": 5}}, 400, "invalid_request_error"),
+    ("unknown path", "/v1/nothing", {}, 404, "not_found_error"),
+    ("body too large", "/v1/completions", {"prompt": "x" * (5 * 1024 * 1024)}, 413, "invalid_request_error"),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status,kind", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_its_status_and_error_body_and_the_server_keeps_serving(server, name, path, body, status, kind):
+    if isinstance(body, bytes):
+        r = httpx.post(server.url + path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = httpx.post(server.url + path, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["type"] == kind and err["message"]
+    if name == "beyond the context":
+        assert "100000" in err["message"] and "max_model_len=2048" in err["message"]
+    ok = httpx.post(server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] is not None
+
+
+def test_non_streaming_client_that_disconnects_is_aborted(server):
+    body = {"model": MODEL, "prompt": "Write a very long story.", "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=1.5)
+    assert wait_for_free_blocks(server) == 0
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_checkpoints):
+    s = ServerProcess("--model", str(tiny_checkpoints["llama"][0]), "--api-key", "s3cret",
+                      "--max-waiting", "2", "--max-num-seqs", "1", "--max-model-len", "512",
+                      "--shutdown-timeout", "20")
+    yield s
+    s.stop()
+
+
+def test_api_key_is_required_everywhere_but_health(tiny_server):
+    url = tiny_server.url
+    assert httpx.get(url + "/health").status_code == 200
+    for path in ("/v1/models", "/metrics", "/v1/plan"):
+        assert httpx.get(url + path).status_code == 401
+        assert httpx.get(url + path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.get(url + path, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+
+
+def test_queue_full_answers_429_with_retry_after(tiny_server):
+    auth = {"Authorization": "Bearer s3cret"}
+    body = {"prompt": [1, 2, 3], "max_tokens": 200, "ignore_eos": True}
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120, headers=auth) as http:
+            return await asyncio.gather(*(http.post(tiny_server.url + "/v1/completions", json=body)
+                                          for _ in range(12)))
+
+    statuses = [r for r in asyncio.run(main())]
+    busy = [r for r in statuses if r.status_code == 429]
+    assert busy and all(r.headers.get("retry-after") for r in busy)
+    assert all(r.status_code in (200, 429) for r in statuses)
+    assert httpx.post(tiny_server.url + "/v1/completions", json={"prompt": [4], "max_tokens": 2},
+                      headers=auth, timeout=60).status_code == 200
+
+
+def test_sigterm_finishes_in_flight_requests_and_exits_0(tiny_checkpoints):
+    s = ServerProcess("--model", str(tiny_checkpoints["qwen2"][0]), "--max-model-len", "512",
+                      "--shutdown-timeout", "30")
+    result = {}
+
+    def request():
+        result["r"] = httpx.post(s.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 300,
+                                                                   "ignore_eos": True}, timeout=120)
+
+    t = threading.Thread(target=request)
+    t.start()
+    time.sleep(1.0)
+    try:
+        assert s.terminate() == 0
+    finally:
+        s.stop()
+    t.join(30)
+    assert result["r"].status_code == 200
+    assert len(result["r"].json()["choices"][0]["text"]) > 0 or result["r"].json()["usage"]["completion_tokens"] == 300
