@@ -9,7 +9,7 @@ CPU formulation: plain matmul / softmax / matmul (the order of operations of HF'
 attention), tiled so that its workspace never grows with the batch or the cache:
 
 - decode rows (one new token each) are grouped so that a group gathers at most
-  ``gather_budget`` key slots (rows x longest context); padding keys are masked;
+  ``gather_budget`` key slots (rows x longest context, in whole blocks); padding keys are masked;
 - a prefill chunk's queries are cut into tiles of at most ``pairs_budget // (group_size * ctx)``
   rows; the causal mask of a tile is built on the fly, never for the whole chunk.
 
@@ -43,19 +43,22 @@ class SequenceSlice:
 @dataclass
 class DecodeGroup:
     rows: torch.Tensor  # [B] rows of the flat batch
-    gather: torch.Tensor  # [B, L] slots of each row's context (padding repeats its first slot)
+    blocks: torch.Tensor  # [B, n] block ids of each row's context (padding repeats its first block)
     context_lens: torch.Tensor  # [B]
-    masked: torch.Tensor | None  # [B, L] True where a key is padding (None: no padding)
+    masked: torch.Tensor  # [B, n * block_size] True where a key is padding
     _windowed: dict = field(default_factory=dict)
 
-    def mask(self, window: int | None) -> torch.Tensor | None:
-        """[B, L] True where a row may not look (padding, or outside the sliding window)."""
-        if window is None or window >= self.gather.shape[1]:
+    @property
+    def keys(self) -> int:
+        return self.masked.shape[1]
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[B, keys] True where a row may not look (padding, or outside the sliding window)."""
+        if window is None or window >= self.keys:
             return self.masked
         if window not in self._windowed:
-            pos = torch.arange(self.gather.shape[1])[None, :]
-            lens = self.context_lens[:, None]
-            self._windowed[window] = (pos >= lens) | (pos <= lens - 1 - window)
+            pos = torch.arange(self.keys)[None, :]
+            self._windowed[window] = self.masked | (pos <= self.context_lens[:, None] - 1 - window)
         return self._windowed[window]
 
 
@@ -64,17 +67,23 @@ class PrefillChunk:
     start: int  # first row in the flat batch
     length: int  # query rows
     context_len: int  # keys, including the rows themselves
-    gather: torch.Tensor  # [context_len] slots
+    blocks: torch.Tensor  # [ceil(context_len / block_size)] block ids
 
 
 @dataclass
 class StepLayout:
-    """Where every token of one step reads and writes K/V. Built once, used by every layer."""
+    """Where every token of one step reads and writes K/V. Built once, used by every layer.
+
+    Contexts are gathered whole blocks at a time (one copy of block_size x head_dim values per
+    index, not one per token); keys past a context's end are masked, and the cache is
+    zero-initialised, so what they hold is always finite.
+    """
 
     slot_mapping: torch.Tensor  # [T]
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
     group_size: int  # query heads per KV head
+    block_size: int
     pairs_budget: int = DEFAULT_PAIRS_BUDGET
 
     @classmethod
@@ -84,32 +93,30 @@ class StepLayout:
         slot_mapping: list[int] = []
         decodes, prefills = [], []
         for s in seqs:
-            slots = _slots(s.block_table, block_size, s.context_len)
-            slot_mapping.extend(slots[s.context_len - s.query_len:])
+            n_blocks = -(-s.context_len // block_size)
+            table = s.block_table[:n_blocks]
+            for p in range(s.context_len - s.query_len, s.context_len):
+                slot_mapping.append(table[p // block_size] * block_size + p % block_size)
             if s.query_len == 1:
-                decodes.append((s.query_start, slots))
+                decodes.append((s.query_start, table, s.context_len))
             else:
                 prefills.append(PrefillChunk(s.query_start, s.query_len, s.context_len,
-                                             torch.tensor(slots, dtype=torch.long)))
-        return cls(torch.tensor(slot_mapping, dtype=torch.long),
-                   [_decode_group(g) for g in _pack_decodes(decodes, gather_budget)],
-                   prefills, group_size, pairs_budget)
+                                             torch.tensor(table, dtype=torch.long)))
+        groups = [_decode_group(g, block_size) for g in _pack_decodes(decodes, gather_budget, block_size)]
+        return cls(torch.tensor(slot_mapping, dtype=torch.long), groups, prefills, group_size, block_size,
+                   pairs_budget)
 
     def query_tile(self, context_len: int) -> int:
         """Rows of a prefill chunk scored at once against ``context_len`` keys."""
         return max(1, self.pairs_budget // (self.group_size * context_len))
 
 
-def _slots(block_table: list[int], block_size: int, n: int) -> list[int]:
-    return [block_table[p // block_size] * block_size + p % block_size for p in range(n)]
-
-
-def _pack_decodes(decodes, max_keys: int):
-    """Groups decode rows (sorted by context length) so that rows x longest context <= max_keys."""
-    decodes = sorted(decodes, key=lambda d: len(d[1]))
+def _pack_decodes(decodes, max_keys: int, block_size: int):
+    """Groups decode rows (sorted by context) so that rows x longest gathered context <= max_keys."""
+    decodes = sorted(decodes, key=lambda d: d[2])
     group: list = []
     for d in decodes:
-        if group and (len(group) + 1) * len(d[1]) > max_keys:
+        if group and (len(group) + 1) * len(d[1]) * block_size > max_keys:
             yield group
             group = []
         group.append(d)
@@ -117,16 +124,13 @@ def _pack_decodes(decodes, max_keys: int):
         yield group
 
 
-def _decode_group(group) -> DecodeGroup:
+def _decode_group(group, block_size: int) -> DecodeGroup:
     longest = len(group[-1][1])
-    rows = torch.tensor([r for r, _ in group], dtype=torch.long)
-    # Padding points at the row's own first slot: always written, so never garbage (the cache is
-    # allocated uninitialised), and masked out anyway.
-    gather = torch.tensor([sl + [sl[0]] * (longest - len(sl)) for _, sl in group], dtype=torch.long)
-    lens = torch.tensor([len(sl) for _, sl in group], dtype=torch.long)
-    padded = any(len(sl) < longest for _, sl in group)
-    masked = (torch.arange(longest)[None, :] >= lens[:, None]) if padded else None
-    return DecodeGroup(rows, gather, lens, masked)
+    rows = torch.tensor([r for r, _, _ in group], dtype=torch.long)
+    blocks = torch.tensor([t + [t[0]] * (longest - len(t)) for _, t, _ in group], dtype=torch.long)
+    lens = torch.tensor([n for _, _, n in group], dtype=torch.long)
+    masked = torch.arange(longest * block_size)[None, :] >= lens[:, None]
+    return DecodeGroup(rows, blocks, lens, masked)
 
 
 class PagedAttention:
@@ -140,26 +144,32 @@ class PagedAttention:
                scale: float, window: int | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] for the step's new tokens. Returns [T, H, D]."""
         lay = self.layout
-        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
+        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]  # [KVH, slots, D]
         k_cache.index_copy_(1, lay.slot_mapping, k.transpose(0, 1))
         v_cache.index_copy_(1, lay.slot_mapping, v.transpose(0, 1))
+        kv_heads, d = k.shape[1], k.shape[2]
+        k_blocks = k_cache.view(kv_heads, -1, lay.block_size, d)
+        v_blocks = v_cache.view(kv_heads, -1, lay.block_size, d)
         out = torch.empty_like(q)
-        kv_heads = k.shape[1]
         group = q.shape[1] // kv_heads
         for g in lay.decode_groups:
-            keys, values = k_cache[:, g.gather], v_cache[:, g.gather]  # [KVH, B, L, D]
+            b = g.blocks.shape[0]
+            keys = k_blocks[:, g.blocks].view(kv_heads, b, g.keys, d)  # [KVH, B, L, D]
+            values = v_blocks[:, g.blocks].view(kv_heads, b, g.keys, d)
             queries = q.index_select(0, g.rows)  # [B, H, D]
             mask = g.mask(window)
             for h in range(kv_heads):
                 heads = slice(h * group, (h + 1) * group)
                 scores = torch.bmm(queries[:, heads], keys[h].transpose(1, 2))  # [B, G, L]
-                probs = _softmax(scores, scale, None if mask is None else mask[:, None, :])
+                probs = _softmax(scores, scale, mask[:, None, :])
                 del scores
                 out[g.rows, heads] = torch.bmm(probs, values[h])
                 del probs
             del keys, values, queries
         for p in lay.prefills:
-            keys, values = k_cache[:, p.gather], v_cache[:, p.gather]  # [KVH, ctx, D]
+            n = p.blocks.shape[0] * lay.block_size
+            keys = k_blocks[:, p.blocks].view(kv_heads, n, d)[:, :p.context_len]  # [KVH, ctx, D]
+            values = v_blocks[:, p.blocks].view(kv_heads, n, d)[:, :p.context_len]
             tile = lay.query_tile(p.context_len)
             first_pos = p.context_len - p.length
             for t0 in range(0, p.length, tile):
@@ -168,7 +178,7 @@ class PagedAttention:
                 rows = slice(p.start + t0, p.start + t1)
                 for h in range(kv_heads):
                     heads = slice(h * group, (h + 1) * group)
-                    queries = q[rows, heads].reshape(-1, q.shape[-1])  # [tile*G, D]
+                    queries = q[rows, heads].reshape(-1, d)  # [tile*G, D]
                     scores = torch.mm(queries, keys[h].t()).view(t1 - t0, group, -1)
                     del queries
                     probs = _softmax(scores, scale, mask[:, None, :])

@@ -210,8 +210,7 @@ class LLMEngine:
                           or s.params.presence_penalty or s.params.frequency_penalty]
         return StepShape(
             tokens=batch.total_tokens, sampled=len(sampled),
-            decode_groups=[(g.gather.shape[0], g.gather.shape[1], g.masked is not None)
-                           for g in layout.decode_groups],
+            decode_groups=[(g.blocks.shape[0], g.keys, True) for g in layout.decode_groups],
             prefills=[(p.length, p.context_len) for p in layout.prefills],
             full_sampler_rows=full, penalized_lengths=penalized)
 

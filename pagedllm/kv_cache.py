@@ -13,6 +13,8 @@ block manager hands blocks out and takes them back, the attention seam reads and
 
 from __future__ import annotations
 
+import mmap
+
 import torch
 
 from .config import ModelConfig
@@ -35,10 +37,8 @@ class KVCache:
         self.block_size = block_size
         self.dtype = dtype
         shape = (cfg.num_kv_heads, num_blocks * block_size, cfg.head_dim)
-        # Uninitialised on purpose: a slot is always written before it is read (padding reads
-        # repeat a written slot), and untouched pages cost no RAM until blocks are used.
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.k = [_zeros(shape, dtype, device) for _ in range(cfg.num_layers)]
+        self.v = [_zeros(shape, dtype, device) for _ in range(cfg.num_layers)]
         self.bytes_per_block = kv_bytes_per_block(cfg, block_size, dtype)
 
     @property
@@ -48,3 +48,16 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.bytes_per_block * self.num_blocks
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """Zeros that cost no RAM until written: on CPU an anonymous memory map, whose pages the
+    kernel zero-fills on first touch. Masked keys past a context's end are read (gathers are
+    whole blocks), so what they hold must be finite; zeros are, and so is any stale K/V."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = dtype.itemsize
+    for d in shape:
+        nbytes *= d
+    buffer = mmap.mmap(-1, max(nbytes, 1))
+    return torch.frombuffer(buffer, dtype=dtype, count=nbytes // dtype.itemsize).view(shape)

@@ -146,26 +146,28 @@ def _attention_workspace(cfg: ModelConfig, s: EngineSettings, shape: StepShape, 
     g, d = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
     dq, dk = cfg.num_heads * d, cfg.num_kv_heads * d
     worst = 0
-    for rows, keys, _ in shape.decode_groups:
+    for rows, keys, _ in shape.decode_groups:  # keys: gathered slots per row, whole blocks
         gathered = 2 * rows * keys * dk * kv_e + rows * dq * e  # K, V, the group's queries
-        mask = rows * keys + (3 * rows * keys + INDEX * (keys + rows) if windowed else 0)
+        mask = 2 * rows * keys + INDEX * (keys + rows) if windowed else 0  # a window's mask, built once
         worst = max(worst, gathered + mask + _per_head(rows, keys, g, d, e, query_copy=False))
     for q_rows, ctx in shape.prefills:
         tile = min(q_rows, max(1, s.pairs_budget // (g * ctx)))
+        padded = -(-ctx // s.block_size) * s.block_size
         build = INDEX * (tile + ctx) + tile * ctx + (tile * ctx + INDEX * tile if windowed else 0)
         body = tile * ctx + _per_head(tile, ctx, g, d, e, query_copy=True)
-        worst = max(worst, 2 * ctx * dk * kv_e + max(build, body))
+        worst = max(worst, 2 * padded * dk * kv_e + max(build, body))
     return worst
 
 
-def step_buffers(shape: StepShape, windows: set[int] = frozenset()) -> int:
-    """Index tensors built for the step: ids, positions, slots, logit rows, context gathers, and
-    the decode masks (padding; one per sliding window shorter than the group's context)."""
+def step_buffers(shape: StepShape, block_size: int, windows: set[int] = frozenset()) -> int:
+    """Index tensors built for the step: ids, positions, slots, logit rows, the block ids of
+    every context, and the decode masks (padding; one per sliding window shorter than the
+    group's context)."""
     total = INDEX * (3 * shape.tokens + shape.sampled)
-    for rows, keys, padded in shape.decode_groups:
-        total += INDEX * (rows * keys + 2 * rows) + (rows * keys if padded else 0)
+    for rows, keys, _ in shape.decode_groups:
+        total += INDEX * (rows * (keys // block_size) + 2 * rows) + rows * keys
         total += rows * keys * sum(1 for w in windows if w < keys)
-    total += sum(INDEX * ctx for _, ctx in shape.prefills)
+    total += sum(INDEX * -(-ctx // block_size) for _, ctx in shape.prefills)
     return total
 
 
@@ -177,7 +179,7 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
     dq, dk = cfg.num_heads * d, cfg.num_kv_heads * d
     window_sizes = {w for w in cfg.sliding_windows if w is not None}
     windows = bool(window_sizes)
-    x = step_buffers(shape, window_sizes) + SCALAR_SLACK
+    x = step_buffers(shape, s.block_size, window_sizes) + SCALAR_SLACK
     base = x + t * h * e + 2 * t * d * e  # buffers, residual stream, rotary tables
     xn, qkv = t * h * e, t * (dq + 2 * dk) * e
     phases = {
@@ -221,14 +223,16 @@ def worst_step(cfg: ModelConfig, s: EngineSettings, max_batch_tokens: int, max_n
     """
     m, seqs, ctx = max_batch_tokens, min(max_num_seqs, max_batch_tokens), max_model_len
     # Decode groups: many short rows filling the gather budget, or one row of the longest context.
-    rows = min(seqs, s.gather_budget)
-    groups = [(rows, max(1, min(ctx, s.gather_budget // rows)), True), (1, ctx, True)]
+    bs = s.block_size
+    whole = lambda n: -(-n // bs) * bs  # noqa: E731  (gathers are whole blocks)
+    rows = max(1, min(seqs, s.gather_budget // bs))
+    groups = [(rows, max(bs, min(whole(ctx), s.gather_budget // rows // bs * bs)), True), (1, whole(ctx), True)]
     chunks = min(seqs, SAMPLER_CHUNK_ROWS)
     shape = StepShape(tokens=m, sampled=seqs, decode_groups=groups, prefills=[(min(m, ctx), ctx)],
                       full_sampler_rows=[chunks], penalized_lengths=[ctx])
     # Index buffers of a full step: every sampled sequence gathers up to L context slots; the two
     # groups above stand for two of them.
-    shape.decode_groups += [(1, ctx, True)] * max(0, seqs - 2)
+    shape.decode_groups += [(1, whole(ctx), True)] * max(0, seqs - 2)
     return shape
 
 
