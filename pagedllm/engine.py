@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -79,6 +80,8 @@ class LLMEngine:
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, Sequence] = {}
         self.last_step_shape: StepShape | None = None
+        # Debug mode (the test suite runs with it): verify every step's bookkeeping.
+        self.check_invariants_every_step = os.environ.get("PAGEDLLM_CHECK_INVARIANTS", "") not in ("", "0")
         self.stats = EngineStats(blocks_total=plan.num_blocks, blocks_free=plan.num_blocks,
                                  max_batch_tokens=plan.max_batch_tokens)
         self._ids = itertools.count()
@@ -181,7 +184,38 @@ class LLMEngine:
                 outputs.append(self._append_token(seq, token, lp, now))
         self.stats.steps += 1
         self._refresh_stats(batch.total_tokens)
+        if self.check_invariants_every_step:
+            self.check_invariants()
         return outputs
+
+    def check_invariants(self) -> None:
+        """Raises AssertionError if the block manager and the queues disagree: a block both free
+        and owned, a leak, a request in two states or in none, a finished request still queued."""
+        self.blocks.check_invariants()
+        running = {s.request_id for s in self.scheduler.running}
+        waiting = {s.request_id for s in self.scheduler.waiting}
+        problems = []
+        if len(running) != len(self.scheduler.running) or len(waiting) != len(self.scheduler.waiting):
+            problems.append("a request is queued twice")
+        if running & waiting:
+            problems.append(f"requests both running and waiting: {sorted(running & waiting)}")
+        if running | waiting != set(self.requests):
+            problems.append(f"queued {sorted(running | waiting)} but known {sorted(self.requests)}")
+        if set(self.blocks.tables) - running:
+            problems.append(f"blocks held by requests not running: {sorted(set(self.blocks.tables) - running)}")
+        for seq in self.scheduler.running:
+            if seq.status is not Status.RUNNING:
+                problems.append(f"{seq.request_id} is in the running queue with status {seq.status}")
+            need = self.blocks.blocks_for(seq.num_computed_tokens)
+            if len(self.blocks.table(seq.request_id)) < need:
+                problems.append(f"{seq.request_id} computed {seq.num_computed_tokens} tokens but holds "
+                                f"{len(self.blocks.table(seq.request_id))} blocks")
+        for seq in self.scheduler.waiting:
+            if seq.status is not Status.WAITING or seq.num_computed_tokens:
+                problems.append(f"{seq.request_id} waits with status {seq.status} and "
+                                f"{seq.num_computed_tokens} computed tokens")
+        if problems:
+            raise AssertionError("engine invariants broken: " + "; ".join(problems))
 
     def _recover_from_oom(self, batch, error: BaseException) -> None:
         """Halves the step budget so the same work is retried as smaller steps next time.

@@ -2,6 +2,9 @@ import os
 
 import pytest
 
+# Every engine in the tests (and in the servers they start) verifies its bookkeeping each step.
+os.environ["PAGEDLLM_CHECK_INVARIANTS"] = "1"
+
 from tiny_models import ARCHS, save_tiny_model
 
 

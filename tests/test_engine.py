@@ -126,3 +126,14 @@ def test_engine_stats_track_blocks_and_queues(tiny_checkpoints):
     while engine.has_unfinished():
         engine.step()
     assert engine.stats.blocks_used == 0 and engine.stats.tokens_generated == 12
+
+
+def test_invariant_checker_catches_a_leaked_block(tiny_checkpoints):
+    engine = LLM(tiny_checkpoints["llama"][0], block_size=4, num_blocks=32, max_model_len=128).engine
+    engine.add_request([1, 2, 3], GREEDY)
+    engine.step()
+    engine.check_invariants()
+    engine.blocks.tables["ghost"] = [engine.blocks._free.pop()]  # a block owned by nobody running
+    engine.blocks.ref_counts[engine.blocks.tables["ghost"][0]] = 1
+    with pytest.raises(AssertionError, match="ghost"):
+        engine.check_invariants()
