@@ -1,30 +1,63 @@
-"""BlockManager: owns the free list, per-block reference counts and every sequence's block table.
+"""BlockManager: owns the free list, per-block reference counts, every sequence's block table,
+and the prefix cache.
 
 A block is taken only when a sequence's next token needs one, and all of a sequence's blocks go
-back the moment it finishes, is aborted or is preempted. Reference counts let blocks be shared
-later (prefix caching, parallel sampling) without changing this contract.
+back the moment it finishes, is aborted or is preempted.
+
+Prefix cache: a full block is known by a hash of (its parent block's hash, its token ids), so a
+chain of hashes names a prefix. A block whose tokens are all computed is registered under its
+hash; a new request adopts the longest chain of registered blocks of its tokens (reference
+counts go up, nothing is recomputed). A registered block whose count drops to zero is not
+forgotten: it waits, least recently used first, and is evicted only when a block is needed and
+none is plainly free. A block in use is never evicted, and a sequence only ever writes past what
+it has computed, so shared (full, computed) blocks are never overwritten.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass
+class PrefixCacheStats:
+    queried_tokens: int = 0  # tokens looked up at admission
+    hit_tokens: int = 0  # of which served from cached blocks
+    evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         # A stack: the most recently freed block is reused first, so a cache allocated lazily
         # touches (and costs RAM for) only as many blocks as were ever in use at once.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unused; oldest first
         self.ref_counts = [0] * num_blocks
         self.tables: dict[str, list[int]] = {}
+        self._block_key: dict[int, tuple] = {}  # registered block -> (hash, parent hash, tokens)
+        self._by_hash: dict[int, int] = {}  # hash -> registered block
+        self._hashed: dict[str, tuple[int, int | None]] = {}  # seq -> (blocks registered, last hash)
+        self.prefix_stats = PrefixCacheStats()
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks that can be handed out now: plainly free, or cached and unused (evictable)."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached_free(self) -> int:
+        return len(self._evictable)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -37,35 +70,109 @@ class BlockManager:
         return max(0, self.blocks_for(num_tokens) - len(self.table(seq_id)))
 
     def can_grow(self, seq_id: str, num_tokens: int) -> bool:
-        return self.blocks_needed(seq_id, num_tokens) <= len(self._free)
+        return self.blocks_needed(seq_id, num_tokens) <= self.num_free
 
     def grow(self, seq_id: str, num_tokens: int) -> None:
         need = self.blocks_needed(seq_id, num_tokens)
-        if need > len(self._free):
-            raise RuntimeError(f"grow({seq_id}): needs {need} blocks, {len(self._free)} free")
+        if need > self.num_free:
+            raise RuntimeError(f"grow({seq_id}): needs {need} blocks, {self.num_free} free")
         table = self.tables.setdefault(seq_id, [])
         for _ in range(need):
-            block = self._free.pop()
+            block = self._take()
             self.ref_counts[block] = 1
             table.append(block)
 
+    def _take(self) -> int:
+        if self._free:
+            return self._free.pop()
+        block, _ = self._evictable.popitem(last=False)  # least recently used
+        key = self._block_key.pop(block)
+        del self._by_hash[key[0]]
+        self.prefix_stats.evictions += 1
+        return block
+
     def free(self, seq_id: str) -> None:
+        self._hashed.pop(seq_id, None)
         for block in self.tables.pop(seq_id, []):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
-                self._free.append(block)
+                if block in self._block_key:
+                    self._evictable[block] = None  # most recently used end
+                else:
+                    self._free.append(block)
+
+    # ---- prefix cache -------------------------------------------------------------------------
+
+    def adopt_prefix(self, seq_id: str, tokens: list[int]) -> int:
+        """Gives a sequence with no blocks the longest chain of cached blocks of ``tokens``,
+        leaving at least the last token to compute (its logits are needed). Returns the number
+        of tokens covered."""
+        if not self.enable_prefix_caching or self.tables.get(seq_id):
+            return 0
+        bs = self.block_size
+        self.prefix_stats.queried_tokens += len(tokens)
+        parent, blocks = None, []
+        for i in range((len(tokens) - 1) // bs):
+            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            h = hash((parent, chunk))
+            block = self._by_hash.get(h)
+            if block is None or self._block_key[block][1:] != (parent, chunk):
+                break
+            blocks.append(block)
+            parent = h
+        for block in blocks:
+            if self.ref_counts[block] == 0:
+                del self._evictable[block]
+            self.ref_counts[block] += 1
+        if blocks:
+            self.tables[seq_id] = blocks
+            self._hashed[seq_id] = (len(blocks), parent)
+        self.prefix_stats.hit_tokens += len(blocks) * bs
+        return len(blocks) * bs
+
+    def register_computed(self, seq_id: str, tokens_between, num_computed: int) -> None:
+        """Registers the sequence's blocks that became full and computed, so others can adopt
+        them. ``tokens_between(start, end)`` gives the sequence's token ids (asked only when a
+        block has filled up)."""
+        if not self.enable_prefix_caching:
+            return
+        bs, table = self.block_size, self.tables.get(seq_id, [])
+        done, parent = self._hashed.get(seq_id, (0, None))
+        full = min(num_computed // bs, len(table))
+        for i in range(done, full):
+            chunk = tuple(tokens_between(i * bs, (i + 1) * bs))
+            h = hash((parent, chunk))
+            block = table[i]
+            if h not in self._by_hash and block not in self._block_key:
+                self._by_hash[h] = block
+                self._block_key[block] = (h, parent, chunk)
+            parent = h
+        self._hashed[seq_id] = (max(done, full), parent)
+
+    # ---- checks -------------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        """Every block is either free with count 0 or owned with count = number of owners."""
+        """Every block is exactly one of: plainly free (count 0, unregistered), cached and unused
+        (count 0, registered), or owned (count = number of tables holding it)."""
         owners = [0] * self.num_blocks
         for table in self.tables.values():
             for b in table:
                 owners[b] += 1
-        free = set(self._free)
+        free, evictable = set(self._free), set(self._evictable)
         if len(free) != len(self._free):
             raise AssertionError("a block is on the free list twice")
+        if free & evictable:
+            raise AssertionError(f"blocks both free and cached-free: {sorted(free & evictable)}")
         for b in range(self.num_blocks):
-            if (b in free) != (owners[b] == 0) or self.ref_counts[b] != owners[b]:
+            idle = b in free or b in evictable
+            if idle != (owners[b] == 0) or self.ref_counts[b] != owners[b]:
                 raise AssertionError(
-                    f"block {b}: free={b in free}, owners={owners[b]}, ref_count={self.ref_counts[b]}"
-                )
+                    f"block {b}: free={b in free}, cached-free={b in evictable}, owners={owners[b]}, "
+                    f"ref_count={self.ref_counts[b]}")
+            if b in free and b in self._block_key:
+                raise AssertionError(f"block {b} is plainly free but still registered")
+            if b in evictable and b not in self._block_key:
+                raise AssertionError(f"block {b} is cached-free but not registered")
+        for h, b in self._by_hash.items():
+            if self._block_key.get(b, (None,))[0] != h:
+                raise AssertionError(f"hash table and block {b} disagree")

@@ -27,6 +27,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output")
     g.add_argument("--kv-cache-dtype", default=None, choices=["float32", "bfloat16"],
                    help="KV cache dtype (default: as --dtype)")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="do not reuse the KV blocks of prompt prefixes seen before")
     m = g.add_mutually_exclusive_group()
     m.add_argument("--memory", default=None, help="the whole engine's budget, e.g. 6GiB")
     m.add_argument("--memory-fraction", type=float, default=None,
@@ -62,7 +64,7 @@ def _llm(args):
 
 
 def _engine_kwargs(args) -> dict:
-    return dict(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
+    return dict(enable_prefix_caching=args.enable_prefix_caching, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
                 num_blocks=args.num_blocks, max_batch_tokens=args.max_batch_tokens,
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                 memory=args.memory, memory_fraction=args.memory_fraction)
@@ -109,6 +111,7 @@ def cmd_plan(args) -> int:
         model_dir, name = resolve_model_dir(args.model)
         cfg = ModelConfig.from_file(model_dir)
     kwargs = _engine_kwargs(args)
+    kwargs.pop("enable_prefix_caching")
     try:
         result = plan_engine(cfg, model_name=name, **kwargs)
     except CacheDoesNotFitError as e:

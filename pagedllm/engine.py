@@ -50,6 +50,10 @@ class EngineStats:
     blocks_used: int = 0
     blocks_free: int = 0
     blocks_total: int = 0
+    blocks_cached_free: int = 0  # unused blocks kept for their cached prefix (counted as free)
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0  # prompt tokens served from cached blocks, not recomputed
+    prefix_cache_evictions: int = 0
     oom_recoveries: int = 0
     max_batch_tokens: int = 0  # the effective step budget (lowered by out-of-memory recoveries)
 
@@ -58,7 +62,8 @@ class LLMEngine:
     """Give it a loaded model and either a ``plan`` (from ``planner.plan_engine``) or the same
     knobs ``plan_engine`` takes; the plan is checked before the KV cache is allocated."""
 
-    def __init__(self, loaded: LoadedModel, *, plan: MemoryPlan | None = None, **sizes):
+    def __init__(self, loaded: LoadedModel, *, plan: MemoryPlan | None = None,
+                 enable_prefix_caching: bool = True, **sizes):
         cfg = loaded.config
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -68,7 +73,7 @@ class LLMEngine:
                                **sizes)
         self.memory_plan = plan
         self.max_model_len = plan.max_model_len
-        self.blocks = BlockManager(plan.num_blocks, plan.block_size)
+        self.blocks = BlockManager(plan.num_blocks, plan.block_size, enable_prefix_caching)
         self.kv_cache = KVCache(cfg, plan.num_blocks, plan.block_size, getattr(torch, plan.kv_dtype))
         self.scheduler = Scheduler(self.blocks, plan.max_batch_tokens, plan.max_num_seqs)
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.blocks)
@@ -173,6 +178,7 @@ class LLMEngine:
             prompt_part = max(0, min(seq.num_prompt_tokens, seq.num_computed_tokens + n) - seq.num_computed_tokens)
             self.stats.prompt_tokens_computed += prompt_part
             seq.num_computed_tokens += n
+            self.blocks.register_computed(seq.request_id, seq.tokens, seq.num_computed_tokens)
         outputs = []
         for seq in bad:
             self._finish(seq, "error", "the model produced non-finite logits for this request")
@@ -302,11 +308,15 @@ class LLMEngine:
 
     def _refresh_gauges(self) -> None:
         """Queue lengths and block counts, kept current after every step, add and abort."""
-        s = self.stats
+        s, prefix = self.stats, self.blocks.prefix_stats
         s.running = len(self.scheduler.running)
         s.waiting = len(self.scheduler.waiting)
         s.blocks_used = self.blocks.num_used
         s.blocks_free = self.blocks.num_free
+        s.blocks_cached_free = self.blocks.num_cached_free
+        s.prefix_cache_queried_tokens = prefix.queried_tokens
+        s.prefix_cache_hit_tokens = prefix.hit_tokens
+        s.prefix_cache_evictions = prefix.evictions
 
 
 def _dtype_name(loaded: LoadedModel) -> str:

@@ -30,7 +30,7 @@ class LLM:
                  kv_cache_dtype: str | None = None, block_size: int = 16, num_blocks: int | None = None,
                  max_batch_tokens: int | None = None, max_num_seqs: int | None = None,
                  max_model_len: int | None = None, memory: str | int | None = None,
-                 memory_fraction: float | None = None):
+                 memory_fraction: float | None = None, enable_prefix_caching: bool = True):
         """``memory="6GiB"`` (the whole engine) or ``memory_fraction=0.9`` of what is free now;
         whatever of num_blocks / max_batch_tokens is left unset is solved for. The plan is
         checked from config.json before any weight is loaded: CacheDoesNotFitError if it cannot fit.
@@ -44,7 +44,7 @@ class LLM:
             memory=memory, memory_fraction=memory_fraction)
         self.loaded = loading.load_dir(model_dir, name, dtype)
         self.tokenizer = self.loaded.tokenizer
-        self.engine = LLMEngine(self.loaded, plan=self.memory_plan)
+        self.engine = LLMEngine(self.loaded, plan=self.memory_plan, enable_prefix_caching=enable_prefix_caching)
 
     @property
     def stats(self):

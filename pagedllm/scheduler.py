@@ -85,8 +85,12 @@ class Scheduler:
             return batch  # memory is tight: admit nobody new this step
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            # Reuse the longest cached prefix (prefix caching): those tokens are not recomputed.
+            seq.num_computed_tokens = self.blocks.adopt_prefix(seq.request_id, seq.tokens(0, seq.num_tokens))
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.blocks.can_grow(seq.request_id, seq.num_computed_tokens + n):
+                self.blocks.free(seq.request_id)  # adopted blocks go back to the cache
+                seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             self.blocks.grow(seq.request_id, seq.num_computed_tokens + n)

@@ -97,7 +97,8 @@ def main(args) -> int:
     engine_options = {k: v for k, v in dict(
         memory=args.memory, memory_fraction=args.memory_fraction, num_blocks=args.num_blocks,
         max_batch_tokens=args.max_batch_tokens, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
-        max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype).items() if v is not None}
+        max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
+        enable_prefix_caching=args.enable_prefix_caching).items() if v is not None}
     peer_options = {"batch_size": args.hf_batch_size, "gguf": args.gguf}
     print(f"# {name}, workload {workload.name}: {len(workload.prompts)} requests, {workload.prompt_tokens} "
           f"prompt tokens, {sum(workload.max_tokens)} new tokens, greedy, ignore_eos, {args.dtype}")

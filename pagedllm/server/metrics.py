@@ -67,6 +67,10 @@ class _EngineCollector:
             "pagedllm_kv_blocks_used": ("KV cache blocks in use", s.blocks_used),
             "pagedllm_kv_blocks_total": ("KV cache blocks", s.blocks_total),
             "pagedllm_max_batch_tokens": ("Effective tokens per step", s.max_batch_tokens),
+            "pagedllm_kv_blocks_cached_free": ("Unused KV blocks kept for their cached prefix",
+                                               s.blocks_cached_free),
+            "pagedllm_prefix_cache_hit_rate": ("Prompt tokens served from the prefix cache / looked up",
+                                               s.prefix_cache_hit_tokens / max(1, s.prefix_cache_queried_tokens)),
             "pagedllm_generation_tokens_per_second": ("Generated tokens per second, last 10 s",
                                                       self.throughput.rate()),
         }
@@ -83,6 +87,9 @@ class _EngineCollector:
             "pagedllm_requests_aborted": ("Requests aborted", s.requests_aborted),
             "pagedllm_requests_failed": ("Requests failed inside the engine", s.requests_failed),
             "pagedllm_steps": ("Engine steps", s.steps),
+            "pagedllm_prefix_cache_hit_tokens": ("Prompt tokens served from the prefix cache",
+                                                 s.prefix_cache_hit_tokens),
+            "pagedllm_prefix_cache_evictions": ("Cached blocks evicted for new ones", s.prefix_cache_evictions),
         }
         for name, (doc, value) in counters.items():
             c = CounterMetricFamily(name, doc, labels=["model"])
