@@ -1,6 +1,6 @@
 """Throughput against max_batch_tokens (M) on this machine: the evidence for the planner's auto M.
 
-Same workload as generate_vs_transformers.py (64 chat prompts of 16..256 tokens, 64 new tokens,
+The standard workload of `pagedllm bench` (64 chat prompts of 16..256 tokens, 64 new tokens,
 greedy, ignore_eos). For each M: output tokens/s, total tokens/s, and the planner's activation
 reserve for that M.
 
@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from generate_vs_transformers import workload
 from pagedllm import LLM, SamplingParams
+from pagedllm.bench.workloads import standard
 
 
 def main() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
     print("|---:|---:|---:|---:|")
     for m in (int(v) for v in args.values.split(",")):
         llm = LLM(dtype=args.dtype, max_batch_tokens=m, memory="3GiB")
-        prompts = prompts or workload(llm.tokenizer)
+        prompts = prompts or standard(llm.tokenizer).prompts
         llm.generate(prompts[:4], SamplingParams(max_tokens=4, temperature=0))  # warm-up
         start = time.perf_counter()
         outs = llm.generate(prompts, params)

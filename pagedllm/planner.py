@@ -25,8 +25,8 @@ With N = KV-cache blocks, M = ``max_batch_tokens``, S = ``max_num_seqs``, L = ``
     sampler works on chunks of 8 rows, so its workspace is a constant (≈ 25 · 8 · vocab bytes).
 
 - ``buffers``: the step's index tensors (token ids, positions, slot mapping: 8 bytes each per
-  token; context gather indices: 9 bytes per (sequence, context slot), which is bilinear in S and
-  L: the one bilinear term, bounded by S · L).
+  token; 8 bytes per context block gathered; a 1-byte padding mask per (decode row, key slot),
+  which is bilinear in S and L: the one bilinear term, bounded by S · L).
 - On bf16, oneDNN's GEMM kernels take a scratch buffer from torch's allocator; measured on this
   torch build, it is at most ``128 · (2 · min(K, 512) + 17 + 4 · (min(rows, 256) - 1))`` bytes
   (+128 KiB for K > 1024) for a [rows, K] input. On fp32 there is none.
