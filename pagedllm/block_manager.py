@@ -110,7 +110,6 @@ class BlockManager:
         if not self.enable_prefix_caching or self.tables.get(seq_id):
             return 0
         bs = self.block_size
-        self.prefix_stats.queried_tokens += len(tokens)
         parent, blocks = None, []
         for i in range((len(tokens) - 1) // bs):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
@@ -127,8 +126,14 @@ class BlockManager:
         if blocks:
             self.tables[seq_id] = blocks
             self._hashed[seq_id] = (len(blocks), parent)
-        self.prefix_stats.hit_tokens += len(blocks) * bs
         return len(blocks) * bs
+
+    def count_admission(self, num_tokens: int, reused: int) -> None:
+        """Hit-rate bookkeeping, once per admitted request (a lookup that could not be admitted
+        yet is repeated later and must not count twice)."""
+        if self.enable_prefix_caching:
+            self.prefix_stats.queried_tokens += num_tokens
+            self.prefix_stats.hit_tokens += reused
 
     def register_computed(self, seq_id: str, tokens_between, num_computed: int) -> None:
         """Registers the sequence's blocks that became full and computed, so others can adopt

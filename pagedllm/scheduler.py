@@ -93,6 +93,7 @@ class Scheduler:
                 seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
+            self.blocks.count_admission(seq.num_tokens, seq.num_computed_tokens)
             self.blocks.grow(seq.request_id, seq.num_computed_tokens + n)
             seq.status = Status.RUNNING
             seq.admitted_at = self._admissions
