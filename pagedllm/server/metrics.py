@@ -74,10 +74,6 @@ class _EngineCollector:
             "pagedllm_generation_tokens_per_second": ("Generated tokens per second, last 10 s",
                                                       self.throughput.rate()),
         }
-        for name, (doc, value) in gauges.items():
-            g = GaugeMetricFamily(name, doc, labels=["model"])
-            g.add_metric([self.model], value)
-            yield g
         counters = {
             "pagedllm_prompt_tokens": ("Prompt tokens computed", s.prompt_tokens_computed),
             "pagedllm_generation_tokens": ("Tokens generated", s.tokens_generated),
@@ -91,10 +87,11 @@ class _EngineCollector:
                                                  s.prefix_cache_hit_tokens),
             "pagedllm_prefix_cache_evictions": ("Cached blocks evicted for new ones", s.prefix_cache_evictions),
         }
-        for name, (doc, value) in counters.items():
-            c = CounterMetricFamily(name, doc, labels=["model"])
-            c.add_metric([self.model], value)
-            yield c
+        for family, table in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+            for name, (doc, value) in table.items():
+                metric = family(name, doc, labels=["model"])
+                metric.add_metric([self.model], value)
+                yield metric
         errors = CounterMetricFamily("pagedllm_http_errors", "Error responses by status", labels=["status"])
         for status, count in sorted(self.metrics.http_errors.items()):
             errors.add_metric([str(status)], count)

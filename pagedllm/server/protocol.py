@@ -18,6 +18,13 @@ MAX_MESSAGES = 1024
 MAX_PROMPTS = 256
 
 
+def _refuse_if_set(value, info):
+    """A known OpenAI field pagedllm does not implement: refused when set, never ignored."""
+    if value:
+        raise ValueError(f"{info.field_name} is not supported")
+    return value
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -56,10 +63,8 @@ class SamplingFields(BaseModel):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v):
-        if v:
-            raise ValueError("logit_bias is not supported")
-        return v
+    def _no_logit_bias(cls, v, info):
+        return _refuse_if_set(v, info)
 
 
 class CompletionRequest(SamplingFields):
@@ -115,10 +120,8 @@ class ChatCompletionRequest(SamplingFields):
 
     @field_validator("tools")
     @classmethod
-    def _no_tools(cls, v):
-        if v:
-            raise ValueError("tools are not supported")
-        return v
+    def _no_tools(cls, v, info):
+        return _refuse_if_set(v, info)
 
     @field_validator("response_format")
     @classmethod
