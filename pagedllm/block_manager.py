@@ -11,6 +11,12 @@ counts go up, nothing is recomputed). A registered block whose count drops to ze
 forgotten: it waits, least recently used first, and is evicted only when a block is needed and
 none is plainly free. A block in use is never evicted, and a sequence only ever writes past what
 it has computed, so shared (full, computed) blocks are never overwritten.
+
+Forks (parallel sampling): a forked sequence starts with its parent's table, every block's
+count one higher. Full blocks are then read-only for both; the partially filled last block is
+the one either would write next, so the first write into a block that others still hold goes
+to a private copy (copy-on-write): ``prepare_write`` takes a fresh block and returns the
+(source, destination) pair for the runner to copy before the step computes anything.
 """
 
 from __future__ import annotations
@@ -40,10 +46,10 @@ class BlockManager:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unused; oldest first
         self.ref_counts = [0] * num_blocks
-        self.tables: dict[str, list[int]] = {}
+        self.tables: dict[object, list[int]] = {}  # sequence id -> its blocks, in order
         self._block_key: dict[int, tuple] = {}  # registered block -> (hash, parent hash, tokens)
         self._by_hash: dict[int, int] = {}  # hash -> registered block
-        self._hashed: dict[str, tuple[int, int | None]] = {}  # seq -> (blocks registered, last hash)
+        self._hashed: dict[object, tuple[int, int | None]] = {}  # seq -> (blocks registered, last hash)
         self.prefix_stats = PrefixCacheStats()
 
     @property
@@ -62,25 +68,55 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def table(self, seq_id: str) -> list[int]:
+    def table(self, seq_id) -> list[int]:
         return self.tables.get(seq_id, [])
 
-    def blocks_needed(self, seq_id: str, num_tokens: int) -> int:
+    def blocks_needed(self, seq_id, num_tokens: int) -> int:
         """Blocks ``seq_id`` still has to take to hold ``num_tokens`` tokens."""
         return max(0, self.blocks_for(num_tokens) - len(self.table(seq_id)))
 
-    def can_grow(self, seq_id: str, num_tokens: int) -> bool:
-        return self.blocks_needed(seq_id, num_tokens) <= self.num_free
+    def blocks_to_write(self, seq_id, start: int, end: int) -> int:
+        """Blocks a sequence must take to write tokens [start, end): new ones past its table,
+        plus a private copy of a shared block it would write into."""
+        return self.blocks_needed(seq_id, end) + (self._shared_block_at(seq_id, start) is not None)
 
-    def grow(self, seq_id: str, num_tokens: int) -> None:
-        need = self.blocks_needed(seq_id, num_tokens)
+    def can_write(self, seq_id, start: int, end: int) -> bool:
+        return self.blocks_to_write(seq_id, start, end) <= self.num_free
+
+    def prepare_write(self, seq_id, start: int, end: int) -> list[tuple[int, int]]:
+        """Makes tokens [start, end) writable: copies a shared block on first write, appends
+        the blocks still missing. Returns the (source, destination) block copies to perform."""
+        need = self.blocks_to_write(seq_id, start, end)
         if need > self.num_free:
-            raise RuntimeError(f"grow({seq_id}): needs {need} blocks, {self.num_free} free")
+            raise RuntimeError(f"prepare_write({seq_id}): needs {need} blocks, {self.num_free} free")
+        copies = []
         table = self.tables.setdefault(seq_id, [])
-        for _ in range(need):
+        i = self._shared_block_at(seq_id, start)
+        if i is not None:
+            shared, private = table[i], self._take()
+            self.ref_counts[shared] -= 1  # others still hold it: it stays owned
+            self.ref_counts[private] = 1
+            table[i] = private
+            copies.append((shared, private))
+        for _ in range(self.blocks_needed(seq_id, end)):
             block = self._take()
             self.ref_counts[block] = 1
             table.append(block)
+        return copies
+
+    def _shared_block_at(self, seq_id, position: int) -> int | None:
+        """Index in the table of the block holding ``position`` if others hold it too."""
+        table, i = self.table(seq_id), position // self.block_size
+        return i if i < len(table) and self.ref_counts[table[i]] > 1 else None
+
+    def fork(self, parent_id, child_id) -> None:
+        """Gives ``child_id`` the parent's blocks (shared, counted), and its prefix-cache place."""
+        table = list(self.table(parent_id))
+        for block in table:
+            self.ref_counts[block] += 1
+        self.tables[child_id] = table
+        if parent_id in self._hashed:
+            self._hashed[child_id] = self._hashed[parent_id]
 
     def _take(self) -> int:
         if self._free:
@@ -91,7 +127,7 @@ class BlockManager:
         self.prefix_stats.evictions += 1
         return block
 
-    def free(self, seq_id: str) -> None:
+    def free(self, seq_id) -> None:
         self._hashed.pop(seq_id, None)
         for block in self.tables.pop(seq_id, []):
             self.ref_counts[block] -= 1
@@ -103,7 +139,7 @@ class BlockManager:
 
     # ---- prefix cache -------------------------------------------------------------------------
 
-    def adopt_prefix(self, seq_id: str, tokens: list[int]) -> int:
+    def adopt_prefix(self, seq_id, tokens: list[int]) -> int:
         """Gives a sequence with no blocks the longest chain of cached blocks of ``tokens``,
         leaving at least the last token to compute (its logits are needed). Returns the number
         of tokens covered."""
@@ -135,7 +171,7 @@ class BlockManager:
             self.prefix_stats.queried_tokens += num_tokens
             self.prefix_stats.hit_tokens += reused
 
-    def register_computed(self, seq_id: str, tokens_between, num_computed: int) -> None:
+    def register_computed(self, seq_id, tokens_between, num_computed: int) -> None:
         """Registers the sequence's blocks that became full and computed, so others can adopt
         them. ``tokens_between(start, end)`` gives the sequence's token ids (asked only when a
         block has filled up)."""

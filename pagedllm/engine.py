@@ -54,6 +54,7 @@ class EngineStats:
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0  # prompt tokens served from cached blocks, not recomputed
     prefix_cache_evictions: int = 0
+    blocks_copied: int = 0  # copy-on-write copies of blocks shared by the samples of one request
     oom_recoveries: int = 0
     max_batch_tokens: int = 0  # the effective step budget (lowered by out-of-memory recoveries)
 
@@ -110,9 +111,7 @@ class LLMEngine:
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         self.validate(request_id, ids, params)
-        seq = Sequence(request_id, ids, params)
-        if params.seed is not None:
-            seq.generator = torch.Generator().manual_seed(params.seed)
+        seq = Sequence(request_id, ids, params)  # n > 1: forks into n samples later (see sequence.py)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         self._refresh_gauges()
@@ -126,6 +125,8 @@ class LLMEngine:
         vocab = self.loaded.config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise RequestRejected(f"prompt token ids must be integers in [0, {vocab})")
+        if params.n > self.scheduler.max_num_seqs:
+            raise RequestRejected(f"n={params.n} samples exceed max_num_seqs={self.scheduler.max_num_seqs}")
         need = len(ids) + params.max_tokens
         if need > min(self.max_model_len, self.cache_capacity_tokens):
             raise RequestRejected(
@@ -134,14 +135,18 @@ class LLMEngine:
                 f"tokens: {self.blocks.num_blocks} blocks of {self.blocks.block_size})"
             )
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        seq = self.requests.get(request_id)
-        if seq is None:
-            return None
-        self._finish(seq, "abort")
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Ends every unfinished sample of a request; returns their final outputs ([] if the
+        request is unknown or already finished)."""
+        first = self.requests.get(request_id)
+        if first is None:
+            return []
+        live = [s for s in first.group if not s.is_finished]
+        for seq in live:
+            self._finish(seq, "abort")
         self.stats.requests_aborted += 1
         self._refresh_gauges()
-        return self._output(seq)
+        return [self._output(seq) for seq in live]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -156,6 +161,7 @@ class LLMEngine:
         """
         batch = self.scheduler.schedule()
         self.stats.preemptions += len(batch.preempted)
+        self.stats.blocks_copied += len(batch.copies)
         if not batch:
             self._refresh_stats(0)
             return []
@@ -178,7 +184,7 @@ class LLMEngine:
             prompt_part = max(0, min(seq.num_prompt_tokens, seq.num_computed_tokens + n) - seq.num_computed_tokens)
             self.stats.prompt_tokens_computed += prompt_part
             seq.num_computed_tokens += n
-            self.blocks.register_computed(seq.request_id, seq.tokens, seq.num_computed_tokens)
+            self.blocks.register_computed(seq.seq_id, seq.tokens, seq.num_computed_tokens)
         outputs = []
         for seq in bad:
             self._finish(seq, "error", "the model produced non-finite logits for this request")
@@ -198,27 +204,30 @@ class LLMEngine:
         """Raises AssertionError if the block manager and the queues disagree: a block both free
         and owned, a leak, a request in two states or in none, a finished request still queued."""
         self.blocks.check_invariants()
-        running = {s.request_id for s in self.scheduler.running}
-        waiting = {s.request_id for s in self.scheduler.waiting}
+        running = {s.seq_id for s in self.scheduler.running}
+        waiting = {s.seq_id for s in self.scheduler.waiting}
+        known = {s.seq_id for first in self.requests.values() for s in first.group if not s.is_finished}
         problems = []
         if len(running) != len(self.scheduler.running) or len(waiting) != len(self.scheduler.waiting):
             problems.append("a request is queued twice")
         if running & waiting:
             problems.append(f"requests both running and waiting: {sorted(running & waiting)}")
-        if running | waiting != set(self.requests):
-            problems.append(f"queued {sorted(running | waiting)} but known {sorted(self.requests)}")
+        if running | waiting != known:
+            problems.append(f"queued sequences {sorted(running | waiting)} but live ones {sorted(known)}")
+        if self.scheduler.slots_used > self.scheduler.max_num_seqs:
+            problems.append(f"{self.scheduler.slots_used} running samples exceed max_num_seqs")
         if set(self.blocks.tables) - running:
             problems.append(f"blocks held by requests not running: {sorted(set(self.blocks.tables) - running)}")
         for seq in self.scheduler.running:
             if seq.status is not Status.RUNNING:
-                problems.append(f"{seq.request_id} is in the running queue with status {seq.status}")
+                problems.append(f"{seq.request_id}[{seq.index}] is in the running queue with status {seq.status}")
             need = self.blocks.blocks_for(seq.num_computed_tokens)
-            if len(self.blocks.table(seq.request_id)) < need:
-                problems.append(f"{seq.request_id} computed {seq.num_computed_tokens} tokens but holds "
-                                f"{len(self.blocks.table(seq.request_id))} blocks")
+            if len(self.blocks.table(seq.seq_id)) < need:
+                problems.append(f"{seq.request_id}[{seq.index}] computed {seq.num_computed_tokens} tokens but "
+                                f"holds {len(self.blocks.table(seq.seq_id))} blocks")
         for seq in self.scheduler.waiting:
             if seq.status is not Status.WAITING or seq.num_computed_tokens:
-                problems.append(f"{seq.request_id} waits with status {seq.status} and "
+                problems.append(f"{seq.request_id}[{seq.index}] waits with status {seq.status} and "
                                 f"{seq.num_computed_tokens} computed tokens")
         if problems:
             raise AssertionError("engine invariants broken: " + "; ".join(problems))
@@ -269,7 +278,7 @@ class LLMEngine:
             self._finish(seq, "stop")
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             self._finish(seq, "length")
-        if seq.is_finished:
+        if seq.is_finished and seq.request_finished:
             self.stats.requests_finished += 1
         return self._output(seq)
 
@@ -278,10 +287,12 @@ class LLMEngine:
             return
         self.scheduler.remove(seq)
         seq.status = Status.FINISHED
+        seq.pending_forks = 0  # a request aborted before it forked has no other samples
         seq.finish_reason = reason
         seq.error = error
         seq.finish_time = time.perf_counter()
-        del self.requests[seq.request_id]
+        if seq.request_finished:
+            del self.requests[seq.request_id]
 
     def _output(self, seq: Sequence) -> RequestOutput:
         end = self.detokenizer.releasable(seq)
@@ -299,6 +310,8 @@ class LLMEngine:
             logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
             metrics=RequestMetrics(seq.arrival_time, seq.first_token_time, seq.finish_time,
                                    seq.num_preemptions),
+            index=seq.index,
+            request_finished=seq.request_finished,
         )
 
     def _refresh_stats(self, step_tokens: int) -> None:

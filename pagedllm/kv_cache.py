@@ -41,6 +41,14 @@ class KVCache:
         self.v = [_zeros(shape, dtype, device) for _ in range(cfg.num_layers)]
         self.bytes_per_block = kv_bytes_per_block(cfg, block_size, dtype)
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies every layer's K/V of block ``src`` into block ``dst`` (copy-on-write of a
+        shared block). Block by block and in place: no temporary larger than one block."""
+        bs = self.block_size
+        for src, dst in pairs:
+            for cache in (*self.k, *self.v):
+                cache[:, dst * bs:(dst + 1) * bs].copy_(cache[:, src * bs:(src + 1) * bs])
+
     @property
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size

@@ -56,7 +56,8 @@ class LLM:
         """Runs every prompt to completion; outputs come back in input order.
 
         A prompt is a string or a list of token ids; one SamplingParams applies to all, or give
-        one per prompt. A prompt that can never run raises before anything is queued.
+        one per prompt. A prompt that can never run raises before anything is queued. With
+        ``n`` > 1, each output's ``outputs`` holds all n samples (its own fields are sample 0's).
         """
         prompts = _as_prompt_list(prompts)
         params = _per_prompt(sampling_params, len(prompts))
@@ -64,26 +65,33 @@ class LLM:
         for i, (p, sp) in enumerate(zip(ids, params)):
             self.engine.validate(f"#{i}", p, sp)  # all-or-nothing: check before queueing any
         request_ids = [self.engine.add_request(p, sp) for p, sp in zip(ids, params)]
-        results: dict[str, RequestOutput] = {}
+        samples: dict[str, dict[int, RequestOutput]] = {rid: {} for rid in request_ids}
+        done: set[str] = set()
         bar = _Progress(len(prompts)) if progress else None
         try:
-            while len(results) < len(request_ids):
+            while len(done) < len(request_ids):
                 for out in self.engine.step():
                     if out.finished:
-                        results[out.request_id] = out
+                        samples[out.request_id][out.index] = out
+                    if out.request_finished:
+                        done.add(out.request_id)
                         if bar:
-                            bar.update(len(out.token_ids))
+                            bar.update(sum(len(o.token_ids) for o in samples[out.request_id].values()))
         except BaseException:
             for rid in request_ids:
-                if rid not in results:
+                if rid not in done:
                     self.engine.abort(rid)
             raise
         finally:
             if bar:
                 bar.close()
-        outputs = [results[rid] for rid in request_ids]
-        for out, p in zip(outputs, prompts):
+        outputs = []
+        for rid, p in zip(request_ids, prompts):
+            by_index = samples[rid]
+            out = by_index[0]
+            out.outputs = [by_index[i].completion() for i in sorted(by_index)]
             out.prompt = p if isinstance(p, str) else None
+            outputs.append(out)
         return outputs
 
     def chat(self, messages: list[dict] | list[list[dict]],
@@ -95,6 +103,8 @@ class LLM:
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yields text deltas as they become final; never splits a multi-byte character."""
+        if sampling_params is not None and sampling_params.n > 1:
+            raise ValueError("stream() yields one sample's text: use generate() (or the server) for n > 1")
         rid = self.engine.add_request(prompt, sampling_params)
         done = False
         try:

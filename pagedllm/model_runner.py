@@ -28,6 +28,7 @@ class ModelRunner:
 
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """Returns (logits [S, vocab], indices into batch.seqs of the S sampled sequences)."""
+        self.kv_cache.copy_blocks(batch.copies)  # copy-on-write first: later writes may reuse a source
         input_ids: list[int] = []
         positions: list[int] = []
         slices: list[SequenceSlice] = []
@@ -35,7 +36,7 @@ class ModelRunner:
         sampled: list[int] = []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             start = seq.num_computed_tokens
-            slices.append(SequenceSlice(len(input_ids), n, start + n, self.blocks.table(seq.request_id)))
+            slices.append(SequenceSlice(len(input_ids), n, start + n, self.blocks.table(seq.seq_id)))
             input_ids.extend(seq.tokens(start, start + n))
             positions.extend(range(start, start + n))
             if start + n == seq.num_tokens:

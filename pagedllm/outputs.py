@@ -22,7 +22,23 @@ class RequestMetrics:
 
 
 @dataclass
+class CompletionOutput:
+    """One of the n samples of a request (``SamplingParams.n``)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[dict] | None = None
+    error: str | None = None
+
+
+@dataclass
 class RequestOutput:
+    """The state of one sample of a request. The engine emits one per sample whenever it has new
+    text or finishes (``index`` says which sample; ``request_finished`` that all are done).
+    ``LLM.generate`` returns one per prompt: sample 0's fields, and every sample in ``outputs``."""
+
     request_id: str
     prompt_token_ids: list[int]
     text: str
@@ -35,3 +51,10 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     prompt: str | None = None
     extra: dict = field(default_factory=dict)
+    index: int = 0
+    request_finished: bool = False
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+    def completion(self) -> CompletionOutput:
+        return CompletionOutput(self.index, self.text, self.token_ids, self.finish_reason, self.logprobs,
+                                self.error)

@@ -22,6 +22,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; n = chosen token plus the top n
+    n: int = 1  # samples of this prompt; they share its KV blocks. With a seed, sample i uses seed + i.
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -46,6 +47,7 @@ class SamplingParams:
             (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
              "logprobs must be None or an integer in [0, 20]"),
             (self.seed is None or isinstance(self.seed, int), "seed must be an integer or None"),
+            (isinstance(self.n, int) and self.n >= 1, "n must be an integer >= 1"),
         ]
         for ok, message in checks:
             if not ok:

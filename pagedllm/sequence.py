@@ -1,14 +1,25 @@
-"""Sequence: one request as the scheduler, block manager, runner and engine all see it."""
+"""Sequence: one sample of a request, as the scheduler, block manager, runner and engine see it.
+
+A request asking for ``n`` samples starts as one sequence (index 0) that carries the other n - 1
+as ``pending_forks``. Its prompt is computed once; just before its last prompt token, it forks:
+the children share every prompt block (the block manager counts references), and each one then
+computes the last prompt token itself, into its own copy of the shared partial block
+(copy-on-write), and samples its own first token. Until then a forking sequence occupies n of the
+scheduler's ``max_num_seqs`` slots, so forking never exceeds the planned batch.
+"""
 
 from __future__ import annotations
 
 import enum
+import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from .sampling_params import SamplingParams
+
+_seq_ids = itertools.count()
 
 
 class Status(enum.Enum):
@@ -17,11 +28,15 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    index: int = 0  # which of the request's n samples
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))  # the block manager's key
+    pending_forks: int = 0  # samples still to split off this one (see the module docstring)
+    group: list[Sequence] = field(default_factory=list)  # every sample of the request, forked or not
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
@@ -39,6 +54,14 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
 
+    def __post_init__(self):
+        if not self.group:
+            self.group.append(self)
+        if self.index == 0 and not self.pending_forks:
+            self.pending_forks = self.params.n - 1
+        if self.generator is None and self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed + self.index)
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -46,6 +69,24 @@ class Sequence:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def width(self) -> int:
+        """Scheduler slots this sequence holds: itself plus the samples it will fork into."""
+        return 1 + self.pending_forks
+
+    @property
+    def ready_to_fork(self) -> bool:
+        return self.pending_forks > 0 and self.num_computed_tokens == self.num_prompt_tokens - 1
+
+    def fork(self) -> list[Sequence]:
+        """Splits off the pending samples: same prompt, computed state and timings, own seed."""
+        children = [replace(self, index=len(self.group) + i, seq_id=next(_seq_ids), pending_forks=0,
+                            group=self.group, output_token_ids=[], generator=None, logprobs=[])
+                    for i in range(self.pending_forks)]
+        self.group.extend(children)
+        self.pending_forks = 0
+        return children
 
     def token_at(self, i: int) -> int:
         p = len(self.prompt_token_ids)
@@ -60,3 +101,8 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def request_finished(self) -> bool:
+        """Every sample of the request has finished (none is left to fork)."""
+        return all(s.is_finished for s in self.group)

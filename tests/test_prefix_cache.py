@@ -81,22 +81,26 @@ def test_any_interleaving_keeps_the_invariants_and_ends_every_request_once(tiny_
     for op, which, length in ops:
         if op == "add":
             ids.append(engine.add_request(prefixes[which] + [13] * (length % 7), SamplingParams(
-                max_tokens=1 + length % 9, temperature=0, ignore_eos=True)))
+                max_tokens=1 + length % 9, temperature=length % 2, ignore_eos=True, n=1 + length % 3)))
         elif op == "abort" and ids:
-            out = engine.abort(ids[which % len(ids)])
-            if out is not None:
-                ended[out.request_id] = ended.get(out.request_id, 0) + 1
+            for out in engine.abort(ids[which % len(ids)]):
+                ended[out.request_id, out.index] = ended.get((out.request_id, out.index), 0) + 1
         else:
             for out in engine.step():
                 if out.finished:
-                    ended[out.request_id] = ended.get(out.request_id, 0) + 1
+                    ended[out.request_id, out.index] = ended.get((out.request_id, out.index), 0) + 1
         engine.check_invariants()
     while engine.has_unfinished():
         for out in engine.step():
             if out.finished:
-                ended[out.request_id] = ended.get(out.request_id, 0) + 1
+                ended[out.request_id, out.index] = ended.get((out.request_id, out.index), 0) + 1
         engine.check_invariants()
-    assert sorted(ended) == sorted(ids) and set(ended.values()) <= {1}
+    # every sample ends exactly once; each request's samples are 0..k-1 (fewer than n only if
+    # it was aborted before its prompt was computed)
+    assert {rid for rid, _ in ended} == set(ids) and set(ended.values()) <= {1}
+    for rid in ids:
+        indices = sorted(i for r, i in ended if r == rid)
+        assert indices == list(range(len(indices)))
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
 

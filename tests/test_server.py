@@ -89,6 +89,24 @@ def test_n_logprobs_and_stop(client):
     assert len(lp.choices[0].logprobs.token_logprobs) == 2 and len(lp.choices[0].logprobs.top_logprobs[0]) == 3
 
 
+def test_n_samples_of_several_prompts_stream_as_they_return_whole(client, server):
+    """Prompt i's sample j is choice i * n + j, streamed or not; the samples share prompt blocks."""
+    args = dict(model=MODEL, prompt=["Once upon a time", "The best way to"], n=3, max_tokens=12,
+                temperature=1.0, seed=11)
+    copied_before = server.metric("pagedllm_kv_blocks_copied_total")
+    whole = client.completions.create(**args)
+    assert [c.index for c in whole.choices] == list(range(6))
+    assert len({c.text for c in whole.choices}) > 1
+    assert server.metric("pagedllm_kv_blocks_copied_total") > copied_before
+    texts = [""] * 6
+    reasons = [None] * 6
+    for chunk in client.completions.create(stream=True, **args):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            reasons[c.index] = c.finish_reason or reasons[c.index]
+    assert texts == [c.text for c in whole.choices] and reasons == [c.finish_reason for c in whole.choices]
+
+
 def test_32_streaming_clients_with_a_quarter_disconnecting_free_every_block(server):
     async def one(i: int, http: httpx.AsyncClient):
         body = {"model": MODEL, "messages": [{"role": "user", "content": f"Count from {i} to {i + 40}."}],

@@ -131,8 +131,7 @@ def create_app(llm, *, served_model_name: str | None = None, api_key: str | None
             raise APIError(404, f"model {name!r} does not exist; this server serves {model_name!r}",
                            "not_found_error", "model", "model_not_found")
 
-    def sampling_params(req, prompt_len: int, max_tokens: int | None, logprobs: int | None,
-                        index: int) -> SamplingParams:
+    def sampling_params(req, prompt_len: int, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if max_tokens is None:
             max_tokens = max(1, max_len - prompt_len)
         try:
@@ -140,24 +139,26 @@ def create_app(llm, *, served_model_name: str | None = None, api_key: str | None
                 max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                 min_p=req.min_p, presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-                seed=None if req.seed is None else req.seed + index, stop=req.stop,
+                seed=req.seed, stop=req.stop, n=req.n,
                 min_tokens=min(req.min_tokens, max_tokens), ignore_eos=req.ignore_eos, logprobs=logprobs)
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
     def submit(prompts: list[list[int]], req, max_tokens, logprobs) -> tuple[str, list[str], asyncio.Queue]:
-        """Validates every (prompt, choice) first, then queues them all on one shared sink."""
+        """Validates every prompt first, then queues them all on one shared sink. Each is one
+        engine request for ``n`` samples, which share the prompt's KV blocks."""
         base = uuid.uuid4().hex[:24]
         jobs = []
         for p_index, prompt in enumerate(prompts):
-            for i in range(req.n):
-                params = sampling_params(req, len(prompt), max_tokens, logprobs, i)
-                try:
-                    engine.validate(prompt, params)
-                except RequestRejected as e:
-                    raise APIError(400, str(e), param="max_tokens" if "max_tokens" in str(e) else "prompt",
-                                   code="context_length_exceeded") from None
-                jobs.append((f"{base}-{p_index * req.n + i}", prompt, params))
+            params = sampling_params(req, len(prompt), max_tokens, logprobs)
+            try:
+                engine.validate(prompt, params)
+            except RequestRejected as e:
+                if str(e).startswith("n="):
+                    raise APIError(400, str(e), param="n") from None
+                raise APIError(400, str(e), param="max_tokens" if "max_tokens" in str(e) else "prompt",
+                               code="context_length_exceeded") from None
+            jobs.append((f"{base}-{p_index}", prompt, params))
         sink: asyncio.Queue = asyncio.Queue()
         ids = []
         try:
@@ -171,11 +172,12 @@ def create_app(llm, *, served_model_name: str | None = None, api_key: str | None
                            headers={"Retry-After": "1"}) from None
         return base, ids, sink
 
-    async def outputs_of(request: Request, ids: list[str], sink: asyncio.Queue):
-        """Yields (choice index, output) until every choice finished; aborts all on disconnect."""
-        index = {rid: i for i, rid in enumerate(ids)}
+    async def outputs_of(request: Request, ids: list[str], n: int, sink: asyncio.Queue):
+        """Yields (choice index, output) until every request finished; aborts all on disconnect.
+        Request i's sample j is choice i * n + j."""
+        first_choice = {rid: i * n for i, rid in enumerate(ids)}
         open_ids = set(ids)
-        last_time: dict[str, float] = {}
+        last_time: dict[tuple[str, int], float] = {}
         next_check = time.monotonic() + 0.5
         try:
             while open_ids:
@@ -187,15 +189,15 @@ def create_app(llm, *, served_model_name: str | None = None, api_key: str | None
                     out = await asyncio.wait_for(sink.get(), timeout=0.5)
                 except asyncio.TimeoutError:
                     continue
-                now = time.perf_counter()
-                if out.token_ids and out.request_id not in last_time and out.metrics:
+                now, key = time.perf_counter(), (out.request_id, out.index)
+                if out.token_ids and key not in last_time and out.metrics:
                     metrics.ttft.observe(now - out.metrics.arrival_time)
-                elif out.request_id in last_time and out.token_ids:
-                    metrics.itl.observe(now - last_time[out.request_id])
-                last_time[out.request_id] = now
-                if out.finished:
+                elif key in last_time and out.token_ids:
+                    metrics.itl.observe(now - last_time[key])
+                last_time[key] = now
+                if out.request_finished:
                     open_ids.discard(out.request_id)
-                yield index[out.request_id], out
+                yield first_choice[out.request_id] + out.index, out
         finally:
             for rid in open_ids:
                 engine.abort(rid)
@@ -243,18 +245,19 @@ def create_app(llm, *, served_model_name: str | None = None, api_key: str | None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
-                stream(request, ids, sink, rid, obj + ".chunk" if chat else obj, created, prompts,
+                stream(request, ids, req.n, sink, rid, obj + ".chunk" if chat else obj, created, prompts,
                        include_usage, chat, make_logprobs),
                 media_type="text/event-stream")
         finals: dict[int, object] = {}
-        async for i, out in outputs_of(request, ids, sink):
+        num_choices = len(ids) * req.n
+        async for i, out in outputs_of(request, ids, req.n, sink):
             fail_on_error(out)
             if out.finished:
                 finals[i] = out
-        if len(finals) < len(ids):
+        if len(finals) < num_choices:
             return Response(status_code=499)  # the client went away
         choices = []
-        for i in range(len(ids)):
+        for i in range(num_choices):
             out = finals[i]
             lp = make_logprobs(out, 0, len(out.token_ids))
             if chat:
@@ -266,17 +269,17 @@ def create_app(llm, *, served_model_name: str | None = None, api_key: str | None
         return {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices,
                 "usage": usage(prompts, completion_tokens, req.n)}
 
-    async def stream(request, ids, sink, rid, obj, created, prompts, include_usage, chat, make_logprobs):
+    async def stream(request, ids, n, sink, rid, obj, created, prompts, include_usage, chat, make_logprobs):
         def chunk(choices: list, **extra) -> str:
             return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model_name,
                                           "choices": choices, **extra}) + "\n\n"
 
         if chat:
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None} for i in range(len(ids))])
-        sent = [0] * len(ids)
+                          "finish_reason": None} for i in range(len(ids) * n)])
+        sent = [0] * (len(ids) * n)
         completion_tokens = 0
-        async for i, out in outputs_of(request, ids, sink):
+        async for i, out in outputs_of(request, ids, n, sink):
             if out.finish_reason == "error":
                 yield "data: " + json.dumps(error_body(out.error or "request failed", "server_error")) + "\n\n"
                 break
@@ -294,7 +297,7 @@ def create_app(llm, *, served_model_name: str | None = None, api_key: str | None
                 completion_tokens += len(out.token_ids)
             yield chunk([choice])
         if include_usage:
-            yield chunk([], usage=usage(prompts, completion_tokens, len(ids)))
+            yield chunk([], usage=usage(prompts, completion_tokens, n))
         yield "data: [DONE]\n\n"
 
     @app.post("/v1/completions")

@@ -68,8 +68,9 @@ class AsyncEngine:
 
     def add(self, request_id: str, prompt: list[int], params: SamplingParams,
             sink: asyncio.Queue | None = None) -> asyncio.Queue:
-        """Queues a request; its outputs arrive on ``sink`` (or a new queue, returned), the last
-        one with ``finished`` set. Several requests may share one sink."""
+        """Queues a request; its outputs arrive on ``sink`` (or a new queue, returned), one per
+        sample (``index``), the last one with ``request_finished`` set. Several requests may
+        share one sink."""
         if self.error is not None:
             raise RuntimeError(f"the engine has stopped: {self.error}")
         stats = self.engine.stats
@@ -109,7 +110,8 @@ class AsyncEngine:
             log.exception("engine thread failed")
             self.error = e
             for rid in list(self._sinks):
-                self._deliver(RequestOutput(rid, [], "", [], True, "error", error=f"engine failure: {e}"))
+                self._deliver(RequestOutput(rid, [], "", [], True, "error", error=f"engine failure: {e}",
+                                            request_finished=True))
 
     def _apply_ops(self) -> None:
         while True:
@@ -126,11 +128,11 @@ class AsyncEngine:
                     seq = self.engine.requests[op.request_id]
                     seq.arrival_time = op.arrival
                 except (RequestRejected, ValueError) as e:
-                    self._deliver(RequestOutput(op.request_id, op.prompt, "", [], True, "error", error=str(e)))
+                    self._deliver(RequestOutput(op.request_id, op.prompt, "", [], True, "error", error=str(e),
+                                                request_finished=True))
             else:
                 _, rid = op
-                out = self.engine.abort(rid)
-                if out is not None:
+                for out in self.engine.abort(rid):
                     self._deliver(out)
                 self._sinks.pop(rid, None)
 
@@ -139,7 +141,7 @@ class AsyncEngine:
         if target is None:
             return
         sink, loop = target
-        if out.finished:
+        if out.request_finished:
             del self._sinks[out.request_id]
         try:
             loop.call_soon_threadsafe(sink.put_nowait, out)

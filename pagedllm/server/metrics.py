@@ -86,6 +86,8 @@ class _EngineCollector:
             "pagedllm_prefix_cache_hit_tokens": ("Prompt tokens served from the prefix cache",
                                                  s.prefix_cache_hit_tokens),
             "pagedllm_prefix_cache_evictions": ("Cached blocks evicted for new ones", s.prefix_cache_evictions),
+            "pagedllm_kv_blocks_copied": ("Shared blocks copied on first write (samples of one request)",
+                                          s.blocks_copied),
         }
         for family, table in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
             for name, (doc, value) in table.items():
