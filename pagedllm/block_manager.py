@@ -190,6 +190,18 @@ class BlockManager:
             parent = h
         self._hashed[seq_id] = (max(done, full), parent)
 
+    def release_poisoned(self, seq_id) -> list[int]:
+        """For a sequence whose K/V may hold NaN/inf: unregisters the blocks only it holds from
+        the prefix cache (no one may adopt them) and returns them, for the caller to zero before
+        they are freed. Stale values are read (masked) by the block's next owner, and a masked
+        NaN still poisons ``probs @ V``: 0 x NaN is NaN."""
+        own = [b for b in self.table(seq_id) if self.ref_counts[b] == 1]
+        for block in own:
+            key = self._block_key.pop(block, None)
+            if key is not None:
+                del self._by_hash[key[0]]
+        return own
+
     # ---- checks -------------------------------------------------------------------------------
 
     def check_invariants(self) -> None:

@@ -100,9 +100,13 @@ class LLMEngine:
         return self.blocks.num_blocks * self.blocks.block_size
 
     def encode(self, prompt: str) -> list[int]:
+        """Text to token ids; a prompt the tokenizer fails on is rejected, like any bad input."""
         if self.tokenizer is None:
             raise RequestRejected("this model directory has no tokenizer: pass token ids instead of text")
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
+        try:
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        except Exception as e:
+            raise RequestRejected(f"the tokenizer cannot encode this prompt: {type(e).__name__}: {e}") from None
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -187,7 +191,8 @@ class LLMEngine:
             self.blocks.register_computed(seq.seq_id, seq.tokens, seq.num_computed_tokens)
         outputs = []
         for seq in bad:
-            self._finish(seq, "error", "the model produced non-finite logits for this request")
+            self.kv_cache.zero_blocks(self.blocks.release_poisoned(seq.seq_id))
+            self._finish(seq, "error", "the model produced non-finite logits (NaN/inf) for this request")
             self.stats.requests_failed += 1
             outputs.append(self._output(seq))
         if result is not None:
@@ -273,7 +278,13 @@ class LLMEngine:
             seq.first_token_time = now
         stopped_by_token = token in params.stop_token_ids or (
             not params.ignore_eos and token in self.eos_token_ids)
-        stopped_by_string = self.detokenizer.update(seq, drop_last=stopped_by_token)
+        try:
+            stopped_by_string = self.detokenizer.update(seq, drop_last=stopped_by_token)
+        except Exception as e:  # this request's text is lost; nobody else's is
+            log.warning("detokenizing %s failed: %r", seq.request_id, e)
+            self._finish(seq, "error", f"the tokenizer cannot decode this output: {type(e).__name__}: {e}")
+            self.stats.requests_failed += 1
+            return self._output(seq)
         if stopped_by_token or stopped_by_string:
             self._finish(seq, "stop")
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:

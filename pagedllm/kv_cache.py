@@ -49,6 +49,12 @@ class KVCache:
             for cache in (*self.k, *self.v):
                 cache[:, dst * bs:(dst + 1) * bs].copy_(cache[:, src * bs:(src + 1) * bs])
 
+    def zero_blocks(self, blocks: list[int]) -> None:
+        bs = self.block_size
+        for block in blocks:
+            for cache in (*self.k, *self.v):
+                cache[:, block * bs:(block + 1) * bs].zero_()
+
     @property
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size

@@ -313,9 +313,10 @@ def create_app(llm, *, served_model_name: str | None = None, api_key: str | None
         prompts = []
         for p in texts:
             if isinstance(p, str):
-                if llm.tokenizer is None:
-                    raise APIError(400, "this model has no tokenizer: send token ids", param="prompt")
-                prompts.append(llm.tokenizer.encode(p, add_special_tokens=False))
+                try:
+                    prompts.append(llm.engine.encode(p))
+                except RequestRejected as e:
+                    raise APIError(400, str(e), param="prompt") from None
             else:
                 prompts.append(list(p))
         if any(not p for p in prompts):
