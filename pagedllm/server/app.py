@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine import RequestRejected
 from ..sampling_params import SamplingParams
 from .async_engine import AsyncEngine, QueueFull
+from .mailbox import Mailbox
 from .metrics import Metrics, ThroughputMeter
 from .protocol import ChatCompletionRequest, CompletionRequest
 
@@ -144,7 +145,7 @@ def create_app(llm, *, served_model_name: str | None = None, api_key: str | None
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
-    def submit(prompts: list[list[int]], req, max_tokens, logprobs) -> tuple[str, list[str], asyncio.Queue]:
+    def submit(prompts: list[list[int]], req, max_tokens, logprobs) -> tuple[str, list[str], Mailbox]:
         """Validates every prompt first, then queues them all on one shared sink. Each is one
         engine request for ``n`` samples, which share the prompt's KV blocks."""
         base = uuid.uuid4().hex[:24]
@@ -159,7 +160,7 @@ def create_app(llm, *, served_model_name: str | None = None, api_key: str | None
                 raise APIError(400, str(e), param="max_tokens" if "max_tokens" in str(e) else "prompt",
                                code="context_length_exceeded") from None
             jobs.append((f"{base}-{p_index}", prompt, params))
-        sink: asyncio.Queue = asyncio.Queue()
+        sink = Mailbox()
         ids = []
         try:
             for rid, prompt, params in jobs:
@@ -172,7 +173,7 @@ def create_app(llm, *, served_model_name: str | None = None, api_key: str | None
                            headers={"Retry-After": "1"}) from None
         return base, ids, sink
 
-    async def outputs_of(request: Request, ids: list[str], n: int, sink: asyncio.Queue):
+    async def outputs_of(request: Request, ids: list[str], n: int, sink: Mailbox):
         """Yields (choice index, output) until every request finished; aborts all on disconnect.
         Request i's sample j is choice i * n + j."""
         first_choice = {rid: i * n for i, rid in enumerate(ids)}

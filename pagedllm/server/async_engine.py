@@ -2,13 +2,13 @@
 
 A step is seconds of CPU work at worst; run on the event loop it would stall every connection.
 So the engine lives on one thread that owns it outright: requests and aborts reach it through a
-queue it drains between steps, and each step's outputs are handed back to the event loop, into
-one asyncio.Queue per request. Requests from all clients share every step (continuous batching).
+queue it drains between steps, and each step's outputs are left in the request's Mailbox, which
+merges what its reader has not taken yet (bounded memory for slow clients). Requests from all
+clients share every step (continuous batching).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import queue
 import threading
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from ..engine import LLMEngine, RequestRejected
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
+from .mailbox import Mailbox
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +32,7 @@ class _Add:
     request_id: str
     prompt: list[int]
     params: SamplingParams
-    sink: asyncio.Queue
-    loop: asyncio.AbstractEventLoop
+    sink: Mailbox
     arrival: float = field(default_factory=time.perf_counter)
 
 
@@ -41,7 +41,7 @@ class AsyncEngine:
         self.engine = engine
         self.max_waiting = max_waiting
         self._ops: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self._sinks: dict[str, Mailbox] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
@@ -67,8 +67,8 @@ class AsyncEngine:
         self.engine.validate("", prompt, params)
 
     def add(self, request_id: str, prompt: list[int], params: SamplingParams,
-            sink: asyncio.Queue | None = None) -> asyncio.Queue:
-        """Queues a request; its outputs arrive on ``sink`` (or a new queue, returned), one per
+            sink: Mailbox | None = None) -> Mailbox:
+        """Queues a request; its outputs arrive in ``sink`` (or a new mailbox, returned), one per
         sample (``index``), the last one with ``request_finished`` set. Several requests may
         share one sink."""
         if self.error is not None:
@@ -77,10 +77,10 @@ class AsyncEngine:
         if stats.waiting + self._pending >= self.max_waiting:
             raise QueueFull(f"{stats.waiting + self._pending} requests are waiting (limit {self.max_waiting})")
         self.validate(prompt, params)
-        sink = sink if sink is not None else asyncio.Queue()
+        sink = sink if sink is not None else Mailbox()
         with self._lock:
             self._pending += 1
-        self._ops.put(_Add(request_id, prompt, params, sink, asyncio.get_running_loop()))
+        self._ops.put(_Add(request_id, prompt, params, sink))
         self._wake.set()
         return sink
 
@@ -122,7 +122,7 @@ class AsyncEngine:
             if isinstance(op, _Add):
                 with self._lock:
                     self._pending -= 1
-                self._sinks[op.request_id] = (op.sink, op.loop)
+                self._sinks[op.request_id] = op.sink
                 try:
                     self.engine.add_request(op.prompt, op.params, request_id=op.request_id)
                     seq = self.engine.requests[op.request_id]
@@ -137,13 +137,9 @@ class AsyncEngine:
                 self._sinks.pop(rid, None)
 
     def _deliver(self, out: RequestOutput) -> None:
-        target = self._sinks.get(out.request_id)
-        if target is None:
+        sink = self._sinks.get(out.request_id)
+        if sink is None:
             return
-        sink, loop = target
         if out.request_finished:
             del self._sinks[out.request_id]
-        try:
-            loop.call_soon_threadsafe(sink.put_nowait, out)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
+        sink.put(out)
