@@ -127,8 +127,11 @@ class LLM:
             raise ValueError("this model has no chat template: use generate() with a plain prompt")
         if not messages:
             raise ValueError("messages must not be empty")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        try:  # transformers renders it in jinja2's immutable sandbox: no attribute escapes, no I/O
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:
+            raise ValueError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from None
+        return self.engine.encode(text)
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

@@ -46,7 +46,8 @@ class SamplingParams:
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be ints >= 0"),
             (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
              "logprobs must be None or an integer in [0, 20]"),
-            (self.seed is None or isinstance(self.seed, int), "seed must be an integer or None"),
+            (self.seed is None or isinstance(self.seed, int) and -2**63 <= self.seed < 2**63,
+             "seed must be None or an integer in [-2**63, 2**63)"),
             (isinstance(self.n, int) and self.n >= 1, "n must be an integer >= 1"),
         ]
         for ok, message in checks:

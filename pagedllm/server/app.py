@@ -13,6 +13,7 @@ import json
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -51,6 +52,12 @@ def create_app(llm, *, served_model_name: str | None = None, api_key: str | None
     model_name = served_model_name or llm.loaded.name
     metrics = Metrics(llm.engine, throughput, model_name)
     max_len = llm.engine.max_model_len
+    # Tokenizing (a body may carry megabytes of text) runs on one worker thread, not on the
+    # event loop, which must keep streaming to everyone else meanwhile.
+    tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-tokenize")
+
+    async def off_loop(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(tokenizer_thread, fn, *args)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -64,6 +71,7 @@ def create_app(llm, *, served_model_name: str | None = None, api_key: str | None
         for rid in list(llm.engine.requests):
             engine.abort(rid)
         engine.stop()
+        tokenizer_thread.shutdown(wait=False)
 
     app = FastAPI(title="pagedllm", lifespan=lifespan)
     app.state.engine = engine
@@ -315,7 +323,7 @@ def create_app(llm, *, served_model_name: str | None = None, api_key: str | None
         for p in texts:
             if isinstance(p, str):
                 try:
-                    prompts.append(llm.engine.encode(p))
+                    prompts.append(await off_loop(llm.engine.encode, p))
                 except RequestRejected as e:
                     raise APIError(400, str(e), param="prompt") from None
             else:
@@ -330,7 +338,7 @@ def create_app(llm, *, served_model_name: str | None = None, api_key: str | None
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in req.messages]
         try:
-            prompt = llm.apply_chat_template(messages)
+            prompt = await off_loop(llm.apply_chat_template, messages)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         except Exception as e:  # a template that fails on these messages is the request's problem

@@ -127,7 +127,9 @@ class AsyncEngine:
                     self.engine.add_request(op.prompt, op.params, request_id=op.request_id)
                     seq = self.engine.requests[op.request_id]
                     seq.arrival_time = op.arrival
-                except (RequestRejected, ValueError) as e:
+                except Exception as e:  # fails this request only; the engine is unchanged
+                    if not isinstance(e, (RequestRejected, ValueError)):
+                        log.exception("adding request %s failed", op.request_id)
                     self._deliver(RequestOutput(op.request_id, op.prompt, "", [], True, "error", error=str(e),
                                                 request_finished=True))
             else:
