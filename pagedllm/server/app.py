@@ -26,6 +26,7 @@ from ..sampling_params import SamplingParams
 from .async_engine import AsyncEngine, QueueFull
 from .mailbox import Mailbox
 from .metrics import Metrics, ThroughputMeter
+from .openapi import document_responses
 from .protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ def create_app(llm, *, served_model_name: str | None = None, api_key: str | None
         tokenizer_thread.shutdown(wait=False)
 
     app = FastAPI(title="pagedllm", lifespan=lifespan)
+    document_responses(app)
     app.state.engine = engine
     app.state.metrics = metrics
 
@@ -100,7 +102,7 @@ def create_app(llm, *, served_model_name: str | None = None, api_key: str | None
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return respond_error(e.status_code, error_body(str(e.detail), kind))
+        return respond_error(e.status_code, error_body(str(e.detail), kind), e.headers)  # (405: Allow)
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, e: Exception):
@@ -163,10 +165,7 @@ def create_app(llm, *, served_model_name: str | None = None, api_key: str | None
             try:
                 engine.validate(prompt, params)
             except RequestRejected as e:
-                if str(e).startswith("n="):
-                    raise APIError(400, str(e), param="n") from None
-                raise APIError(400, str(e), param="max_tokens" if "max_tokens" in str(e) else "prompt",
-                               code="context_length_exceeded") from None
+                raise rejected(e, prompt) from None
             jobs.append((f"{base}-{p_index}", prompt, params))
         sink = Mailbox()
         ids = []
@@ -180,6 +179,16 @@ def create_app(llm, *, served_model_name: str | None = None, api_key: str | None
             raise APIError(429, f"server busy: {e}; retry later", "rate_limit_error",
                            headers={"Retry-After": "1"}) from None
         return base, ids, sink
+
+    def rejected(e: RequestRejected, prompt: list[int]) -> APIError:
+        """The 400 for a request the engine refused, naming the field to blame."""
+        message = str(e)
+        if message.startswith("n="):
+            return APIError(400, message, param="n")
+        if "exceeds max_model_len" in message:
+            param = "prompt" if len(prompt) >= max_len else "max_tokens"
+            return APIError(400, message, param=param, code="context_length_exceeded")
+        return APIError(400, message, param="prompt")
 
     async def outputs_of(request: Request, ids: list[str], n: int, sink: Mailbox):
         """Yields (choice index, output) until every request finished; aborts all on disconnect.
@@ -368,28 +377,29 @@ class Guards:
                 return await self._reject(scope, receive, send, 401, "missing or wrong API key",
                                           "authentication_error", "invalid_api_key")
         length = headers.get("content-length")
+        too_large = f"request body exceeds {self.limit} bytes"
         if length is not None and (not length.isdigit() or int(length) > self.limit):
-            return await self._reject(scope, receive, send, 413, f"request body exceeds {self.limit} bytes")
-        received = 0
-
-        async def counted_receive():
-            nonlocal received
+            return await self._reject(scope, receive, send, 413, too_large)
+        # Read the whole body (at most the limit) before the app sees any of it: a chunked body
+        # has no length to check up front, and the app must never get a part of one.
+        parts, size = [], 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.limit:
-                    raise _BodyTooLarge()
-            return message
+            if message["type"] != "http.request":
+                return  # the client left before sending its body
+            parts.append(message.get("body", b""))
+            size += len(parts[-1])
+            if size > self.limit:
+                return await self._reject(scope, receive, send, 413, too_large)
+            if not message.get("more_body"):
+                break
+        body = [{"type": "http.request", "body": b"".join(parts), "more_body": False}]
 
-        try:
-            await self.app(scope, counted_receive, send)
-        except _BodyTooLarge:
-            await self._reject(scope, receive, send, 413, f"request body exceeds {self.limit} bytes")
+        async def replay():  # the body once, then the real channel (disconnects)
+            return body.pop() if body else await receive()
+
+        await self.app(scope, replay, send)
 
     async def _reject(self, scope, receive, send, status, message, type_="invalid_request_error", code=None):
         self.on_error(status)
         await JSONResponse(error_body(message, type_, code=code), status_code=status)(scope, receive, send)
-
-
-class _BodyTooLarge(Exception):
-    pass

@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI API as pydantic models, with pagedllm's documented limits.
 
-Unknown fields are ignored, as OpenAI's clients send many; known fields are type-checked, and
-the ones pagedllm does not implement are refused when set, never silently ignored.
+Unknown fields are ignored, as OpenAI's clients send many; known fields are type-checked
+strictly (``"2"`` is not a number, ``true`` is not 1, ``1.0`` is not an integer), and the ones
+pagedllm does not implement are refused when set, never silently ignored.
 """
 
 from __future__ import annotations
@@ -25,12 +26,17 @@ def _refuse_if_set(value, info):
     return value
 
 
+STRICT = ConfigDict(strict=True, extra="ignore")
+
+
 class StreamOptions(BaseModel):
+    model_config = STRICT
+
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -88,18 +94,20 @@ class CompletionRequest(SamplingFields):
     @field_validator("echo", "suffix", "best_of")
     @classmethod
     def _unsupported(cls, v, info):
-        if v not in (None, False, 1):
+        if v is True or v not in (None, False, 1):  # (True == 1: echo=true must not pass)
             raise ValueError(f"{info.field_name} is not supported")
         return v
 
 
 class TextPart(BaseModel):
+    model_config = STRICT
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[TextPart] | None = None
