@@ -169,6 +169,9 @@ class LLMEngine:
         if not batch:
             self._refresh_stats(0)
             return []
+        # Copy-on-write before anything computes (a source block may be rewritten by its new
+        # owner in this very step), and outside the retry: the tables already point at the copies.
+        self.kv_cache.copy_blocks(batch.copies)
         try:
             logits, sampled = self.runner.run(batch)
             seqs = [batch.seqs[i] for i in sampled]

@@ -28,7 +28,6 @@ class ModelRunner:
 
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """Returns (logits [S, vocab], indices into batch.seqs of the S sampled sequences)."""
-        self.kv_cache.copy_blocks(batch.copies)  # copy-on-write first: later writes may reuse a source
         input_ids: list[int] = []
         positions: list[int] = []
         slices: list[SequenceSlice] = []

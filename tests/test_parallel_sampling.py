@@ -85,6 +85,25 @@ def test_samples_survive_preemption_and_match_single_requests(tiny_checkpoints):
     assert tight.engine.blocks.num_free == tight.engine.blocks.num_blocks
 
 
+def test_a_step_that_runs_out_of_memory_after_forking_loses_no_copy(llm):
+    prompt = prompt_of(13, seed=13)
+    expected = [o.token_ids for o in llm.generate([prompt], sampled(seed=5, n=3)).pop().outputs]
+    real_run, failed = llm.engine.runner.run, []
+
+    def fail_once_when_copying(batch):
+        if batch.copies and not failed:
+            failed.append(len(batch.copies))
+            raise torch.OutOfMemoryError("injected")
+        return real_run(batch)
+
+    llm.engine.runner.run = fail_once_when_copying
+    try:
+        got = [o.token_ids for o in llm.generate([prompt], sampled(seed=5, n=3)).pop().outputs]
+    finally:
+        llm.engine.runner.run = real_run
+    assert failed and got == expected and llm.stats.oom_recoveries >= 1
+
+
 @pytest.mark.parametrize("steps_before_abort", [0, 1, 2, 4])
 def test_abort_ends_every_sample_once_and_frees_every_block(llm, steps_before_abort):
     engine = llm.engine
