@@ -16,13 +16,13 @@ import itertools
 import json
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import pytest
 
-from server_process import ServerProcess
+from pagedllm.server.launch import ServerProcess
+from pagedllm.server.openapi import ERROR_BODY
 from tiny_models import COMMON
 
 pytestmark = pytest.mark.slow
@@ -32,15 +32,9 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 
-# README.md: "Errors use OpenAI's error body"; 401 on every path but /health, 413 everywhere,
-# and for the generation endpoints 400 (bad input), 404 (unknown model), 429 (queue full).
-ERROR_BODY = {
-    "type": "object", "required": ["error"],
-    "properties": {"error": {
-        "type": "object", "required": ["message", "type", "param", "code"],
-        "properties": {"message": {"type": "string", "minLength": 1}, "type": {"type": "string"},
-                       "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
-}
+# README.md: "Errors use OpenAI's error body" (ERROR_BODY, as the server declares it); 401 on
+# every path but /health, 413 everywhere, and for the generation endpoints 400 (bad input),
+# 404 (unknown model), 429 (queue full).
 # A stream has answered 200 before it ends: an engine failure would show only as an error event.
 SSE_EVENT = {"type": "object", "required": ["data"],
              "properties": {"data": {"type": "string", "not": {"pattern": '"server_error"'}}}}
@@ -52,23 +46,16 @@ CHECKS = ["not_a_server_error", "status_code_conformance", "content_type_conform
 
 
 class Server:
-    """A `pagedllm serve` subprocess whose output is read as it comes (a server that logs a lot
-    never blocks on a full pipe) and kept, to show with a failure."""
+    """A `pagedllm serve` subprocess with the API key, and its log to show with a failure."""
 
     def __init__(self, *args: str, key: str | None = KEY):
         self.process = ServerProcess(*args, *(["--api-key", key] if key else []))
         self.url = self.process.url
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self.lines: list[str] = []
-        threading.Thread(target=self._drain, daemon=True).start()
-
-    def _drain(self) -> None:
-        for line in self.process.proc.stdout:
-            self.lines.append(line)
 
     @property
     def log(self) -> str:
-        return "".join(self.lines[-300:])
+        return self.process.log_tail(300)
 
     def post(self, path: str, body, timeout: float = 120, **kw) -> httpx.Response:
         return httpx.post(self.url + path, json=body, headers=self.headers, timeout=timeout, **kw)

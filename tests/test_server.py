@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from server_process import ServerProcess
+from pagedllm.server.launch import ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -228,7 +228,7 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(tiny_checkpoints):
     t.start()
     time.sleep(1.0)
     try:
-        assert s.terminate() == 0
+        assert s.stop() == 0
     finally:
         s.stop()
     t.join(30)

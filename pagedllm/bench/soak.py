@@ -15,19 +15,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 from urllib.parse import urlsplit
 
 import httpx
+
+from ..server.launch import ServerProcess
 
 DEFAULT_SERVER_ARGS = ("--memory", "2GiB", "--max-num-seqs", "32", "--max-model-len", "2048")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -71,58 +68,6 @@ REFERENCE_REQUESTS = [
 def progress(message: str) -> None:
     """One line on stderr, so a long run shows where it is; the report goes to stdout."""
     print(f"[soak {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LocalServer:
-    """`pagedllm serve` in a subprocess on a free loopback port. Its output goes to a file, not
-    a pipe: nobody reads a pipe during a long run, and a full pipe would block the server."""
-
-    def __init__(self, extra_args: list[str], startup_timeout: float = 300):
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.command = [sys.executable, "-m", "pagedllm.cli", "serve", "--port", str(port),
-                        *DEFAULT_SERVER_ARGS, *extra_args]
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="pagedllm-soak-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=os.environ.copy())
-        self.pid = self.proc.pid
-        self._wait_healthy(startup_timeout)
-
-    def _wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited early ({self.proc.returncode}):\n{self.log_tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"server not healthy after {timeout:.0f} s:\n{self.log_tail()}")
-
-    def log_tail(self, lines: int = 30) -> str:
-        with open(self.log.name) as f:
-            return "".join(f.readlines()[-lines:])
-
-    def stop(self, timeout: float = 60) -> int:
-        """SIGTERM (which drains and exits 0), then a kill if it does not exit in time."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.log.close()
-        return self.proc.returncode
 
 
 def check_loopback(url: str) -> str:
@@ -767,7 +712,7 @@ def run(duration: float = 600, concurrency: int = 16, seed: int = 0, url: str | 
     server = None
     if url is None:
         started = time.monotonic()
-        server = LocalServer(list(server_args))
+        server = ServerProcess(*DEFAULT_SERVER_ARGS, *server_args)
         url, server_pid = server.url, server.pid
         progress(f"server up in {time.monotonic() - started:.1f} s: {' '.join(server.command)}")
     try:
@@ -775,7 +720,7 @@ def run(duration: float = 600, concurrency: int = 16, seed: int = 0, url: str | 
                                   warmup_fraction, max_body_bytes))
     finally:
         stopping = time.monotonic()
-        exit_code = server.stop() if server else None
+        exit_code = server.stop(keep_log=True) if server else None
         if server:
             progress(f"server exited {exit_code} {time.monotonic() - stopping:.1f} s after SIGTERM")
     if server:
@@ -784,7 +729,7 @@ def run(duration: float = 600, concurrency: int = 16, seed: int = 0, url: str | 
             report["passed"] = False
             report["reasons"].append(f"the server exited {exit_code} on SIGTERM:\n{server.log_tail()}")
         if report["passed"]:
-            os.unlink(server.log.name)
+            server.remove_log()
         else:  # kept for the post-mortem
             report["settings"]["server_log"] = server.log.name
     if json_path:

@@ -1,0 +1,81 @@
+"""ServerProcess: `pagedllm serve` in a subprocess on a free loopback port, for the soak
+generator and the tests, which need a real server (its own process, signals, RSS).
+
+Its output goes to a file, not a pipe: nobody reads a pipe during a long run, and a full pipe
+would block the server.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, *args: str, startup_timeout: float = 300):
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.command = [sys.executable, "-m", "pagedllm.cli", "serve", "--port", str(port), *args]
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="pagedllm-serve-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=os.environ.copy())
+        self.pid = self.proc.pid
+        self._wait_healthy(startup_timeout)
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited early ({self.proc.returncode}):\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server not healthy after {timeout:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        with open(self.log.name) as f:
+            return "".join(f.readlines()[-lines:])
+
+    def metric(self, name: str, headers: dict | None = None) -> float:
+        """One value from /metrics (the first sample of that name)."""
+        text = httpx.get(self.url + "/metrics", headers=headers, timeout=10).text
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+    def stop(self, timeout: float = 60, keep_log: bool = False) -> int:
+        """SIGTERM (the server drains and exits 0), then a kill if it does not exit in time;
+        returns the exit status. The log is deleted unless kept (to show after a failure)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+        if not keep_log:
+            self.remove_log()
+        return self.proc.returncode
+
+    def remove_log(self) -> None:
+        if os.path.exists(self.log.name):
+            os.unlink(self.log.name)
