@@ -86,19 +86,19 @@ class BlockManager:
     def prepare_write(self, seq_id, start: int, end: int) -> list[tuple[int, int]]:
         """Makes tokens [start, end) writable: copies a shared block on first write, appends
         the blocks still missing. Returns the (source, destination) block copies to perform."""
-        need = self.blocks_to_write(seq_id, start, end)
-        if need > self.num_free:
-            raise RuntimeError(f"prepare_write({seq_id}): needs {need} blocks, {self.num_free} free")
+        i, grow = self._shared_block_at(seq_id, start), self.blocks_needed(seq_id, end)
+        if grow + (i is not None) > self.num_free:
+            raise RuntimeError(f"prepare_write({seq_id}): needs {grow + (i is not None)} blocks, "
+                               f"{self.num_free} free")
         copies = []
         table = self.tables.setdefault(seq_id, [])
-        i = self._shared_block_at(seq_id, start)
         if i is not None:
             shared, private = table[i], self._take()
             self.ref_counts[shared] -= 1  # others still hold it: it stays owned
             self.ref_counts[private] = 1
             table[i] = private
             copies.append((shared, private))
-        for _ in range(self.blocks_needed(seq_id, end)):
+        for _ in range(grow):
             block = self._take()
             self.ref_counts[block] = 1
             table.append(block)

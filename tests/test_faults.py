@@ -14,15 +14,14 @@ def prompt_of(length: int, seed: int) -> list[int]:
     return torch.randint(3, 300, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def run_all(engine, prompts, params=GREEDY, on_step=None) -> dict[str, object]:
+def run_all(engine, prompts, params=GREEDY) -> list:
+    """Final outputs, in prompt order."""
     ids = [engine.add_request(p, params) for p in prompts]
     done = {}
     while engine.has_unfinished():
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
-        if on_step:
-            on_step()
     return [done[i] for i in ids]
 
 
@@ -83,7 +82,7 @@ def test_a_tokenizer_that_fails_on_one_output_fails_that_request_only(default_ll
     engine = default_llm.engine
     prompts = [default_llm.apply_chat_template([{"role": "user", "content": q}])
                for q in ("What is 2+2?", "Name a colour.", "Say hi.")]
-    expected = [o for o in run_all(engine, prompts)]
+    expected = run_all(engine, prompts)
     # a token the second answer produces and the others do not
     poison = next(t for t in expected[1].token_ids if all(t not in o.token_ids for o in (expected[0], expected[2])))
     real = engine.detokenizer.tokenizer

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from ..server.launch import ServerProcess
+from ..server.launch import ServerProcess, parse_metrics
 
 DEFAULT_SERVER_ARGS = ("--memory", "2GiB", "--max-num-seqs", "32", "--max-model-len", "2048")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -416,18 +416,6 @@ def read_memory(pid: int | None) -> tuple[float | None, float | None]:
         return None, None
     kb = lambda name: int(fields[name].split()[0]) if name in fields else 0  # noqa: E731
     return kb("VmRSS") / 1024, kb("RssShmem") / 1024
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text to {name: value}; HTTP errors keep their status label."""
-    out = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        key, _, value = line.rpartition(" ")
-        name = key.split("{", 1)[0]
-        out[key if name.startswith("pagedllm_http_errors") else name] = float(value)
-    return out
 
 
 async def scrape(http: httpx.AsyncClient, url: str) -> dict[str, float]:

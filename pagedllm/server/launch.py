@@ -24,6 +24,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text to {name: value} (labels dropped); HTTP errors keep their status label."""
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        name = key.split("{", 1)[0]
+        out[key if name.startswith("pagedllm_http_errors") else name] = float(value)
+    return out
+
+
 class ServerProcess:
     def __init__(self, *args: str, startup_timeout: float = 300):
         port = free_port()
@@ -54,12 +66,8 @@ class ServerProcess:
             return "".join(f.readlines()[-lines:])
 
     def metric(self, name: str, headers: dict | None = None) -> float:
-        """One value from /metrics (the first sample of that name)."""
-        text = httpx.get(self.url + "/metrics", headers=headers, timeout=10).text
-        for line in text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                return float(line.rsplit(" ", 1)[1])
-        raise KeyError(name)
+        """One value from /metrics."""
+        return parse_metrics(httpx.get(self.url + "/metrics", headers=headers, timeout=10).text)[name]
 
     def stop(self, timeout: float = 60, keep_log: bool = False) -> int:
         """SIGTERM (the server drains and exits 0), then a kill if it does not exit in time;
