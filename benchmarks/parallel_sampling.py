@@ -44,7 +44,7 @@ def main() -> None:
     for way in ("n samples, one request", "separate requests"):
         # a fresh engine each (no prefix cache carried over), the same budget
         llm = LLM(dtype=args.dtype, memory="2GiB", max_num_seqs=64, enable_prefix_caching=False)
-        prompts = standard(llm.tokenizer).prompts[:args.prompts]
+        prompts = standard(llm.tokenizer).prompts[: args.prompts]
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0))  # warm-up
         base = dict(max_tokens=args.new_tokens, temperature=0.8, ignore_eos=True)
         if way.startswith("n"):
@@ -55,8 +55,10 @@ def main() -> None:
         elapsed, peak, samples = run(llm, [p for p, _ in todo], [sp for _, sp in todo])
         rows.append((way, elapsed, peak, llm.stats.prompt_tokens_computed - computed_before, samples))
     same = rows[0][4] == rows[1][4]
-    print(f"{args.prompts} prompts x {args.n} samples, {args.new_tokens} new tokens, {args.dtype}, "
-          f"prefix caching off; identical samples both ways: {same}")
+    print(
+        f"{args.prompts} prompts x {args.n} samples, {args.new_tokens} new tokens, {args.dtype}, "
+        f"prefix caching off; identical samples both ways: {same}"
+    )
     print("| way | seconds | output tok/s | prompt tokens computed | peak KV blocks |")
     print("|---|---:|---:|---:|---:|")
     for way, elapsed, peak, computed, samples in rows:

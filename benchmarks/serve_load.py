@@ -15,13 +15,24 @@ import time
 
 import httpx
 
-QUESTIONS = ["What is the capital of France?", "Name three colours.", "Why is the sky blue?",
-             "Write a haiku about rain.", "What is 12 times 12?", "Give me a fun fact about cats."]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three colours.",
+    "Why is the sky blue?",
+    "Write a haiku about rain.",
+    "What is 12 times 12?",
+    "Give me a fun fact about cats.",
+]
 
 
 async def one(http: httpx.AsyncClient, url: str, i: int, max_tokens: int) -> tuple[float, float, int]:
-    body = {"messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "ignore_eos": True}
+    body = {
+        "messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     start = time.perf_counter()
     first, tokens = None, 0
     async with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
@@ -51,9 +62,14 @@ async def level(url: str, concurrency: int, requests: int, max_tokens: int) -> d
     elapsed = time.perf_counter() - start
     ttft = sorted(r[0] for r in results)
     pct = lambda q: ttft[min(len(ttft) - 1, int(q * len(ttft)))]  # noqa: E731
-    return {"concurrency": concurrency, "requests": requests, "req_per_s": requests / elapsed,
-            "ttft_p50": statistics.median(ttft), "ttft_p99": pct(0.99),
-            "output_tok_per_s": sum(r[2] for r in results) / elapsed}
+    return {
+        "concurrency": concurrency,
+        "requests": requests,
+        "req_per_s": requests / elapsed,
+        "ttft_p50": statistics.median(ttft),
+        "ttft_p99": pct(0.99),
+        "output_tok_per_s": sum(r[2] for r in results) / elapsed,
+    }
 
 
 def main() -> None:
@@ -68,8 +84,11 @@ def main() -> None:
     for c in args.concurrency:
         n = args.requests_per_level or max(8, 2 * c)
         r = asyncio.run(level(args.url, c, n, args.max_tokens))
-        print(f"| {c} | {n} | {r['req_per_s']:.2f} | {r['output_tok_per_s']:.1f} | "
-              f"{r['ttft_p50'] * 1000:.0f} ms | {r['ttft_p99'] * 1000:.0f} ms |", flush=True)
+        print(
+            f"| {c} | {n} | {r['req_per_s']:.2f} | {r['output_tok_per_s']:.1f} | "
+            f"{r['ttft_p50'] * 1000:.0f} ms | {r['ttft_p99'] * 1000:.0f} ms |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -26,8 +26,10 @@ def main() -> None:
     args = ap.parse_args()
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
     prompts = None
-    print(f"| max_batch_tokens | output tok/s | total tok/s | activation reserve | ({args.dtype}, "
-          f"{torch.get_num_threads()} threads)")
+    print(
+        f"| max_batch_tokens | output tok/s | total tok/s | activation reserve | ({args.dtype}, "
+        f"{torch.get_num_threads()} threads)"
+    )
     print("|---:|---:|---:|---:|")
     for m in (int(v) for v in args.values.split(",")):
         llm = LLM(dtype=args.dtype, max_batch_tokens=m, memory="3GiB")
@@ -38,8 +40,11 @@ def main() -> None:
         elapsed = time.perf_counter() - start
         out_tokens = sum(len(o.token_ids) for o in outs)
         total = out_tokens + sum(len(p) for p in prompts)
-        print(f"| {m} | {out_tokens / elapsed:.1f} | {total / elapsed:.1f} | "
-              f"{llm.memory_plan.activation_bytes / 2**20:.1f} MiB |", flush=True)
+        print(
+            f"| {m} | {out_tokens / elapsed:.1f} | {total / elapsed:.1f} | "
+            f"{llm.memory_plan.activation_bytes / 2**20:.1f} MiB |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

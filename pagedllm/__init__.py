@@ -4,11 +4,18 @@ The heavy parts (torch, transformers) load on first use of ``LLM``/``SamplingPar
 planner and the CLI's ``plan`` start instantly.
 """
 
-from .errors import ModelLoadError, PagedLLMError, UnsupportedModelError
-from .planner import CacheDoesNotFitError
+from .errors import CacheDoesNotFitError, ModelLoadError, PagedLLMError, RequestRejected, UnsupportedModelError
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "ModelLoadError", "UnsupportedModelError",
-           "PagedLLMError", "CacheDoesNotFitError"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "RequestOutput",
+    "ModelLoadError",
+    "UnsupportedModelError",
+    "PagedLLMError",
+    "CacheDoesNotFitError",
+    "RequestRejected",
+]
 __version__ = "0.1.0"
 
 _LAZY = {"LLM": ".llm", "SamplingParams": ".sampling_params", "RequestOutput": ".outputs"}

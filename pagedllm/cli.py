@@ -1,4 +1,4 @@
-"""The `pagedllm` command: generate and chat (serve, plan and bench arrive with their issues)."""
+"""The `pagedllm` command: generate, chat, serve, plan and bench."""
 
 from __future__ import annotations
 
@@ -16,24 +16,36 @@ from .errors import PagedLLMError
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and engine")
-    g.add_argument("--model", default=None,
-                   help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct); "
-                        "for plan, a config.json is enough")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct); "
+        "for plan, a config.json is enough",
+    )
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     g.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks")
     g.add_argument("--max-batch-tokens", type=int, default=None, help="tokens computed per step")
     g.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step")
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output")
-    g.add_argument("--kv-cache-dtype", default=None, choices=["float32", "bfloat16"],
-                   help="KV cache dtype (default: as --dtype)")
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="do not reuse the KV blocks of prompt prefixes seen before")
+    g.add_argument(
+        "--kv-cache-dtype", default=None, choices=["float32", "bfloat16"], help="KV cache dtype (default: as --dtype)"
+    )
+    g.add_argument(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="do not reuse the KV blocks of prompt prefixes seen before",
+    )
     m = g.add_mutually_exclusive_group()
     m.add_argument("--memory", default=None, help="the whole engine's budget, e.g. 6GiB")
-    m.add_argument("--memory-fraction", type=float, default=None,
-                   help="fraction of the memory free at start (default 0.9, cache capped at what "
-                        "max_num_seqs full-length requests can use)")
+    m.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=None,
+        help="fraction of the memory free at start (default 0.9, cache capped at what "
+        "max_num_seqs full-length requests can use)",
+    )
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -52,9 +64,17 @@ def _sampling_flags(p: argparse.ArgumentParser) -> None:
 def _params(args):
     from .sampling_params import SamplingParams
 
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                          seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
 
 
 def _llm(args):
@@ -64,10 +84,18 @@ def _llm(args):
 
 
 def _engine_kwargs(args) -> dict:
-    return dict(enable_prefix_caching=args.enable_prefix_caching, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
-                num_blocks=args.num_blocks, max_batch_tokens=args.max_batch_tokens,
-                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                memory=args.memory, memory_fraction=args.memory_fraction)
+    return dict(
+        enable_prefix_caching=args.enable_prefix_caching,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_batch_tokens=args.max_batch_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        memory=args.memory,
+        memory_fraction=args.memory_fraction,
+    )
 
 
 def cmd_serve(args) -> int:
@@ -78,12 +106,23 @@ def cmd_serve(args) -> int:
     from .server.app import create_app
 
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY")
-    app = create_app(_llm(args), served_model_name=args.served_model_name, api_key=api_key,
-                     max_body_bytes=args.max_body_bytes, max_waiting=args.max_waiting,
-                     shutdown_timeout=args.shutdown_timeout)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
-        timeout_graceful_shutdown=int(args.shutdown_timeout)))
+    app = create_app(
+        _llm(args),
+        served_model_name=args.served_model_name,
+        api_key=api_key,
+        max_body_bytes=args.max_body_bytes,
+        max_waiting=args.max_waiting,
+        shutdown_timeout=args.shutdown_timeout,
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="info" if args.verbose else "warning",
+            timeout_graceful_shutdown=int(args.shutdown_timeout),
+        )
+    )
     # uvicorn re-raises SIGTERM after its graceful shutdown, so the process would die of the
     # signal; we take SIGTERM/SIGINT ourselves: stop accepting, drain, exit 0.
     server.capture_signals = contextlib.nullcontext
@@ -98,7 +137,8 @@ def cmd_plan(args) -> int:
     from pathlib import Path
 
     from .config import ModelConfig
-    from .planner import CacheDoesNotFitError, plan_engine
+    from .errors import CacheDoesNotFitError
+    from .memory.planner import plan_engine
 
     path = Path(args.model) if args.model else None
     if path is not None and path.is_file() and path.suffix == ".json":
@@ -116,8 +156,11 @@ def cmd_plan(args) -> int:
         result = plan_engine(cfg, model_name=name, **kwargs)
     except CacheDoesNotFitError as e:
         if args.json:
-            print(json.dumps({"fits": False, "error": str(e), "breakdown": e.breakdown,
-                              "suggestions": e.suggestions}, indent=2))
+            print(
+                json.dumps(
+                    {"fits": False, "error": str(e), "breakdown": e.breakdown, "suggestions": e.suggestions}, indent=2
+                )
+            )
         print(f"pagedllm plan: does not fit: {e}", file=sys.stderr)
         return 3
     print(json.dumps({"fits": True, **result.to_dict()}, indent=2) if args.json else result.table())
@@ -170,13 +213,19 @@ def _batch_job(llm, args, params) -> int:
     start = time.perf_counter()
     outputs = llm.generate(prompts, per_params, progress=True)
     elapsed = time.perf_counter() - start
-    with (open(args.output, "w") if args.output else contextlib.nullcontext(sys.stdout)) as sink:
+    with open(args.output, "w") if args.output else contextlib.nullcontext(sys.stdout) as sink:
         for i, out in enumerate(outputs):
-            sink.write(json.dumps({"index": i, "text": out.text, "token_ids": out.token_ids,
-                                   "finish_reason": out.finish_reason}) + "\n")
+            sink.write(
+                json.dumps(
+                    {"index": i, "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason}
+                )
+                + "\n"
+            )
     tokens = sum(len(o.token_ids) for o in outputs)
-    print(f"{len(outputs)} requests, {tokens} output tokens in {elapsed:.1f}s: "
-          f"{tokens / elapsed:.1f} output tokens/s", file=sys.stderr)
+    print(
+        f"{len(outputs)} requests, {tokens} output tokens in {elapsed:.1f}s: {tokens / elapsed:.1f} output tokens/s",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -235,14 +284,21 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="the model id clients use")
     serve.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429")
     serve.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
-    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
-                       help="seconds to finish in-flight requests on SIGTERM before aborting them")
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to finish in-flight requests on SIGTERM before aborting them",
+    )
     _engine_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="offline throughput, against peers on the same workload")
-    bench.add_argument("--workload", default="standard",
-                       help="standard | shared-prefix | a JSONL file (prompt / messages / prompt_token_ids)")
+    bench.add_argument(
+        "--workload",
+        default="standard",
+        help="standard | shared-prefix | a JSONL file (prompt / messages / prompt_token_ids)",
+    )
     bench.add_argument("--num-prompts", type=int, default=64)
     bench.add_argument("--new-tokens", type=int, default=64)
     bench.add_argument("--compare", default="", help="comma-separated peers: hf-static,hf-cb,vllm,llama.cpp")
@@ -263,8 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     try:
         return args.func(args)
     except (PagedLLMError, ValueError) as e:

@@ -57,7 +57,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     @classmethod
-    def from_hf_dict(cls, d: dict, source: str = "config") -> "ModelConfig":
+    def from_hf_dict(cls, d: dict, source: str = "config") -> ModelConfig:
         archs = d.get("architectures") or []
         arch = archs[0] if archs else _ARCH_BY_MODEL_TYPE.get(d.get("model_type", ""))
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -100,7 +100,7 @@ class ModelConfig:
         return cfg
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "ModelConfig":
+    def from_file(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
@@ -136,8 +136,7 @@ def _rope_from_hf(d: dict, source: str) -> RopeConfig:
     rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(
-            f"{source}: rope type {rope_type!r} is not supported; "
-            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            f"{source}: rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     return RopeConfig(
         theta=float(theta),

@@ -11,3 +11,27 @@ class ModelLoadError(PagedLLMError, ValueError):
 
 class UnsupportedModelError(ModelLoadError):
     """The checkpoint names an architecture or a feature pagedllm does not implement."""
+
+
+class RequestRejected(PagedLLMError, ValueError):
+    """A request that can never be served as given (too long, bad token ids, bad parameters).
+    Nothing was queued. ``param`` is the request field to blame and ``code`` a machine-readable
+    reason, as in OpenAI's error body; the server answers 400 with both."""
+
+    status = 400
+
+    def __init__(self, message: str, *, param: str | None = "prompt", code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class CacheDoesNotFitError(PagedLLMError, MemoryError):
+    """The requested engine does not fit the memory budget. ``breakdown`` holds what each part
+    needs in bytes, ``suggestions`` the largest values that would fit."""
+
+    def __init__(self, message: str, breakdown: dict, suggestions: dict):
+        super().__init__(message)
+        self.breakdown = breakdown
+        self.suggestions = suggestions

@@ -1,47 +1,66 @@
 """LLM: the Python API. Loads a model, builds an engine, and runs prompts to completion.
 
-    from pagedllm import LLM, SamplingParams
-    llm = LLM()                                  # the embedded SmolLM2-135M-Instruct
-    out = llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(max_tokens=32))
-    print(out[0].text)
+from pagedllm import LLM, SamplingParams
+llm = LLM()                                  # the embedded SmolLM2-135M-Instruct
+out = llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(max_tokens=32))
+print(out[0].text)
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence as Seq
 
 import torch
 
 from . import loading
 from .config import ModelConfig
 from .engine import LLMEngine
+from .memory.planner import plan_engine
 from .outputs import RequestOutput
-from .planner import plan_engine
 from .sampling_params import SamplingParams
+from .sizes import dtype_name
 
 Prompt = str | list[int]
 
 
 class LLM:
-    def __init__(self, model: str | Path | None = None, *, dtype: str | torch.dtype = "float32",
-                 kv_cache_dtype: str | None = None, block_size: int = 16, num_blocks: int | None = None,
-                 max_batch_tokens: int | None = None, max_num_seqs: int | None = None,
-                 max_model_len: int | None = None, memory: str | int | None = None,
-                 memory_fraction: float | None = None, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        dtype: str | torch.dtype = "float32",
+        kv_cache_dtype: str | None = None,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        max_batch_tokens: int | None = None,
+        max_num_seqs: int | None = None,
+        max_model_len: int | None = None,
+        memory: str | int | None = None,
+        memory_fraction: float | None = None,
+        enable_prefix_caching: bool = True,
+    ):
         """``memory="6GiB"`` (the whole engine) or ``memory_fraction=0.9`` of what is free now;
         whatever of num_blocks / max_batch_tokens is left unset is solved for. The plan is
         checked from config.json before any weight is loaded: CacheDoesNotFitError if it cannot fit.
         """
         model_dir, name = loading.resolve_model_dir(model)
-        dtype_name = str(loading.parse_dtype(dtype)).replace("torch.", "")
         self.memory_plan = plan_engine(
-            ModelConfig.from_file(model_dir), model_name=name, dtype=dtype_name,
-            kv_cache_dtype=kv_cache_dtype, block_size=block_size, num_blocks=num_blocks,
-            max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-            memory=memory, memory_fraction=memory_fraction)
+            ModelConfig.from_file(model_dir),
+            model_name=name,
+            dtype=dtype_name(dtype),
+            kv_cache_dtype=kv_cache_dtype,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            max_batch_tokens=max_batch_tokens,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            memory=memory,
+            memory_fraction=memory_fraction,
+        )
         self.loaded = loading.load_dir(model_dir, name, dtype)
         self.tokenizer = self.loaded.tokenizer
         self.engine = LLMEngine(self.loaded, plan=self.memory_plan, enable_prefix_caching=enable_prefix_caching)
@@ -50,9 +69,12 @@ class LLM:
     def stats(self):
         return self.engine.stats
 
-    def generate(self, prompts: Prompt | Seq[Prompt],
-                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 progress: bool = False) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        progress: bool = False,
+    ) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in input order.
 
         A prompt is a string or a list of token ids; one SamplingParams applies to all, or give
@@ -94,9 +116,12 @@ class LLM:
             outputs.append(out)
         return outputs
 
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             progress: bool = False) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        progress: bool = False,
+    ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several; the chat template is applied."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         return self.generate([self.apply_chat_template(c) for c in conversations], sampling_params, progress)
@@ -167,8 +192,9 @@ class _Progress:
         rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
         width = 30
         filled = width * self.done // max(self.total, 1)
-        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
-                         f"requests, {rate:.1f} tok/s")
+        sys.stderr.write(
+            f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} requests, {rate:.1f} tok/s"
+        )
         sys.stderr.flush()
 
     def close(self) -> None:

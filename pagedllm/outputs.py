@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+# Why a request ended in "error": refused when it was added ("rejected": the client's fault),
+# the model's logits were not finite ("model"), its output could not be decoded ("detokenize"),
+# or the engine itself failed ("engine").
+ErrorKind = Literal["rejected", "model", "detokenize", "engine"]
 
 
 @dataclass
@@ -31,6 +37,7 @@ class CompletionOutput:
     finish_reason: str | None
     logprobs: list[dict] | None = None
     error: str | None = None
+    error_kind: ErrorKind | None = None
 
 
 @dataclass
@@ -54,7 +61,16 @@ class RequestOutput:
     index: int = 0
     request_finished: bool = False
     outputs: list[CompletionOutput] = field(default_factory=list)
+    error_kind: ErrorKind | None = None
 
     def completion(self) -> CompletionOutput:
-        return CompletionOutput(self.index, self.text, self.token_ids, self.finish_reason, self.logprobs,
-                                self.error)
+        return CompletionOutput(
+            self.index, self.text, self.token_ids, self.finish_reason, self.logprobs, self.error, self.error_kind
+        )
+
+    @classmethod
+    def failed(cls, request_id: str, prompt_token_ids: list[int], error: str, kind: ErrorKind) -> RequestOutput:
+        """The one output of a request that ended in error before producing anything."""
+        return cls(
+            request_id, prompt_token_ids, "", [], True, "error", error=error, error_kind=kind, request_finished=True
+        )

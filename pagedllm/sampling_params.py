@@ -40,14 +40,20 @@ class SamplingParams:
             (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
-            (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
-             "min_tokens must be an integer in [0, max_tokens]"),
+            (
+                isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+                "min_tokens must be an integer in [0, max_tokens]",
+            ),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be ints >= 0"),
-            (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
-             "logprobs must be None or an integer in [0, 20]"),
-            (self.seed is None or isinstance(self.seed, int) and -2**63 <= self.seed < 2**63,
-             "seed must be None or an integer in [-2**63, 2**63)"),
+            (
+                self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+                "logprobs must be None or an integer in [0, 20]",
+            ),
+            (
+                self.seed is None or isinstance(self.seed, int) and -(2**63) <= self.seed < 2**63,
+                "seed must be None or an integer in [-2**63, 2**63)",
+            ),
             (isinstance(self.n, int) and self.n >= 1, "n must be an integer >= 1"),
         ]
         for ok, message in checks:

@@ -37,17 +37,25 @@ class GreedyReport:
         return self.exact / max(self.total, 1)
 
     def __str__(self) -> str:
-        lines = [f"{self.exact}/{self.total} sequences identical, {len(self.near_ties)} near-ties, "
-                 f"{len(self.failures)} failures"]
+        lines = [
+            f"{self.exact}/{self.total} sequences identical, {len(self.near_ties)} near-ties, "
+            f"{len(self.failures)} failures"
+        ]
         return "\n".join(lines + self.near_ties + self.failures)
 
 
 @torch.inference_mode()
 def hf_greedy(model, prompt: list[int], max_new_tokens: int, **generate_kwargs) -> Reference:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-                         output_logits=True, return_dict_in_generate=True,
-                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long), **generate_kwargs)
-    tokens = out.sequences[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        **generate_kwargs,
+    )
+    tokens = out.sequences[0, len(prompt) :].tolist()
     return Reference(tokens, [step[0].float() for step in out.logits])
 
 
@@ -59,13 +67,15 @@ def compare_greedy(ours: list[list[int]], refs: list[Reference]) -> GreedyReport
             continue
         step = next((k for k, (a, b) in enumerate(zip(got, ref.tokens)) if a != b), None)
         if step is None:
-            report.failures.append(f"#{i}: lengths differ ({len(got)} vs {len(ref.tokens)}) "
-                                   f"with equal tokens up to the shorter")
+            report.failures.append(
+                f"#{i}: lengths differ ({len(got)} vs {len(ref.tokens)}) with equal tokens up to the shorter"
+            )
             continue
         top2 = ref.step_logits[step].topk(2)
         gap = float(top2.values[0] - top2.values[1])
-        detail = (f"#{i}: step {step}: ours {got[step]}, transformers {ref.tokens[step]}, "
-                  f"transformers' top-two gap {gap:.2e}")
+        detail = (
+            f"#{i}: step {step}: ours {got[step]}, transformers {ref.tokens[step]}, transformers' top-two gap {gap:.2e}"
+        )
         if gap < TIE_GAP and got[step] in top2.indices.tolist():
             report.near_ties.append(detail)
         else:

@@ -1,6 +1,9 @@
 """The measured-vs-predicted grid: real engine steps of many shapes, each measured with
-``track_peak`` and predicted with ``planner.step_transient_bytes``. Shared by the tests and by
-``benchmarks/memory_grid.py``, which prints the table in docs/memory.md."""
+``track_peak`` and predicted with ``memory.footprint.step_phases``. The tests check it within
+10%; run as a script, it prints the table in docs/memory.md:
+
+    .venv/bin/python tests/memory_grid.py [--model PATH] [--dtype float32 bfloat16]
+"""
 
 from __future__ import annotations
 
@@ -9,13 +12,22 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.engine import LLMEngine
-from pagedllm.memory_tracker import track_peak
-from pagedllm.planner import EngineSettings, step_phases
+from pagedllm.memory.footprint import EngineSettings, step_phases
+from pagedllm.memory.tracker import track_peak
 from pagedllm.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-FULL = SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, top_k=50, min_p=0.05,
-                      repetition_penalty=1.1, presence_penalty=0.1, logprobs=2, ignore_eos=True)
+FULL = SamplingParams(
+    max_tokens=4,
+    temperature=0.8,
+    top_p=0.9,
+    top_k=50,
+    min_p=0.05,
+    repetition_penalty=1.1,
+    presence_penalty=0.1,
+    logprobs=2,
+    ignore_eos=True,
+)
 
 
 @dataclass
@@ -60,6 +72,7 @@ def run_grid(loaded, dtype: str, seed: int = 0) -> list[GridPoint]:
     points = []
     for name, lengths, params, before, sizes in scenarios(cfg.max_position_embeddings):
         engine = LLMEngine(loaded, num_blocks=2048, **sizes)
+        engine.record_step_shapes = True
         for n in lengths:
             engine.add_request(prompt(n), params)
         for _ in range(before):
@@ -71,3 +84,27 @@ def run_grid(loaded, dtype: str, seed: int = 0) -> list[GridPoint]:
         shape = engine.last_step_shape
         points.append(GridPoint(name, shape.tokens, shape.sampled, m.peak_bytes, phases[top], top))
     return points
+
+
+def main() -> None:
+    import argparse
+
+    from pagedllm import loading
+
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    args = ap.parse_args()
+    print("| dtype | step | tokens | sampled | measured | predicted | predicted / measured | peak phase |")
+    print("|---|---|---:|---:|---:|---:|---:|---|")
+    for dtype in args.dtype:
+        for p in run_grid(loading.load(args.model, dtype), dtype):
+            print(
+                f"| {dtype} | {p.name} | {p.tokens} | {p.sampled} | {p.measured / 2**20:.3f} MiB | "
+                f"{p.predicted / 2**20:.3f} MiB | {p.ratio:.3f} | {p.peak_phase} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

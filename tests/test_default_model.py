@@ -4,8 +4,8 @@ import subprocess
 import sys
 
 import pytest
-
 from greedy import assert_greedy_matches, hf_greedy
+
 from pagedllm import SamplingParams
 from pagedllm.loading.default_model import default_gguf_path
 

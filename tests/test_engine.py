@@ -3,10 +3,10 @@ block comes back; a request that can never fit is refused and the others keep be
 
 import pytest
 import torch
-
 from greedy import assert_greedy_matches, hf_greedy
+
 from pagedllm import LLM, SamplingParams
-from pagedllm.engine import LLMEngine, RequestRejected
+from pagedllm.errors import RequestRejected
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
 
@@ -66,8 +66,11 @@ def test_request_that_can_never_fit_is_rejected_and_others_are_served(tiny_check
     llm = LLM(directory, block_size=4, num_blocks=16, max_model_len=64)  # 64 tokens of cache
     engine = llm.engine
     ok = engine.add_request([5] * 10, GREEDY)
-    with pytest.raises(RequestRejected, match=r"prompt \(40 tokens\) \+ max_tokens \(32\) = 72 tokens "
-                                              r"exceeds max_model_len=64 \(the KV cache holds 64 tokens"):
+    with pytest.raises(
+        RequestRejected,
+        match=r"prompt \(40 tokens\) \+ max_tokens \(32\) = 72 tokens "
+        r"exceeds max_model_len=64 \(the KV cache holds 64 tokens",
+    ):
         engine.add_request([5] * 40, GREEDY)
     with pytest.raises(RequestRejected, match="empty"):
         engine.add_request([], GREEDY)
@@ -104,11 +107,11 @@ def test_seeded_sampling_is_the_same_whatever_shares_the_batch(tiny_checkpoints)
     seeded = SamplingParams(max_tokens=24, temperature=1.0, seed=1234, ignore_eos=True)
     alone = llm.generate([[9, 8, 7]], seeded)[0].token_ids
     others = [SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True)] * 5
-    crowd = llm.generate([[1, 2], [9, 8, 7], [4] * 30, [5, 6], [7], [8] * 9],
-                         [others[0], seeded, *others[1:]])
+    crowd = llm.generate([[1, 2], [9, 8, 7], [4] * 30, [5, 6], [7], [8] * 9], [others[0], seeded, *others[1:]])
     assert crowd[1].token_ids == alone
-    other_seed = llm.generate([[9, 8, 7]], SamplingParams(max_tokens=24, temperature=1.0, seed=99,
-                                                          ignore_eos=True))[0].token_ids
+    other_seed = llm.generate([[9, 8, 7]], SamplingParams(max_tokens=24, temperature=1.0, seed=99, ignore_eos=True))[
+        0
+    ].token_ids
     assert other_seed != alone
 
 

@@ -5,8 +5,14 @@ exactly once, and leaves greedy and seeded outputs what they are when the reques
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, \
-    run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from pagedllm import SamplingParams, loading
 from pagedllm.engine import LLMEngine
@@ -19,22 +25,42 @@ class EngineMachine(RuleBasedStateMachine):
     loaded = None  # set by the test (hypothesis builds the machine itself)
     reference: dict = {}  # (prompt, kind, seed, max_tokens) -> tokens of the request run alone
 
-    @initialize(num_blocks=st.sampled_from([10, 16, 40]), max_batch_tokens=st.sampled_from([5, 16, 64]),
-                prefix_caching=st.booleans())
+    @initialize(
+        num_blocks=st.sampled_from([10, 16, 40]),
+        max_batch_tokens=st.sampled_from([5, 16, 64]),
+        prefix_caching=st.booleans(),
+    )
     def build(self, num_blocks, max_batch_tokens, prefix_caching):
-        self.engine = LLMEngine(self.loaded, block_size=4, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
-                                max_num_seqs=6, max_model_len=40, enable_prefix_caching=prefix_caching)
+        self.engine = LLMEngine(
+            self.loaded,
+            block_size=4,
+            num_blocks=num_blocks,
+            max_batch_tokens=max_batch_tokens,
+            max_num_seqs=6,
+            max_model_len=40,
+            enable_prefix_caching=prefix_caching,
+        )
         self.requests: dict[str, tuple] = {}  # id -> (prompt, params)
         self.ended: dict[tuple[str, int], object] = {}  # (id, sample) -> final output
         self.aborted: set[str] = set()
 
-    @rule(prefix=st.sampled_from(range(len(PREFIXES))), tail=st.lists(st.integers(3, 200), min_size=1, max_size=10),
-          kind=st.sampled_from(["greedy", "seeded", "sampled"]), n=st.integers(1, 3),
-          max_tokens=st.integers(1, MAX_NEW), seed=st.integers(0, 1000))
+    @rule(
+        prefix=st.sampled_from(range(len(PREFIXES))),
+        tail=st.lists(st.integers(3, 200), min_size=1, max_size=10),
+        kind=st.sampled_from(["greedy", "seeded", "sampled"]),
+        n=st.integers(1, 3),
+        max_tokens=st.integers(1, MAX_NEW),
+        seed=st.integers(0, 1000),
+    )
     def add(self, prefix, tail, kind, n, max_tokens, seed):
         prompt = (PREFIXES[prefix] + tail)[:MAX_PROMPT]
-        params = SamplingParams(max_tokens=max_tokens, temperature=0 if kind == "greedy" else 1.0,
-                                seed=seed if kind == "seeded" else None, n=n, ignore_eos=True)
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0 if kind == "greedy" else 1.0,
+            seed=seed if kind == "seeded" else None,
+            n=n,
+            ignore_eos=True,
+        )
         rid = self.engine.add_request(prompt, params)
         self.requests[rid] = (prompt, params)
 
@@ -85,8 +111,12 @@ class EngineMachine(RuleBasedStateMachine):
         key = (tuple(prompt), params.greedy, seed, params.max_tokens)
         if key not in self.reference:
             solo = LLMEngine(self.loaded, block_size=4, num_blocks=40, max_batch_tokens=64, max_model_len=40)
-            solo.add_request(prompt, SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature,
-                                                    seed=seed, ignore_eos=True))
+            solo.add_request(
+                prompt,
+                SamplingParams(
+                    max_tokens=params.max_tokens, temperature=params.temperature, seed=seed, ignore_eos=True
+                ),
+            )
             while solo.has_unfinished():
                 for out in solo.step():
                     if out.finished:
@@ -96,6 +126,12 @@ class EngineMachine(RuleBasedStateMachine):
 
 def test_any_interleaving_of_adds_aborts_and_steps(tiny_checkpoints):
     EngineMachine.loaded = loading.load(tiny_checkpoints["qwen2"][0])
-    run_state_machine_as_test(EngineMachine, settings=settings(
-        max_examples=40, stateful_step_count=30, deadline=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+    run_state_machine_as_test(
+        EngineMachine,
+        settings=settings(
+            max_examples=40,
+            stateful_step_count=30,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        ),
+    )

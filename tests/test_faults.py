@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.engine import RequestRejected
+from pagedllm.errors import RequestRejected
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -44,7 +44,7 @@ def test_nan_in_one_requests_kv_fails_it_alone_and_never_reaches_the_next_owner(
         bs = engine.kv_cache.block_size
         for block in engine.blocks.table(seq.seq_id):  # whole blocks: past its end too, like stale K/V
             for cache in (*engine.kv_cache.k, *engine.kv_cache.v):
-                cache[:, block * bs:(block + 1) * bs] = float("nan")
+                cache[:, block * bs : (block + 1) * bs] = float("nan")
         victim["done"] = True
 
     ids = [engine.add_request(p, GREEDY) for p in prompts]
@@ -80,8 +80,10 @@ class FlakyTokenizer:
 
 def test_a_tokenizer_that_fails_on_one_output_fails_that_request_only(default_llm):
     engine = default_llm.engine
-    prompts = [default_llm.apply_chat_template([{"role": "user", "content": q}])
-               for q in ("What is 2+2?", "Name a colour.", "Say hi.")]
+    prompts = [
+        default_llm.apply_chat_template([{"role": "user", "content": q}])
+        for q in ("What is 2+2?", "Name a colour.", "Say hi.")
+    ]
     expected = run_all(engine, prompts)
     # a token the second answer produces and the others do not
     poison = next(t for t in expected[1].token_ids if all(t not in o.token_ids for o in (expected[0], expected[2])))
@@ -92,7 +94,9 @@ def test_a_tokenizer_that_fails_on_one_output_fails_that_request_only(default_ll
     finally:
         engine.detokenizer.tokenizer = real
     assert got[1].finish_reason == "error" and "injected decode failure" in got[1].error
-    assert [(o.text, o.token_ids) for o in (got[0], got[2])] == [(o.text, o.token_ids) for o in (expected[0], expected[2])]
+    assert [(o.text, o.token_ids) for o in (got[0], got[2])] == [
+        (o.text, o.token_ids) for o in (expected[0], expected[2])
+    ]
     assert engine.blocks.num_used == 0 and not engine.has_unfinished()
 
 

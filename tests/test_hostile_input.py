@@ -20,10 +20,10 @@ import time
 
 import httpx
 import pytest
-
-from pagedllm.server.launch import ServerProcess
-from pagedllm.server.openapi import ERROR_BODY
+from server_process import ServerProcess
 from tiny_models import COMMON
+
+from pagedllm.server.openapi import ERROR_BODY
 
 pytestmark = pytest.mark.slow
 
@@ -36,13 +36,25 @@ C, CHAT = "/v1/completions", "/v1/chat/completions"
 # every path but /health, 413 everywhere, and for the generation endpoints 400 (bad input),
 # 404 (unknown model), 429 (queue full).
 # A stream has answered 200 before it ends: an engine failure would show only as an error event.
-SSE_EVENT = {"type": "object", "required": ["data"],
-             "properties": {"data": {"type": "string", "not": {"pattern": '"server_error"'}}}}
+SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {"data": {"type": "string", "not": {"pattern": '"server_error"'}}},
+}
 EVERY_PATH_ERRORS = {"401": "missing or wrong API key", "413": "body over --max-body-bytes"}
-GENERATION_ERRORS = {"400": "malformed, mistyped or out-of-range input", "404": "unknown model",
-                     "429": "more than --max-waiting queued requests"}
-CHECKS = ["not_a_server_error", "status_code_conformance", "content_type_conformance",
-          "response_schema_conformance", "negative_data_rejection", "unsupported_method"]
+GENERATION_ERRORS = {
+    "400": "malformed, mistyped or out-of-range input",
+    "404": "unknown model",
+    "429": "more than --max-waiting queued requests",
+}
+CHECKS = [
+    "not_a_server_error",
+    "status_code_conformance",
+    "content_type_conformance",
+    "response_schema_conformance",
+    "negative_data_rejection",
+    "unsupported_method",
+]
 
 
 class Server:
@@ -75,8 +87,10 @@ def assert_still_serving(server: Server, valid_request: tuple[str, dict]) -> Non
     assert r.status_code == 200, (r.text, server.log)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        idle = [server.metric(m) for m in ("pagedllm_kv_blocks_used", "pagedllm_requests_running",
-                                            "pagedllm_requests_waiting")]
+        idle = [
+            server.metric(m)
+            for m in ("pagedllm_kv_blocks_used", "pagedllm_requests_running", "pagedllm_requests_waiting")
+        ]
         if idle == [0, 0, 0]:
             break
         time.sleep(0.2)
@@ -122,8 +136,15 @@ def before_call(context, case, kwargs):
 """
 
 
-def run_schemathesis(server: Server, tmp_path, *, max_examples: int, hooks: str | None = None,
-                     only_post: bool = False, timeout: float = 300) -> str:
+def run_schemathesis(
+    server: Server,
+    tmp_path,
+    *,
+    max_examples: int,
+    hooks: str | None = None,
+    only_post: bool = False,
+    timeout: float = 300,
+) -> str:
     """Runs `st run` (phases examples, coverage, fuzzing; positive and negative data) against
     the live server and fails with schemathesis' own report (each failure with its curl)."""
     openapi = httpx.get(server.url + "/openapi.json", headers=server.headers, timeout=30).json()
@@ -135,16 +156,44 @@ def run_schemathesis(server: Server, tmp_path, *, max_examples: int, hooks: str 
         (tmp_path / "hooks.py").write_text(hooks)
         config_lines.append(f'hooks = "{tmp_path / "hooks.py"}"')
     config.write_text("\n".join(config_lines) + "\n")
-    cmd = [sys.executable, "-m", "schemathesis.cli", "--config-file", str(config), "run", str(schema),
-           "--url", server.url, "--mode", "all", "--max-examples", str(max_examples), "--seed", "1",
-           "--phases", "examples,coverage,fuzzing", "--checks", ",".join(CHECKS), "--workers", "1",
-           "--request-timeout", "120", "--generation-database", "none", "--continue-on-failure",
-           "--no-color", "--output-sanitize", "false", "--output-truncate", "false",
-           *(["--include-method", "POST"] if only_post else []),
-           *[a for name, value in server.headers.items() for a in ("-H", f"{name}: {value}")]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "schemathesis.cli",
+        "--config-file",
+        str(config),
+        "run",
+        str(schema),
+        "--url",
+        server.url,
+        "--mode",
+        "all",
+        "--max-examples",
+        str(max_examples),
+        "--seed",
+        "1",
+        "--phases",
+        "examples,coverage,fuzzing",
+        "--checks",
+        ",".join(CHECKS),
+        "--workers",
+        "1",
+        "--request-timeout",
+        "120",
+        "--generation-database",
+        "none",
+        "--continue-on-failure",
+        "--no-color",
+        "--output-sanitize",
+        "false",
+        "--output-truncate",
+        "false",
+        *(["--include-method", "POST"] if only_post else []),
+        *[a for name, value in server.headers.items() for a in ("-H", f"{name}: {value}")],
+    ]
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
     report = done.stdout + done.stderr
-    assert done.returncode == 0, report[report.find("=== FAILURES"):] if "FAILURES" in report else report
+    assert done.returncode == 0, report[report.find("=== FAILURES") :] if "FAILURES" in report else report
     return report
 
 
@@ -173,8 +222,9 @@ TINY_VALID = (C, {"prompt": [1, 2, 3], "max_tokens": 4})
 
 
 def test_fuzzed_requests_to_the_tiny_model_get_documented_statuses_only(tiny_server, tmp_path):
-    run_schemathesis(tiny_server, tmp_path, max_examples=50,
-                     hooks=CAP_MAX_TOKENS_HOOK.format(cap=8, context=TINY_CONTEXT))
+    run_schemathesis(
+        tiny_server, tmp_path, max_examples=50, hooks=CAP_MAX_TOKENS_HOOK.format(cap=8, context=TINY_CONTEXT)
+    )
     assert_still_serving(tiny_server, TINY_VALID)
 
 
@@ -263,7 +313,7 @@ def body_of_size(size: int) -> bytes:
 def in_chunks(data: bytes, size: int = 64 * 1024):
     """A body sent with chunked transfer encoding: no Content-Length to refuse it by."""
     for i in range(0, len(data), size):
-        yield data[i:i + size]
+        yield data[i : i + size]
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
@@ -271,8 +321,7 @@ def test_a_body_at_the_size_limit_is_served_and_one_byte_more_is_413(tiny_server
     headers = {**tiny_server.headers, "content-type": "application/json"}
     for size, status in ((LIMIT, 200), (LIMIT + 1, 413)):
         body = body_of_size(size)
-        r = httpx.post(tiny_server.url + C, content=in_chunks(body) if chunked else body, headers=headers,
-                       timeout=120)
+        r = httpx.post(tiny_server.url + C, content=in_chunks(body) if chunked else body, headers=headers, timeout=120)
         if status == 200:
             assert r.status_code == 200, r.text
         else:
@@ -289,15 +338,28 @@ def test_the_model_field_names_only_the_served_model_never_a_path_or_another_mod
     served = [m["id"] for m in httpx.get(tiny_server.url + "/v1/models", headers=tiny_server.headers).json()["data"]]
     assert len(served) == 1
     rss_before = rss_bytes(tiny_server.process.proc.pid)
-    names = ["/etc/passwd", "../x", "../../../../etc/passwd", "file:///etc/passwd", str(tiny_dir),
-             f"{tiny_dir}/../{tiny_dir.name}", "HuggingFaceTB/SmolLM2-135M-Instruct", DEFAULT_MODEL, "gpt-4o",
-             "", " ", served[0].upper(), served[0] + "\x00"]
+    names = [
+        "/etc/passwd",
+        "../x",
+        "../../../../etc/passwd",
+        "file:///etc/passwd",
+        str(tiny_dir),
+        f"{tiny_dir}/../{tiny_dir.name}",
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+        DEFAULT_MODEL,
+        "gpt-4o",
+        "",
+        " ",
+        served[0].upper(),
+        served[0] + "\x00",
+    ]
     for name in names:
         for path, body in ((C, {"prompt": [1, 2], "max_tokens": 1}), (CHAT, {"messages": HI, "max_tokens": 1})):
             err = error_of(tiny_server.post(path, {**body, "model": name}), 404)
             assert (err["type"], err["param"], err["code"]) == ("not_found_error", "model", "model_not_found")
-    assert [m["id"] for m in httpx.get(tiny_server.url + "/v1/models", headers=tiny_server.headers)
-            .json()["data"]] == served
+    assert [
+        m["id"] for m in httpx.get(tiny_server.url + "/v1/models", headers=tiny_server.headers).json()["data"]
+    ] == served
     # nothing was loaded: the default model's weights alone would be ~500 MiB more
     assert rss_bytes(tiny_server.process.proc.pid) - rss_before < 64 * 1024**2
     assert tiny_server.post(C, {"prompt": [1, 2], "max_tokens": 1, "model": served[0]}).status_code == 200
@@ -323,8 +385,13 @@ def test_the_api_key_is_required_on_every_route_but_health(tiny_server, tiny_dir
         if path == "/health":
             assert httpx.request(method, url + path).status_code == 200
             continue
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
-                        {"Authorization": f"Basic {KEY}"}, {"X-Api-Key": KEY}):
+        for headers in (
+            {},
+            {"Authorization": "Bearer wrong"},
+            {"Authorization": KEY},
+            {"Authorization": f"Basic {KEY}"},
+            {"X-Api-Key": KEY},
+        ):
             r = httpx.request(method, url + path, headers=headers, json={} if method == "POST" else None)
             assert r.status_code == 401, (method, path, headers, r.status_code)
             if method != "HEAD":
@@ -334,7 +401,9 @@ def test_the_api_key_is_required_on_every_route_but_health(tiny_server, tiny_dir
 
 
 UNSUPPORTED = [
-    (C, {"echo": True}, "echo"), (C, {"suffix": "x"}, "suffix"), (C, {"best_of": 2}, "best_of"),
+    (C, {"echo": True}, "echo"),
+    (C, {"suffix": "x"}, "suffix"),
+    (C, {"best_of": 2}, "best_of"),
     (C, {"logit_bias": {"1": 5}}, "logit_bias"),
     (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
@@ -381,8 +450,9 @@ def own_tiny_server(tiny_dir):
 
 def test_a_seed_at_the_edges_of_64_bits_is_served_or_refused_never_stops_the_engine(own_tiny_server):
     """Sample i of a request draws from seed + i (README): no seed may overflow the generator."""
-    for n, seed in itertools.product((1, 2), (-(2**63) - 1, -(2**63), -1, 2**63 - 1, 2**64 - 2, 2**64 - 1,
-                                              2**64, 10**30)):
+    for n, seed in itertools.product(
+        (1, 2), (-(2**63) - 1, -(2**63), -1, 2**63 - 1, 2**64 - 2, 2**64 - 1, 2**64, 10**30)
+    ):
         r = own_tiny_server.post(C, {"prompt": [1, 2], "max_tokens": 2, "n": n, "seed": seed})
         assert r.status_code in (200, 400), (seed, n, r.status_code, r.text)
         if r.status_code == 400:
@@ -407,8 +477,13 @@ DEFAULT_VALID = (CHAT, {"messages": HI, "max_tokens": 4})
 
 
 def test_fuzzed_requests_to_the_default_model_get_documented_statuses_only(default_server, tmp_path):
-    run_schemathesis(default_server, tmp_path, max_examples=25, only_post=True,
-                     hooks=CAP_MAX_TOKENS_HOOK.format(cap=4, context=DEFAULT_CONTEXT))
+    run_schemathesis(
+        default_server,
+        tmp_path,
+        max_examples=25,
+        only_post=True,
+        hooks=CAP_MAX_TOKENS_HOOK.format(cap=4, context=DEFAULT_CONTEXT),
+    )
     assert_still_serving(default_server, DEFAULT_VALID)
 
 

@@ -34,28 +34,47 @@ print(rss("VmHWM:") - before, weights)
 @pytest.fixture(scope="module")
 def medium_checkpoint(tmp_path_factory):
     d = tmp_path_factory.mktemp("medium")
-    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=32000,
-               hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
-               num_key_value_heads=4, max_position_embeddings=2048, tie_word_embeddings=False)
+    cfg = dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
     (d / "config.json").write_text(json.dumps(cfg))
     g = torch.Generator().manual_seed(0)
     h, i = 512, 1376
-    tensors = {"model.embed_tokens.weight": (32000, h), "lm_head.weight": (32000, h),
-               "model.norm.weight": (h,)}
+    tensors = {"model.embed_tokens.weight": (32000, h), "lm_head.weight": (32000, h), "model.norm.weight": (h,)}
     for layer in range(4):
         p = f"model.layers.{layer}."
-        tensors.update({p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (256, h),
-                        p + "self_attn.v_proj.weight": (256, h), p + "self_attn.o_proj.weight": (h, h),
-                        p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                        p + "mlp.down_proj.weight": (h, i), p + "input_layernorm.weight": (h,),
-                        p + "post_attention_layernorm.weight": (h,)})
+        tensors.update(
+            {
+                p + "self_attn.q_proj.weight": (h, h),
+                p + "self_attn.k_proj.weight": (256, h),
+                p + "self_attn.v_proj.weight": (256, h),
+                p + "self_attn.o_proj.weight": (h, h),
+                p + "mlp.gate_proj.weight": (i, h),
+                p + "mlp.up_proj.weight": (i, h),
+                p + "mlp.down_proj.weight": (h, i),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
     save_file({k: torch.randn(s, generator=g) for k, s in tensors.items()}, str(d / "model.safetensors"))
     return d
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_peak_ram_while_loading_is_under_twice_the_weights(medium_checkpoint, dtype):
-    out = subprocess.run([sys.executable, "-c", MEASURE, str(medium_checkpoint), dtype],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(medium_checkpoint), dtype], capture_output=True, text=True, check=True
+    )
     peak_growth, weights = map(int, out.stdout.split())
-    assert peak_growth <= 2.0 * weights, f"peak grew {peak_growth / 2**20:.0f} MiB for {weights / 2**20:.0f} MiB of weights"
+    assert peak_growth <= 2.0 * weights, (
+        f"peak grew {peak_growth / 2**20:.0f} MiB for {weights / 2**20:.0f} MiB of weights"
+    )

@@ -10,22 +10,25 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from memory_grid import run_grid
-from pagedllm import CacheDoesNotFitError, LLM, SamplingParams
-from pagedllm import loading
+
+from pagedllm import LLM, CacheDoesNotFitError, SamplingParams, loading
 from pagedllm.config import ModelConfig
-from pagedllm.memory_tracker import track_peak
-from pagedllm.planner import (FIXED_BYTES, EngineSettings, _cgroup_free, activation_peak, kv_bytes_per_block,
-                              parameter_count, parse_memory, plan, resolve_budget)
+from pagedllm.memory.budget import _cgroup_free, parse_memory, resolve_budget
+from pagedllm.memory.footprint import EngineSettings, activation_peak, kv_bytes_per_block, parameter_count
+from pagedllm.memory.planner import FIXED_BYTES, plan
+from pagedllm.memory.tracker import track_peak
 
 GiB = 1024**3
 
 
 def check_grid(loaded, dtype):
     points = run_grid(loaded, dtype)
-    report = "\n".join(f"{p.name:28s} T={p.tokens:5d} S={p.sampled:3d} measured {p.measured:>10d} "
-                       f"predicted {p.predicted:>10d} x{p.ratio:.3f} ({p.peak_phase})" for p in points)
+    report = "\n".join(
+        f"{p.name:28s} T={p.tokens:5d} S={p.sampled:3d} measured {p.measured:>10d} "
+        f"predicted {p.predicted:>10d} x{p.ratio:.3f} ({p.peak_phase})"
+        for p in points
+    )
     print(report)
     for p in points:
         assert p.measured <= p.predicted <= 1.10 * p.measured, report
@@ -45,12 +48,10 @@ def test_step_memory_prediction_matches_measured_peak_on_the_default_model(dtype
 
 def test_activation_peak_bounds_the_heaviest_steps(tiny_checkpoints):
     """What the planner reserves for activations covers the worst steps the limits allow."""
-    llm = LLM(tiny_checkpoints["qwen3"][0], max_batch_tokens=256, max_num_seqs=32, max_model_len=512,
-              num_blocks=1200)
+    llm = LLM(tiny_checkpoints["qwen3"][0], max_batch_tokens=256, max_num_seqs=32, max_model_len=512, num_blocks=1200)
     engine, reserve = llm.engine, llm.memory_plan.activation_bytes
     g = torch.Generator().manual_seed(0)
-    full = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.5, repetition_penalty=1.2, logprobs=5,
-                          ignore_eos=True)
+    full = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.5, repetition_penalty=1.2, logprobs=5, ignore_eos=True)
     for _ in range(32):
         engine.add_request(torch.randint(3, 300, (480,), generator=g).tolist(), full)
     peaks = []
@@ -73,30 +74,59 @@ def test_cache_tensors_are_exactly_the_predicted_bytes(tiny_checkpoints):
 # ---- the solver ---------------------------------------------------------------------------------
 
 configs = st.builds(
-    lambda layers, kv, group, d, h_mult, inter_mult, vocab, tie, arch, ctx: ModelConfig.from_hf_dict({
-        "architectures": [arch], "num_hidden_layers": layers, "num_attention_heads": kv * group,
-        "num_key_value_heads": kv, "head_dim": d, "hidden_size": 64 * h_mult,
-        "intermediate_size": 64 * h_mult * inter_mult, "vocab_size": vocab,
-        "tie_word_embeddings": tie, "max_position_embeddings": ctx}),
-    st.integers(1, 96), st.integers(1, 16), st.integers(1, 8), st.sampled_from([32, 64, 128]),
-    st.integers(1, 128), st.integers(2, 5), st.integers(256, 256_000), st.booleans(),
+    lambda layers, kv, group, d, h_mult, inter_mult, vocab, tie, arch, ctx: ModelConfig.from_hf_dict(
+        {
+            "architectures": [arch],
+            "num_hidden_layers": layers,
+            "num_attention_heads": kv * group,
+            "num_key_value_heads": kv,
+            "head_dim": d,
+            "hidden_size": 64 * h_mult,
+            "intermediate_size": 64 * h_mult * inter_mult,
+            "vocab_size": vocab,
+            "tie_word_embeddings": tie,
+            "max_position_embeddings": ctx,
+        }
+    ),
+    st.integers(1, 96),
+    st.integers(1, 16),
+    st.integers(1, 8),
+    st.sampled_from([32, 64, 128]),
+    st.integers(1, 128),
+    st.integers(2, 5),
+    st.integers(256, 256_000),
+    st.booleans(),
     st.sampled_from(["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"]),
-    st.sampled_from([2048, 8192, 32768, 131072]))
-engine_settings = st.builds(EngineSettings, dtype=st.sampled_from(["float32", "bfloat16"]),
-                            kv_dtype=st.sampled_from([None, "bfloat16", "float32"]),
-                            block_size=st.sampled_from([1, 8, 16, 32]))
+    st.sampled_from([2048, 8192, 32768, 131072]),
+)
+engine_settings = st.builds(
+    EngineSettings,
+    dtype=st.sampled_from(["float32", "bfloat16"]),
+    kv_dtype=st.sampled_from([None, "bfloat16", "float32"]),
+    block_size=st.sampled_from([1, 8, 16, 32]),
+)
 
 
 def total(cfg, s, n, m, seqs, max_len):
-    from pagedllm.planner import weight_bytes
+    from pagedllm.memory.footprint import weight_bytes
 
-    return weight_bytes(cfg, s.dtype) + n * kv_bytes_per_block(cfg, s.block_size, s.kv) + \
-        activation_peak(cfg, s, m, seqs, max_len) + FIXED_BYTES
+    return (
+        weight_bytes(cfg, s.dtype)
+        + n * kv_bytes_per_block(cfg, s.block_size, s.kv)
+        + activation_peak(cfg, s, m, seqs, max_len)
+        + FIXED_BYTES
+    )
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cfg=configs, s=engine_settings, budget_gib=st.floats(0.05, 2000), mode=st.sampled_from(["auto", "n", "m"]),
-       seqs=st.integers(1, 256), data=st.data())
+@given(
+    cfg=configs,
+    s=engine_settings,
+    budget_gib=st.floats(0.05, 2000),
+    mode=st.sampled_from(["auto", "n", "m"]),
+    seqs=st.integers(1, 256),
+    data=st.data(),
+)
 def test_solver_fits_and_is_maximal_and_its_suggestions_fit(cfg, s, budget_gib, mode, seqs, data):
     budget = int(budget_gib * GiB)
     n_given = data.draw(st.integers(1, 200_000)) if mode == "n" else None
@@ -127,10 +157,19 @@ def p_len(cfg, s):
 
 
 def small_cfg():
-    return ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 30,
-                                     "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576,
-                                     "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True,
-                                     "max_position_embeddings": 8192})
+    return ModelConfig.from_hf_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "num_hidden_layers": 30,
+            "num_attention_heads": 9,
+            "num_key_value_heads": 3,
+            "hidden_size": 576,
+            "intermediate_size": 1536,
+            "vocab_size": 49152,
+            "tie_word_embeddings": True,
+            "max_position_embeddings": 8192,
+        }
+    )
 
 
 def test_both_given_is_checked_and_the_error_says_what_fits():
@@ -138,9 +177,17 @@ def test_both_given_is_checked_and_the_error_says_what_fits():
     with pytest.raises(CacheDoesNotFitError) as e:
         plan(cfg, 2 * GiB, num_blocks=2000, max_batch_tokens=20000, budget_source="memory=2GiB")
     msg = str(e.value)
-    for part in ("GiB", "weights", "KV cache", "activations", "budget: 2.000 GiB (memory=2GiB)",
-                 "largest max_batch_tokens that fits with num_blocks=2000",
-                 "largest num_blocks that fits with max_batch_tokens=20000", "smallest memory", "bfloat16"):
+    for part in (
+        "GiB",
+        "weights",
+        "KV cache",
+        "activations",
+        "budget: 2.000 GiB (memory=2GiB)",
+        "largest max_batch_tokens that fits with num_blocks=2000",
+        "largest num_blocks that fits with max_batch_tokens=20000",
+        "smallest memory",
+        "bfloat16",
+    ):
         assert part in msg
     assert isinstance(e.value, MemoryError)
     sug = e.value.suggestions
@@ -238,12 +285,26 @@ def test_a_step_that_runs_out_of_memory_is_retried_smaller_and_loses_nothing(tin
 
 # ---- the CLI ------------------------------------------------------------------------------------
 
-LLAMA_70B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "intermediate_size": 28672,
-             "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
-             "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-05,
-             "rope_theta": 500000.0, "tie_word_embeddings": False,
-             "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                              "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
+LLAMA_70B = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "rope_scaling": {
+        "factor": 8.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+}
 
 
 def pagedllm(*args):
@@ -253,14 +314,25 @@ def pagedllm(*args):
 def test_plan_cli_plans_a_70b_model_from_its_config(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(LLAMA_70B))
-    res = pagedllm("plan", "--model", str(config), "--memory", "200GiB", "--dtype", "bfloat16",
-                   "--max-model-len", "32768", "--json")
+    res = pagedllm(
+        "plan",
+        "--model",
+        str(config),
+        "--memory",
+        "200GiB",
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "32768",
+        "--json",
+    )
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["fits"] and out["total_bytes"] <= 200 * GiB
     assert 131 * GiB < out["weights_bytes"] < 132 * GiB  # 70.55B parameters in bf16
-    table = pagedllm("plan", "--model", str(config), "--memory", "200GiB", "--dtype", "bfloat16",
-                     "--max-model-len", "32768")
+    table = pagedllm(
+        "plan", "--model", str(config), "--memory", "200GiB", "--dtype", "bfloat16", "--max-model-len", "32768"
+    )
     assert "KV cache" in table.stdout and "headroom" in table.stdout
     too_small = pagedllm("plan", "--model", str(config), "--memory", "80GiB", "--dtype", "bfloat16")
     assert too_small.returncode == 3 and "weights alone exceed" in too_small.stderr

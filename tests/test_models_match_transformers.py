@@ -2,13 +2,13 @@
 
 import pytest
 import torch
-
 from greedy import assert_greedy_matches, hf_greedy
-from pagedllm import LLM, SamplingParams
-from pagedllm.attention import PagedAttention, SequenceSlice, StepLayout
-from pagedllm.kv_cache import KVCache
-from pagedllm.loading import load
 from tiny_models import ARCHS
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.layers.attention import PagedAttention, SequenceSlice, StepLayout
+from pagedllm.layers.kv_cache import KVCache
+from pagedllm.loading import load
 
 PROMPT_LENGTHS = [1, 5, 17, 40, 64, 3, 29]
 
@@ -33,13 +33,14 @@ def test_logits_equal_transformers_in_fp32(tiny_checkpoints, arch):
         ids += p
         positions += range(len(p))
     layout = StepLayout.build(slices, 8, loaded.config.num_heads // loaded.config.num_kv_heads)
-    logits = loaded.model(torch.tensor(ids), torch.tensor(positions), PagedAttention(cache, layout),
-                          torch.arange(len(ids)))
+    logits = loaded.model(
+        torch.tensor(ids), torch.tensor(positions), PagedAttention(cache, layout), torch.arange(len(ids))
+    )
     offset = 0
     for p in batch:
         with torch.no_grad():
             ref = hf(torch.tensor([p])).logits[0].float()
-        torch.testing.assert_close(logits[offset:offset + len(p)], ref, atol=1e-4, rtol=0)
+        torch.testing.assert_close(logits[offset : offset + len(p)], ref, atol=1e-4, rtol=0)
         offset += len(p)
 
 

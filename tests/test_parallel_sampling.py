@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.engine import LLMEngine, RequestRejected
+from pagedllm.engine import LLMEngine
+from pagedllm.errors import RequestRejected
 
 
 def prompt_of(length: int, seed: int = 0) -> list[int]:
@@ -18,8 +19,14 @@ def sampled(seed: int, n: int = 1, max_tokens: int = 10) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoints):
-    return LLM(tiny_checkpoints["llama"][0], block_size=8, num_blocks=64, max_batch_tokens=32, max_num_seqs=8,
-               max_model_len=128)
+    return LLM(
+        tiny_checkpoints["llama"][0],
+        block_size=8,
+        num_blocks=64,
+        max_batch_tokens=32,
+        max_num_seqs=8,
+        max_model_len=128,
+    )
 
 
 # prompt lengths: last prompt token mid-block, first in a new block, one token, whole blocks
@@ -57,8 +64,15 @@ def peak_blocks(engine: LLMEngine, requests: list[tuple[list[int], SamplingParam
 
 def test_n_4_shares_the_prompt_blocks_instead_of_holding_4_copies(tiny_checkpoints):
     def engine():
-        return LLM(tiny_checkpoints["llama"][0], block_size=8, num_blocks=64, max_batch_tokens=64, max_num_seqs=8,
-                   max_model_len=128, enable_prefix_caching=False).engine
+        return LLM(
+            tiny_checkpoints["llama"][0],
+            block_size=8,
+            num_blocks=64,
+            max_batch_tokens=64,
+            max_num_seqs=8,
+            max_model_len=128,
+            enable_prefix_caching=False,
+        ).engine
 
     prompt = prompt_of(43, seed=1)  # 5 full blocks + 3 tokens
     shared = engine()
@@ -73,8 +87,14 @@ def test_n_4_shares_the_prompt_blocks_instead_of_holding_4_copies(tiny_checkpoin
 
 
 def test_samples_survive_preemption_and_match_single_requests(tiny_checkpoints):
-    tight = LLM(tiny_checkpoints["llama"][0], block_size=4, num_blocks=30, max_batch_tokens=16, max_num_seqs=8,
-                max_model_len=100)
+    tight = LLM(
+        tiny_checkpoints["llama"][0],
+        block_size=4,
+        num_blocks=30,
+        max_batch_tokens=16,
+        max_num_seqs=8,
+        max_model_len=100,
+    )
     prompts = [prompt_of(n, seed=n) for n in (10, 23, 7)]
     outs = tight.generate(prompts, sampled(seed=9, n=3, max_tokens=24))
     assert tight.stats.preemptions > 0

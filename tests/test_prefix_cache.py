@@ -67,11 +67,19 @@ def test_turning_it_off_means_no_hits(llms):
     assert plain.stats.prefix_cache_hit_tokens == 0 and plain.engine.blocks.num_cached_free == 0
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(ops=st.lists(st.tuples(st.sampled_from(["add", "add", "abort", "step", "step", "step"]),
-                              st.integers(0, 4), st.integers(1, 30)), min_size=1, max_size=40))
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["add", "add", "abort", "step", "step", "step"]), st.integers(0, 4), st.integers(1, 30)
+        ),
+        min_size=1,
+        max_size=40,
+    )
+)
 def test_any_interleaving_keeps_the_invariants_and_ends_every_request_once(tiny_checkpoints, ops):
-    from pagedllm import loading
 
     loaded = _loaded(tiny_checkpoints)
     engine = LLMEngine(loaded, block_size=4, num_blocks=24, max_batch_tokens=16, max_num_seqs=4, max_model_len=96)
@@ -80,8 +88,14 @@ def test_any_interleaving_keeps_the_invariants_and_ends_every_request_once(tiny_
     ids = []
     for op, which, length in ops:
         if op == "add":
-            ids.append(engine.add_request(prefixes[which] + [13] * (length % 7), SamplingParams(
-                max_tokens=1 + length % 9, temperature=length % 2, ignore_eos=True, n=1 + length % 3)))
+            ids.append(
+                engine.add_request(
+                    prefixes[which] + [13] * (length % 7),
+                    SamplingParams(
+                        max_tokens=1 + length % 9, temperature=length % 2, ignore_eos=True, n=1 + length % 3
+                    ),
+                )
+            )
         elif op == "abort" and ids:
             for out in engine.abort(ids[which % len(ids)]):
                 ended[out.request_id, out.index] = ended.get((out.request_id, out.index), 0) + 1

@@ -4,9 +4,9 @@ logprobs do what their names promise; bad parameters fail at creation."""
 import pytest
 import torch
 
-from pagedllm.sampler import Sampler
+from pagedllm.engine.sequence import Sequence
+from pagedllm.layers.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.sequence import Sequence
 
 VOCAB = 50
 
@@ -30,7 +30,7 @@ def random_logits(rows, seed=0):
 def test_top_k_only_emits_the_k_most_likely(k):
     logits = random_logits(64)
     seqs = seqs_for([SamplingParams(temperature=1.5, top_k=k)] * 64)
-    for trial in range(5):
+    for _ in range(5):
         tokens = Sampler(())(logits, seqs).token_ids
         allowed = logits.topk(k).indices
         assert all(t in allowed[i].tolist() for i, t in enumerate(tokens))
@@ -41,7 +41,7 @@ def test_top_p_only_emits_the_nucleus(p):
     logits = random_logits(64, seed=1)
     seqs = seqs_for([SamplingParams(temperature=1.0, top_p=p)] * 64)
     probs = logits.softmax(-1)
-    for trial in range(5):
+    for _ in range(5):
         tokens = Sampler(())(logits, seqs).token_ids
         for i, t in enumerate(tokens):
             sorted_p, order = probs[i].sort(descending=True)
@@ -55,15 +55,18 @@ def test_min_p_only_emits_tokens_near_the_top(min_p):
     logits = random_logits(64, seed=2)
     seqs = seqs_for([SamplingParams(temperature=1.0, min_p=min_p)] * 64)
     probs = logits.softmax(-1)
-    for trial in range(5):
+    for _ in range(5):
         tokens = Sampler(())(logits, seqs).token_ids
         assert all(probs[i, t] >= min_p * probs[i].max() for i, t in enumerate(tokens))
 
 
 def test_mixed_batch_each_row_gets_its_own_rule():
     logits = random_logits(3, seed=3)
-    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=1),
-              SamplingParams(temperature=2.0, top_k=2)]
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=2.0, top_k=2),
+    ]
     tokens = Sampler(())(logits, seqs_for(params)).token_ids
     assert tokens[0] == int(logits[0].argmax()) and tokens[1] == int(logits[1].argmax())
     assert tokens[2] in logits[2].topk(2).indices.tolist()
@@ -74,8 +77,9 @@ def test_seeded_rows_repeat_and_unseeded_rows_vary():
     first = Sampler(())(logits, seqs_for([SamplingParams(seed=7)] * 2)).token_ids
     again = Sampler(())(logits, seqs_for([SamplingParams(seed=7)] * 2)).token_ids
     assert first == again and first[0] == first[1]
-    draws = {tuple(Sampler(())(random_logits(4, seed=5), seqs_for([SamplingParams()] * 4)).token_ids)
-             for _ in range(10)}
+    draws = {
+        tuple(Sampler(())(random_logits(4, seed=5), seqs_for([SamplingParams()] * 4)).token_ids) for _ in range(10)
+    }
     assert len(draws) > 1
 
 
@@ -83,9 +87,11 @@ def test_penalties_push_seen_tokens_down():
     logits = torch.zeros(3, VOCAB)
     logits[:, 7] = 1.0
     logits[:, 8] = 0.9
-    params = [SamplingParams(temperature=0, presence_penalty=0.5),
-              SamplingParams(temperature=0, frequency_penalty=0.05),
-              SamplingParams(temperature=0, repetition_penalty=2.0)]
+    params = [
+        SamplingParams(temperature=0, presence_penalty=0.5),
+        SamplingParams(temperature=0, frequency_penalty=0.05),
+        SamplingParams(temperature=0, repetition_penalty=2.0),
+    ]
     tokens = Sampler(())(logits, seqs_for(params, outputs=[[7], [7, 7, 7], [7]])).token_ids
     assert tokens == [8, 8, 8]
     assert Sampler(())(logits[:1], seqs_for([SamplingParams(temperature=0)], outputs=[[7]])).token_ids == [7]
@@ -95,7 +101,10 @@ def test_min_tokens_holds_back_eos_and_stop_ids():
     logits = torch.zeros(2, VOCAB)
     logits[:, 2] = 10.0  # eos is by far the most likely
     logits[:, 11] = 9.0
-    params = [SamplingParams(temperature=0, min_tokens=3), SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[11])]
+    params = [
+        SamplingParams(temperature=0, min_tokens=3),
+        SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[11]),
+    ]
     tokens = Sampler((2,))(logits, seqs_for(params, outputs=[[5], [5]])).token_ids
     assert tokens[0] == 11 and tokens[1] not in (2, 11)
     done = Sampler((2,))(logits[:1], seqs_for(params[:1], outputs=[[5, 5, 5]])).token_ids
@@ -113,9 +122,20 @@ def test_logprobs_report_the_chosen_token_and_top_n_of_the_model_distribution():
     assert res.logprobs[1] is None
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(max_tokens=0),
-                                 dict(min_p=2), dict(min_tokens=99, max_tokens=5), dict(stop=[""]),
-                                 dict(logprobs=50), dict(presence_penalty=3)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(temperature=-1),
+        dict(top_p=0),
+        dict(top_k=-2),
+        dict(max_tokens=0),
+        dict(min_p=2),
+        dict(min_tokens=99, max_tokens=5),
+        dict(stop=[""]),
+        dict(logprobs=50),
+        dict(presence_penalty=3),
+    ],
+)
 def test_bad_parameters_fail_at_creation_naming_the_field(bad):
     field = next(iter(bad))
     with pytest.raises(ValueError, match=field):

@@ -8,8 +8,7 @@ import time
 
 import httpx
 import pytest
-
-from pagedllm.server.launch import ServerProcess
+from server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -57,19 +56,27 @@ def test_chat_with_the_openai_client(client):
 @pytest.mark.parametrize("params", [dict(temperature=0), dict(temperature=0.9, seed=7, top_p=0.9)])
 def test_streamed_chat_equals_non_streamed(client, params):
     whole = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=32, **params)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=32, stream=True,
-                                                 stream_options={"include_usage": True}, **params))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=FRANCE, max_tokens=32, stream=True, stream_options={"include_usage": True}, **params
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
-    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
-        [whole.choices[0].finish_reason]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        whole.choices[0].finish_reason
+    ]
 
 
 def test_completions_text_token_ids_and_lists(client):
     r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0)
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0, stream=True))
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0, stream=True
+        )
+    )
     assert streamed == r.choices[0].text and "Paris" in r.choices[0].text
     by_ids = client.completions.create(model=MODEL, prompt=[504, 3575, 282, 4649, 314], max_tokens=3, temperature=0)
     assert by_ids.usage.prompt_tokens == 5
@@ -78,8 +85,9 @@ def test_completions_text_token_ids_and_lists(client):
 
 
 def test_n_logprobs_and_stop(client):
-    r = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=8, n=3, temperature=1.0,
-                                       seed=1, logprobs=True, top_logprobs=2)
+    r = client.chat.completions.create(
+        model=MODEL, messages=FRANCE, max_tokens=8, n=3, temperature=1.0, seed=1, logprobs=True, top_logprobs=2
+    )
     assert len(r.choices) == 3
     for c in r.choices:
         assert len(c.logprobs.content) >= 1 and len(c.logprobs.content[0].top_logprobs) == 2
@@ -91,8 +99,9 @@ def test_n_logprobs_and_stop(client):
 
 def test_n_samples_of_several_prompts_stream_as_they_return_whole(client, server):
     """Prompt i's sample j is choice i * n + j, streamed or not; the samples share prompt blocks."""
-    args = dict(model=MODEL, prompt=["Once upon a time", "The best way to"], n=3, max_tokens=12,
-                temperature=1.0, seed=11)
+    args = dict(
+        model=MODEL, prompt=["Once upon a time", "The best way to"], n=3, max_tokens=12, temperature=1.0, seed=11
+    )
     copied_before = server.metric("pagedllm_kv_blocks_copied_total")
     whole = client.completions.create(**args)
     assert [c.index for c in whole.choices] == list(range(6))
@@ -109,8 +118,14 @@ def test_n_samples_of_several_prompts_stream_as_they_return_whole(client, server
 
 def test_32_streaming_clients_with_a_quarter_disconnecting_free_every_block(server):
     async def one(i: int, http: httpx.AsyncClient):
-        body = {"model": MODEL, "messages": [{"role": "user", "content": f"Count from {i} to {i + 40}."}],
-                "max_tokens": 48, "temperature": 0, "stream": True, "ignore_eos": True}
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": f"Count from {i} to {i + 40}."}],
+            "max_tokens": 48,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+        }
         text = []
         async with http.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
@@ -141,16 +156,40 @@ def test_32_streaming_clients_with_a_quarter_disconnecting_free_every_block(serv
 BAD = [
     ("malformed JSON", "/v1/chat/completions", b"{not json", 400, "invalid_request_error"),
     ("wrong field type", "/v1/chat/completions", {"messages": "hello"}, 400, "invalid_request_error"),
-    ("temperature out of range", "/v1/chat/completions", {"messages": FRANCE, "temperature": 5}, 400, "invalid_request_error"),
+    (
+        "temperature out of range",
+        "/v1/chat/completions",
+        {"messages": FRANCE, "temperature": 5},
+        400,
+        "invalid_request_error",
+    ),
     ("n out of range", "/v1/completions", {"prompt": "x", "n": 1000}, 400, "invalid_request_error"),
     ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "invalid_request_error"),
     ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "invalid_request_error"),
-    ("unknown role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "invalid_request_error"),
+    (
+        "unknown role",
+        "/v1/chat/completions",
+        {"messages": [{"role": "wizard", "content": "x"}]},
+        400,
+        "invalid_request_error",
+    ),
     ("unknown model", "/v1/chat/completions", {"model": "gpt-9", "messages": FRANCE}, 404, "not_found_error"),
     ("beyond the context", "/v1/completions", {"prompt": "hi", "max_tokens": 100000}, 400, "invalid_request_error"),
-    ("too many stops", "/v1/completions", {"prompt": "hi", "stop": [str(i) for i in range(40)]}, 400, "invalid_request_error"),
+    (
+        "too many stops",
+        "/v1/completions",
+        {"prompt": "hi", "stop": [str(i) for i in range(40)]},
+        400,
+        "invalid_request_error",
+    ),
     ("token id out of vocab", "/v1/completions", {"prompt": [999999999]}, 400, "invalid_request_error"),
-    ("logit_bias unsupported", "/v1/completions", {"prompt": "hi", "logit_bias": {"1": 5}}, 400, "invalid_request_error"),
+    (
+        "logit_bias unsupported",
+        "/v1/completions",
+        {"prompt": "hi", "logit_bias": {"1": 5}},
+        400,
+        "invalid_request_error",
+    ),
     ("unknown path", "/v1/nothing", {}, 404, "not_found_error"),
     ("body too large", "/v1/completions", {"prompt": "x" * (5 * 1024 * 1024)}, 413, "invalid_request_error"),
 ]
@@ -180,9 +219,20 @@ def test_non_streaming_client_that_disconnects_is_aborted(server):
 
 @pytest.fixture(scope="module")
 def tiny_server(tiny_checkpoints):
-    s = ServerProcess("--model", str(tiny_checkpoints["llama"][0]), "--api-key", "s3cret",
-                      "--max-waiting", "2", "--max-num-seqs", "1", "--max-model-len", "512",
-                      "--shutdown-timeout", "20")
+    s = ServerProcess(
+        "--model",
+        str(tiny_checkpoints["llama"][0]),
+        "--api-key",
+        "s3cret",
+        "--max-waiting",
+        "2",
+        "--max-num-seqs",
+        "1",
+        "--max-model-len",
+        "512",
+        "--shutdown-timeout",
+        "20",
+    )
     yield s
     s.stop()
 
@@ -204,25 +254,30 @@ def test_queue_full_answers_429_with_retry_after(tiny_server):
 
     async def main():
         async with httpx.AsyncClient(timeout=120, headers=auth) as http:
-            return await asyncio.gather(*(http.post(tiny_server.url + "/v1/completions", json=body)
-                                          for _ in range(12)))
+            return await asyncio.gather(*(http.post(tiny_server.url + "/v1/completions", json=body) for _ in range(12)))
 
     statuses = [r for r in asyncio.run(main())]
     busy = [r for r in statuses if r.status_code == 429]
     assert busy and all(r.headers.get("retry-after") for r in busy)
     assert all(r.status_code in (200, 429) for r in statuses)
-    assert httpx.post(tiny_server.url + "/v1/completions", json={"prompt": [4], "max_tokens": 2},
-                      headers=auth, timeout=60).status_code == 200
+    assert (
+        httpx.post(
+            tiny_server.url + "/v1/completions", json={"prompt": [4], "max_tokens": 2}, headers=auth, timeout=60
+        ).status_code
+        == 200
+    )
 
 
 def test_sigterm_finishes_in_flight_requests_and_exits_0(tiny_checkpoints):
-    s = ServerProcess("--model", str(tiny_checkpoints["qwen2"][0]), "--max-model-len", "512",
-                      "--shutdown-timeout", "30")
+    s = ServerProcess(
+        "--model", str(tiny_checkpoints["qwen2"][0]), "--max-model-len", "512", "--shutdown-timeout", "30"
+    )
     result = {}
 
     def request():
-        result["r"] = httpx.post(s.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 300,
-                                                                   "ignore_eos": True}, timeout=120)
+        result["r"] = httpx.post(
+            s.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 300, "ignore_eos": True}, timeout=120
+        )
 
     t = threading.Thread(target=request)
     t.start()

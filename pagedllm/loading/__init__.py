@@ -15,14 +15,12 @@ import torch
 from ..config import ModelConfig
 from ..errors import ModelLoadError
 from ..models import DecoderLM
+from ..sizes import torch_dtype
 from .checkpoint import load_decoder
 from .default_model import DEFAULT_MODEL_NAME, default_gguf_path
 from .gguf_convert import converted_dir
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32,
-          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -32,15 +30,6 @@ class LoadedModel:
     tokenizer: object | None  # a transformers tokenizer, or None for a weights-only directory
     path: Path  # the HF-style directory the weights came from
     name: str
-
-
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        if dtype in DTYPES.values():
-            return dtype
-    elif dtype in DTYPES:
-        return DTYPES[dtype]
-    raise ValueError(f"dtype {dtype!r} is not supported; use float32 or bfloat16")
 
 
 def resolve_model_dir(model: str | Path | None) -> tuple[Path, str]:
@@ -70,7 +59,7 @@ def load(model: str | Path | None = None, dtype: str | torch.dtype = "float32") 
 
 
 def load_dir(model_dir: Path, name: str, dtype: str | torch.dtype = "float32") -> LoadedModel:
-    decoder = load_decoder(model_dir, parse_dtype(dtype))
+    decoder = load_decoder(model_dir, torch_dtype(dtype))
     return LoadedModel(decoder, decoder.config, load_tokenizer(model_dir), model_dir, name)
 
 

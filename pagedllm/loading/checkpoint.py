@@ -14,8 +14,8 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..errors import ModelLoadError
+from ..layers.rotary import Rotary
 from ..models import DecoderLM
-from ..models.layers import Rotary
 from .safetensors_io import iter_tensors, read_header
 
 # Buffers some checkpoints carry that we recompute.

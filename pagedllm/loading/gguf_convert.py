@@ -62,9 +62,7 @@ def converted_dir(gguf_path: Path) -> Path:
         st = gguf_path.stat()
     except OSError:
         raise ModelLoadError(f"{gguf_path}: no such file") from None
-    key = hashlib.sha256(
-        f"{gguf_path}|{st.st_size}|{st.st_mtime_ns}|{CONVERTER_VERSION}".encode()
-    ).hexdigest()[:16]
+    key = hashlib.sha256(f"{gguf_path}|{st.st_size}|{st.st_mtime_ns}|{CONVERTER_VERSION}".encode()).hexdigest()[:16]
     target = cache_root() / f"{gguf_path.stem}-{key}"
     if (target / "config.json").is_file():
         return target
@@ -89,19 +87,18 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
     try:
         reader = GGUFReader(gguf_path)
     except Exception as e:  # the gguf package raises bare ValueError/struct/mmap errors
-        raise ModelLoadError(f"{gguf_path}: not a readable GGUF file: corrupt or truncated ({type(e).__name__}: {e})") from None
+        raise ModelLoadError(
+            f"{gguf_path}: not a readable GGUF file: corrupt or truncated ({type(e).__name__}: {e})"
+        ) from None
     meta = _metadata(reader)
     arch = meta.get("general.architecture")
     if arch not in _ARCHS:
         raise UnsupportedModelError(
-            f"{gguf_path}: GGUF architecture {arch!r} is not supported; "
-            f"supported: {', '.join(sorted(_ARCHS))}"
+            f"{gguf_path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(_ARCHS))}"
         )
     tensors = {t.name: t for t in reader.tensors}
     if "rope_freqs.weight" in tensors or meta.get(f"{arch}.rope.scaling.type", "none") not in ("none",):
-        raise UnsupportedModelError(
-            f"{gguf_path}: GGUF rope scaling is not supported; load the HF checkpoint instead"
-        )
+        raise UnsupportedModelError(f"{gguf_path}: GGUF rope scaling is not supported; load the HF checkpoint instead")
     if "token_embd.weight" not in tensors:
         raise ModelLoadError(f"{gguf_path}: GGUF file has no token_embd.weight tensor")
     config = _hf_config(meta, arch, tie="output.weight" not in tensors, path=gguf_path)
@@ -160,8 +157,7 @@ def _hf_config(meta: dict, arch: str, tie: bool, path: Path) -> dict:
         "tie_word_embeddings": tie,
         "torch_dtype": "float32",
     }
-    for key, hf in (("tokenizer.ggml.bos_token_id", "bos_token_id"),
-                    ("tokenizer.ggml.eos_token_id", "eos_token_id")):
+    for key, hf in (("tokenizer.ggml.bos_token_id", "bos_token_id"), ("tokenizer.ggml.eos_token_id", "eos_token_id")):
         if key in meta:
             cfg[hf] = int(meta[key])
     return cfg

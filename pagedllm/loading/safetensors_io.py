@@ -13,17 +13,24 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
 from ..errors import ModelLoadError
 
 DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
 NAMES = {v: k for k, v in DTYPES.items()}
 _MAX_HEADER = 100 * 1024 * 1024
@@ -60,14 +67,14 @@ def read_header(path: Path) -> tuple[dict, int]:
             raise ModelLoadError(f"{path}: tensor {name!r} has a size that does not match its shape")
         if data_start + end > size:
             raise ModelLoadError(
-                f"{path}: truncated: tensor {name!r} ends at byte {data_start + end}, "
-                f"file has {size} bytes"
+                f"{path}: truncated: tensor {name!r} ends at byte {data_start + end}, file has {size} bytes"
             )
     return header, data_start
 
 
-def iter_tensors(path: Path, header: dict, data_start: int,
-                 dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(
+    path: Path, header: dict, data_start: int, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (name, tensor) in file order, each in a fresh buffer of ``dtype`` (default: as stored).
 
     A tensor stored in another dtype is read into one reused scratch buffer and converted from
@@ -89,8 +96,9 @@ def iter_tensors(path: Path, header: dict, data_start: int,
             yield name, tensor.to(dtype) if convert else tensor
 
 
-def write_streaming(path: Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                    produce, metadata: dict | None = None) -> None:
+def write_streaming(
+    path: Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]], produce, metadata: dict | None = None
+) -> None:
     """Writes a safetensors file whose tensors are produced one at a time by ``produce(name)``.
 
     The header is written first from ``specs``, so no more than one tensor is in memory.
@@ -101,8 +109,7 @@ def write_streaming(path: Path, specs: list[tuple[str, torch.dtype, tuple[int, .
         nbytes = dtype.itemsize
         for d in shape:
             nbytes *= d
-        header[name] = {"dtype": NAMES[dtype], "shape": list(shape),
-                        "data_offsets": [offset, offset + nbytes]}
+        header[name] = {"dtype": NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)

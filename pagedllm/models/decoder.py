@@ -15,7 +15,9 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from .layers import MLP, RMSNorm, Rotary, apply_rotary_
+from ..layers.mlp import MLP
+from ..layers.norm import RMSNorm
+from ..layers.rotary import Rotary, apply_rotary_
 
 
 class Attention(nn.Module):
@@ -23,7 +25,7 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.head_dim**-0.5
         self.window = cfg.sliding_windows[layer] if cfg.sliding_windows else None
         h, d = cfg.hidden_size, cfg.head_dim
         self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias)
@@ -83,8 +85,9 @@ class DecoderLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn,
-                logits_rows: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn, logits_rows: torch.Tensor
+    ) -> torch.Tensor:
         """input_ids, positions: [T]; logits_rows: [S] rows of the batch to sample from.
 
         Returns float32 logits [S, vocab].

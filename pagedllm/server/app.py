@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine import RequestRejected
+from ..errors import RequestRejected
 from ..sampling_params import SamplingParams
 from .async_engine import AsyncEngine, QueueFull
 from .mailbox import Mailbox
@@ -33,8 +33,15 @@ log = logging.getLogger(__name__)
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers or {}
@@ -44,9 +51,15 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def create_app(llm, *, served_model_name: str | None = None, api_key: str | None = None,
-               max_body_bytes: int = 4 * 1024 * 1024, max_waiting: int = 256,
-               shutdown_timeout: float = 30.0) -> FastAPI:
+def create_app(
+    llm,
+    *,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    max_body_bytes: int = 4 * 1024 * 1024,
+    max_waiting: int = 256,
+    shutdown_timeout: float = 30.0,
+) -> FastAPI:
     engine = AsyncEngine(llm.engine, max_waiting=max_waiting)
     throughput = ThroughputMeter()
     engine.observers.append(throughput.observe)
@@ -111,8 +124,7 @@ def create_app(llm, *, served_model_name: str | None = None, api_key: str | None
 
     # ---- guards: API key, body size (plain ASGI, so streaming and disconnects pass through) ----
 
-    app.add_middleware(Guards, api_key=api_key, max_body_bytes=max_body_bytes,
-                       on_error=metrics.count_error)
+    app.add_middleware(Guards, api_key=api_key, max_body_bytes=max_body_bytes, on_error=metrics.count_error)
 
     # ---- simple endpoints ----------------------------------------------------------------------
 
@@ -124,8 +136,12 @@ def create_app(llm, *, served_model_name: str | None = None, api_key: str | None
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "pagedllm", "max_model_len": max_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {"id": model_name, "object": "model", "created": 0, "owned_by": "pagedllm", "max_model_len": max_len}
+            ],
+        }
 
     @app.get("/v1/plan")
     async def plan():
@@ -139,19 +155,34 @@ def create_app(llm, *, served_model_name: str | None = None, api_key: str | None
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
-            raise APIError(404, f"model {name!r} does not exist; this server serves {model_name!r}",
-                           "not_found_error", "model", "model_not_found")
+            raise APIError(
+                404,
+                f"model {name!r} does not exist; this server serves {model_name!r}",
+                "not_found_error",
+                "model",
+                "model_not_found",
+            )
 
     def sampling_params(req, prompt_len: int, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if max_tokens is None:
             max_tokens = max(1, max_len - prompt_len)
         try:
             return SamplingParams(
-                max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                min_p=req.min_p, presence_penalty=req.presence_penalty,
-                frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-                seed=req.seed, stop=req.stop, n=req.n,
-                min_tokens=min(req.min_tokens, max_tokens), ignore_eos=req.ignore_eos, logprobs=logprobs)
+                max_tokens=max_tokens,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                top_k=req.top_k,
+                min_p=req.min_p,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty,
+                seed=req.seed,
+                stop=req.stop,
+                n=req.n,
+                min_tokens=min(req.min_tokens, max_tokens),
+                ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
+            )
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
@@ -176,8 +207,9 @@ def create_app(llm, *, served_model_name: str | None = None, api_key: str | None
         except QueueFull as e:
             for rid in ids:
                 engine.abort(rid)
-            raise APIError(429, f"server busy: {e}; retry later", "rate_limit_error",
-                           headers={"Retry-After": "1"}) from None
+            raise APIError(
+                429, f"server busy: {e}; retry later", "rate_limit_error", headers={"Retry-After": "1"}
+            ) from None
         return base, ids, sink
 
     def rejected(e: RequestRejected, prompt: list[int]) -> APIError:
@@ -205,7 +237,7 @@ def create_app(llm, *, served_model_name: str | None = None, api_key: str | None
                     next_check = time.monotonic() + 0.5
                 try:
                     out = await asyncio.wait_for(sink.get(), timeout=0.5)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     continue
                 now, key = time.perf_counter(), (out.request_id, out.index)
                 if out.token_ids and key not in last_time and out.metrics:
@@ -222,8 +254,11 @@ def create_app(llm, *, served_model_name: str | None = None, api_key: str | None
 
     def usage(prompts: list[list[int]], completion_tokens: int, n: int) -> dict:
         prompt_tokens = sum(len(p) for p in prompts)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
 
     def token_text(token_id: int) -> str:
         return llm.tokenizer.decode([token_id]) if llm.tokenizer is not None else str(token_id)
@@ -235,24 +270,37 @@ def create_app(llm, *, served_model_name: str | None = None, api_key: str | None
         for lp in out.logprobs[start:end]:
             tid, value = lp["token"]
             tok = token_text(tid)
-            content.append({"token": tok, "logprob": value, "bytes": list(tok.encode()),
-                            "top_logprobs": [{"token": token_text(t), "logprob": v,
-                                              "bytes": list(token_text(t).encode())} for t, v in lp["top"]]})
+            content.append(
+                {
+                    "token": tok,
+                    "logprob": value,
+                    "bytes": list(tok.encode()),
+                    "top_logprobs": [
+                        {"token": token_text(t), "logprob": v, "bytes": list(token_text(t).encode())}
+                        for t, v in lp["top"]
+                    ],
+                }
+            )
         return {"content": content}
 
     def completion_logprobs(out, start: int, end: int) -> dict | None:
         if out.logprobs is None:
             return None
         entries = out.logprobs[start:end]
-        return {"tokens": [token_text(lp["token"][0]) for lp in entries],
-                "token_logprobs": [lp["token"][1] for lp in entries],
-                "top_logprobs": [{token_text(t): v for t, v in lp["top"]} for lp in entries],
-                "text_offset": []}
+        return {
+            "tokens": [token_text(lp["token"][0]) for lp in entries],
+            "token_logprobs": [lp["token"][1] for lp in entries],
+            "top_logprobs": [{token_text(t): v for t, v in lp["top"]} for lp in entries],
+            "text_offset": [],
+        }
 
     def fail_on_error(out) -> None:
         if out.finish_reason == "error":
-            raise APIError(500 if "engine failure" in (out.error or "") else 400, out.error or "request failed",
-                           "server_error" if "engine failure" in (out.error or "") else "invalid_request_error")
+            raise APIError(
+                500 if "engine failure" in (out.error or "") else 400,
+                out.error or "request failed",
+                "server_error" if "engine failure" in (out.error or "") else "invalid_request_error",
+            )
 
     async def generate(request: Request, req, prompts: list[list[int]], max_tokens, logprobs, chat: bool):
         created = int(time.time())
@@ -263,9 +311,21 @@ def create_app(llm, *, served_model_name: str | None = None, api_key: str | None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
-                stream(request, ids, req.n, sink, rid, obj + ".chunk" if chat else obj, created, prompts,
-                       include_usage, chat, make_logprobs),
-                media_type="text/event-stream")
+                stream(
+                    request,
+                    ids,
+                    req.n,
+                    sink,
+                    rid,
+                    obj + ".chunk" if chat else obj,
+                    created,
+                    prompts,
+                    include_usage,
+                    chat,
+                    make_logprobs,
+                ),
+                media_type="text/event-stream",
+            )
         finals: dict[int, object] = {}
         num_choices = len(ids) * req.n
         async for i, out in outputs_of(request, ids, req.n, sink):
@@ -279,22 +339,43 @@ def create_app(llm, *, served_model_name: str | None = None, api_key: str | None
             out = finals[i]
             lp = make_logprobs(out, 0, len(out.token_ids))
             if chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": out.text},
-                                "logprobs": lp, "finish_reason": out.finish_reason})
+                choices.append(
+                    {
+                        "index": i,
+                        "message": {"role": "assistant", "content": out.text},
+                        "logprobs": lp,
+                        "finish_reason": out.finish_reason,
+                    }
+                )
             else:
                 choices.append({"index": i, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason})
         completion_tokens = sum(len(o.token_ids) for o in finals.values())
-        return {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices,
-                "usage": usage(prompts, completion_tokens, req.n)}
+        return {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": model_name,
+            "choices": choices,
+            "usage": usage(prompts, completion_tokens, req.n),
+        }
 
     async def stream(request, ids, n, sink, rid, obj, created, prompts, include_usage, chat, make_logprobs):
         def chunk(choices: list, **extra) -> str:
-            return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model_name,
-                                          "choices": choices, **extra}) + "\n\n"
+            return (
+                "data: "
+                + json.dumps(
+                    {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices, **extra}
+                )
+                + "\n\n"
+            )
 
         if chat:
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None} for i in range(len(ids) * n)])
+            yield chunk(
+                [
+                    {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                    for i in range(len(ids) * n)
+                ]
+            )
         sent = [0] * (len(ids) * n)
         completion_tokens = 0
         async for i, out in outputs_of(request, ids, n, sink):
@@ -344,8 +425,7 @@ def create_app(llm, *, served_model_name: str | None = None, api_key: str | None
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         check_model(req.model)
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in req.messages]
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
         try:
             prompt = await off_loop(llm.apply_chat_template, messages)
         except ValueError as e:
@@ -374,8 +454,9 @@ class Guards:
             given = headers.get("authorization", "")
             token = given[7:] if given.lower().startswith("bearer ") else ""
             if not hmac.compare_digest(token.encode(), self.api_key.encode()):
-                return await self._reject(scope, receive, send, 401, "missing or wrong API key",
-                                          "authentication_error", "invalid_api_key")
+                return await self._reject(
+                    scope, receive, send, 401, "missing or wrong API key", "authentication_error", "invalid_api_key"
+                )
         length = headers.get("content-length")
         too_large = f"request body exceeds {self.limit} bytes"
         if length is not None and (not length.isdigit() or int(length) > self.limit):

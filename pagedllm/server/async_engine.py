@@ -15,7 +15,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..engine import LLMEngine, RequestRejected
+from ..engine import LLMEngine
+from ..errors import RequestRejected
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .mailbox import Mailbox
@@ -66,8 +67,7 @@ class AsyncEngine:
         """Raises RequestRejected for a request that can never run (reads static limits only)."""
         self.engine.validate("", prompt, params)
 
-    def add(self, request_id: str, prompt: list[int], params: SamplingParams,
-            sink: Mailbox | None = None) -> Mailbox:
+    def add(self, request_id: str, prompt: list[int], params: SamplingParams, sink: Mailbox | None = None) -> Mailbox:
         """Queues a request; its outputs arrive in ``sink`` (or a new mailbox, returned), one per
         sample (``index``), the last one with ``request_finished`` set. Several requests may
         share one sink."""
@@ -110,8 +110,9 @@ class AsyncEngine:
             log.exception("engine thread failed")
             self.error = e
             for rid in list(self._sinks):
-                self._deliver(RequestOutput(rid, [], "", [], True, "error", error=f"engine failure: {e}",
-                                            request_finished=True))
+                self._deliver(
+                    RequestOutput(rid, [], "", [], True, "error", error=f"engine failure: {e}", request_finished=True)
+                )
 
     def _apply_ops(self) -> None:
         while True:
@@ -130,8 +131,11 @@ class AsyncEngine:
                 except Exception as e:  # fails this request only; the engine is unchanged
                     if not isinstance(e, (RequestRejected, ValueError)):
                         log.exception("adding request %s failed", op.request_id)
-                    self._deliver(RequestOutput(op.request_id, op.prompt, "", [], True, "error", error=str(e),
-                                                request_finished=True))
+                    self._deliver(
+                        RequestOutput(
+                            op.request_id, op.prompt, "", [], True, "error", error=str(e), request_finished=True
+                        )
+                    )
             else:
                 _, rid = op
                 for out in self.engine.abort(rid):

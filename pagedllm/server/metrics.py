@@ -41,10 +41,18 @@ class ThroughputMeter:
 class Metrics:
     def __init__(self, engine, throughput: ThroughputMeter, model_name: str):
         self.registry = CollectorRegistry()
-        self.ttft = Histogram("pagedllm_time_to_first_token_seconds", "Time from arrival to the first token",
-                              buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.itl = Histogram("pagedllm_inter_token_latency_seconds", "Time between consecutive tokens",
-                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.ttft = Histogram(
+            "pagedllm_time_to_first_token_seconds",
+            "Time from arrival to the first token",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "pagedllm_inter_token_latency_seconds",
+            "Time between consecutive tokens",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.http_errors: dict[int, int] = {}
         self.registry.register(_EngineCollector(engine, throughput, self, model_name))
 
@@ -67,12 +75,12 @@ class _EngineCollector:
             "pagedllm_kv_blocks_used": ("KV cache blocks in use", s.blocks_used),
             "pagedllm_kv_blocks_total": ("KV cache blocks", s.blocks_total),
             "pagedllm_max_batch_tokens": ("Effective tokens per step", s.max_batch_tokens),
-            "pagedllm_kv_blocks_cached_free": ("Unused KV blocks kept for their cached prefix",
-                                               s.blocks_cached_free),
-            "pagedllm_prefix_cache_hit_rate": ("Prompt tokens served from the prefix cache / looked up",
-                                               s.prefix_cache_hit_tokens / max(1, s.prefix_cache_queried_tokens)),
-            "pagedllm_generation_tokens_per_second": ("Generated tokens per second, last 10 s",
-                                                      self.throughput.rate()),
+            "pagedllm_kv_blocks_cached_free": ("Unused KV blocks kept for their cached prefix", s.blocks_cached_free),
+            "pagedllm_prefix_cache_hit_rate": (
+                "Prompt tokens served from the prefix cache / looked up",
+                s.prefix_cache_hit_tokens / max(1, s.prefix_cache_queried_tokens),
+            ),
+            "pagedllm_generation_tokens_per_second": ("Generated tokens per second, last 10 s", self.throughput.rate()),
         }
         counters = {
             "pagedllm_prompt_tokens": ("Prompt tokens computed", s.prompt_tokens_computed),
@@ -83,11 +91,15 @@ class _EngineCollector:
             "pagedllm_requests_aborted": ("Requests aborted", s.requests_aborted),
             "pagedllm_requests_failed": ("Requests failed inside the engine", s.requests_failed),
             "pagedllm_steps": ("Engine steps", s.steps),
-            "pagedllm_prefix_cache_hit_tokens": ("Prompt tokens served from the prefix cache",
-                                                 s.prefix_cache_hit_tokens),
+            "pagedllm_prefix_cache_hit_tokens": (
+                "Prompt tokens served from the prefix cache",
+                s.prefix_cache_hit_tokens,
+            ),
             "pagedllm_prefix_cache_evictions": ("Cached blocks evicted for new ones", s.prefix_cache_evictions),
-            "pagedllm_kv_blocks_copied": ("Shared blocks copied on first write (samples of one request)",
-                                          s.blocks_copied),
+            "pagedllm_kv_blocks_copied": (
+                "Shared blocks copied on first write (samples of one request)",
+                s.blocks_copied,
+            ),
         }
         for family, table in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
             for name, (doc, value) in table.items():

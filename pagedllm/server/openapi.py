@@ -11,15 +11,27 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 ERROR_BODY = {
-    "type": "object", "required": ["error"],
-    "properties": {"error": {
-        "type": "object", "required": ["message", "type", "param", "code"],
-        "properties": {"message": {"type": "string", "minLength": 1}, "type": {"type": "string"},
-                       "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string", "minLength": 1},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
 }
 GUARD_ERRORS = {"401": "missing or wrong API key (with --api-key)", "413": "body over --max-body-bytes"}
-GENERATION_ERRORS = {"400": "malformed, mistyped or out-of-range input", "404": "unknown model",
-                     "429": "more than --max-waiting queued requests (see Retry-After)"}
+GENERATION_ERRORS = {
+    "400": "malformed, mistyped or out-of-range input",
+    "404": "unknown model",
+    "429": "more than --max-waiting queued requests (see Retry-After)",
+}
 
 
 def document_responses(app: FastAPI) -> None:
@@ -37,14 +49,14 @@ def document_responses(app: FastAPI) -> None:
                 if method == "post":
                     errors.update(GENERATION_ERRORS)
                     responses["200"].setdefault("content", {})["text/event-stream"] = {
-                        "schema": {"type": "string", "description": "SSE chunks when stream is true"}}
+                        "schema": {"type": "string", "description": "SSE chunks when stream is true"}
+                    }
                 if path == "/metrics":
                     responses["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
                 if path == "/health":
                     responses["503"] = {"description": "the engine thread has failed"}
                 for status, why in errors.items():
-                    responses[status] = {"description": why,
-                                         "content": {"application/json": {"schema": ERROR_BODY}}}
+                    responses[status] = {"description": why, "content": {"application/json": {"schema": ERROR_BODY}}}
         app.openapi_schema = schema
         return schema
 

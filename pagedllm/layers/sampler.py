@@ -8,19 +8,28 @@ the model's raw distribution, like the OpenAI API does.
 
 Memory: rows are processed in chunks of ``CHUNK_ROWS``. A chunk of plain greedy rows costs
 nothing beyond the logits; any other chunk goes through one fixed pipeline whose peak is about
-25 bytes per (row, vocab entry) (see ``pagedllm.planner``), whatever the batch size. Penalties
+25 bytes per (row, vocab entry) (see ``pagedllm.memory.footprint``), whatever the batch size. Penalties
 touch only the token ids a sequence has seen.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from .sequence import Sequence
+from ..sampling_params import SamplingParams
+from .workspace import SAMPLER_CHUNK_ROWS as CHUNK_ROWS
 
-CHUNK_ROWS = 8
+
+class SamplingRow(Protocol):
+    """What the sampler reads of a sequence (the engine's ``Sequence`` is one)."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None
 
 
 @dataclass
@@ -29,11 +38,16 @@ class SampleResult:
     logprobs: list[dict | None]  # per row: {"token": (id, logprob), "top": [(id, logprob), ...]}
 
 
-def needs_full_path(seq: Sequence) -> bool:
+def needs_full_path(seq: SamplingRow) -> bool:
     p = seq.params
-    return (not p.greedy or p.logprobs is not None or p.repetition_penalty != 1
-            or bool(p.presence_penalty) or bool(p.frequency_penalty)
-            or len(seq.output_token_ids) < p.min_tokens)
+    return (
+        not p.greedy
+        or p.logprobs is not None
+        or p.repetition_penalty != 1
+        or bool(p.presence_penalty)
+        or bool(p.frequency_penalty)
+        or len(seq.output_token_ids) < p.min_tokens
+    )
 
 
 class Sampler:
@@ -41,11 +55,11 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+    def __call__(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> SampleResult:
         tokens: list[int] = []
         logprobs: list[dict | None] = []
         for c0 in range(0, len(seqs), CHUNK_ROWS):
-            chunk, rows = logits[c0:c0 + CHUNK_ROWS], seqs[c0:c0 + CHUNK_ROWS]
+            chunk, rows = logits[c0 : c0 + CHUNK_ROWS], seqs[c0 : c0 + CHUNK_ROWS]
             if any(needs_full_path(s) for s in rows):
                 t, lp = self._full(chunk, rows)
             else:
@@ -54,7 +68,7 @@ class Sampler:
             logprobs += lp
         return SampleResult(tokens, logprobs)
 
-    def _full(self, raw: torch.Tensor, seqs: list[Sequence]):
+    def _full(self, raw: torch.Tensor, seqs: list[SamplingRow]):
         params = [s.params for s in seqs]
         rows, vocab = raw.shape
         col = lambda values: torch.tensor(values, dtype=torch.float32)[:, None]  # noqa: E731
@@ -79,7 +93,7 @@ class Sampler:
         tokens = torch.where(greedy, greedy_tokens, drawn).tolist()
         return tokens, _logprobs(raw, tokens, params)
 
-    def _block_stops(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    def _block_stops(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> None:
         for row, s in enumerate(seqs):
             if len(s.output_token_ids) < s.params.min_tokens:
                 stops = s.params.stop_token_ids + ([] if s.params.ignore_eos else self.eos_token_ids)
@@ -119,12 +133,14 @@ def _logprobs(raw: torch.Tensor, tokens: list[int], params) -> list[dict | None]
     top_vals, top_ids = lp.topk(k, dim=-1)
     for i in rows:
         n = params[i].logprobs
-        out[i] = {"token": (tokens[i], float(lp[i, tokens[i]])),
-                  "top": list(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist()))}
+        out[i] = {
+            "token": (tokens[i], float(lp[i, tokens[i]])),
+            "top": list(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist())),
+        }
     return out
 
 
-def _penalize_row(logits: torch.Tensor, seq: Sequence) -> None:
+def _penalize_row(logits: torch.Tensor, seq: SamplingRow) -> None:
     """Penalties touch only the tokens a sequence has seen, so they cost O(its length)."""
     p = seq.params
     if p.repetition_penalty != 1:

@@ -14,7 +14,7 @@ attention), tiled so that its workspace never grows with the batch or the cache:
   rows; the causal mask of a tile is built on the fly, never for the whole chunk.
 
 So the attention workspace is bounded by the budget and by one sequence's context (its gathered
-K/V), which ``pagedllm.planner`` accounts for term by term.
+K/V), which ``pagedllm.memory.footprint`` accounts for term by term.
 """
 
 from __future__ import annotations
@@ -23,10 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-# Query rows x keys scored at once per KV head (2^18 pairs = 1 MiB of fp32 scores), and key slots
-# gathered at once for a group of decode rows (a longer single context is gathered whole).
-DEFAULT_PAIRS_BUDGET = 1 << 18
-DEFAULT_GATHER_BUDGET = 8192
+from ..sizes import ceil_div
+from .workspace import GATHER_BUDGET, PAIRS_BUDGET
 
 
 @dataclass
@@ -84,27 +82,32 @@ class StepLayout:
     prefills: list[PrefillChunk]
     group_size: int  # query heads per KV head
     block_size: int
-    pairs_budget: int = DEFAULT_PAIRS_BUDGET
+    pairs_budget: int = PAIRS_BUDGET
 
     @classmethod
-    def build(cls, seqs: list[SequenceSlice], block_size: int, group_size: int,
-              pairs_budget: int = DEFAULT_PAIRS_BUDGET,
-              gather_budget: int = DEFAULT_GATHER_BUDGET) -> "StepLayout":
+    def build(
+        cls,
+        seqs: list[SequenceSlice],
+        block_size: int,
+        group_size: int,
+        pairs_budget: int = PAIRS_BUDGET,
+        gather_budget: int = GATHER_BUDGET,
+    ) -> StepLayout:
         slot_mapping: list[int] = []
         decodes, prefills = [], []
         for s in seqs:
-            n_blocks = -(-s.context_len // block_size)
+            n_blocks = ceil_div(s.context_len, block_size)
             table = s.block_table[:n_blocks]
             for p in range(s.context_len - s.query_len, s.context_len):
                 slot_mapping.append(table[p // block_size] * block_size + p % block_size)
             if s.query_len == 1:
                 decodes.append((s.query_start, table, s.context_len))
             else:
-                prefills.append(PrefillChunk(s.query_start, s.query_len, s.context_len,
-                                             torch.tensor(table, dtype=torch.long)))
+                prefills.append(
+                    PrefillChunk(s.query_start, s.query_len, s.context_len, torch.tensor(table, dtype=torch.long))
+                )
         groups = [_decode_group(g, block_size) for g in _pack_decodes(decodes, gather_budget, block_size)]
-        return cls(torch.tensor(slot_mapping, dtype=torch.long), groups, prefills, group_size, block_size,
-                   pairs_budget)
+        return cls(torch.tensor(slot_mapping, dtype=torch.long), groups, prefills, group_size, block_size, pairs_budget)
 
     def query_tile(self, context_len: int) -> int:
         """Rows of a prefill chunk scored at once against ``context_len`` keys."""
@@ -140,8 +143,9 @@ class PagedAttention:
         self.cache = kv_cache
         self.layout = layout
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               scale: float, window: int | None = None) -> torch.Tensor:
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None
+    ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] for the step's new tokens. Returns [T, H, D]."""
         lay = self.layout
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]  # [KVH, slots, D]
@@ -168,8 +172,8 @@ class PagedAttention:
             del keys, values, queries
         for p in lay.prefills:
             n = p.blocks.shape[0] * lay.block_size
-            keys = k_blocks[:, p.blocks].view(kv_heads, n, d)[:, :p.context_len]  # [KVH, ctx, D]
-            values = v_blocks[:, p.blocks].view(kv_heads, n, d)[:, :p.context_len]
+            keys = k_blocks[:, p.blocks].view(kv_heads, n, d)[:, : p.context_len]  # [KVH, ctx, D]
+            values = v_blocks[:, p.blocks].view(kv_heads, n, d)[:, : p.context_len]
             tile = lay.query_tile(p.context_len)
             first_pos = p.context_len - p.length
             for t0 in range(0, p.length, tile):
@@ -183,8 +187,7 @@ class PagedAttention:
                     del queries
                     probs = _softmax(scores, scale, mask[:, None, :])
                     del scores
-                    out[rows, heads] = torch.mm(probs.view(-1, probs.shape[-1]), values[h]).view(
-                        t1 - t0, group, -1)
+                    out[rows, heads] = torch.mm(probs.view(-1, probs.shape[-1]), values[h]).view(t1 - t0, group, -1)
                     del probs
                 del mask
             del keys, values

@@ -14,12 +14,22 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 
-from .sampling_params import SamplingParams
+from ..outputs import ErrorKind
+from ..sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
+
+
+class Finish(NamedTuple):
+    """Why a sequence ends: "stop" | "length" | "abort" | "error" (then with an error and its kind)."""
+
+    reason: str
+    error: str | None = None
+    error_kind: ErrorKind | None = None
 
 
 class Status(enum.Enum):
@@ -42,7 +52,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
-    admitted_at: int = -1  # admission counter; the newest running sequence is preempted first
+    error_kind: ErrorKind | None = None
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     # text state, kept by the engine's detokenizer
@@ -81,22 +91,41 @@ class Sequence:
 
     def fork(self) -> list[Sequence]:
         """Splits off the pending samples: same prompt, computed state and timings, own seed."""
-        children = [replace(self, index=len(self.group) + i, seq_id=next(_seq_ids), pending_forks=0,
-                            group=self.group, output_token_ids=[], generator=None, logprobs=[])
-                    for i in range(self.pending_forks)]
+        children = [
+            replace(
+                self,
+                index=len(self.group) + i,
+                seq_id=next(_seq_ids),
+                pending_forks=0,
+                group=self.group,
+                output_token_ids=[],
+                generator=None,
+                logprobs=[],
+            )
+            for i in range(self.pending_forks)
+        ]
         self.group.extend(children)
         self.pending_forks = 0
         return children
-
-    def token_at(self, i: int) -> int:
-        p = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
 
     def tokens(self, start: int, end: int) -> list[int]:
         p = self.prompt_token_ids
         if end <= len(p):
             return p[start:end]
         return (p + self.output_token_ids)[start:end]
+
+    def append_token(self, token: int, logprob: dict | None) -> None:
+        self.output_token_ids.append(token)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+
+    def mark_finished(self, finish: Finish) -> None:
+        self.status = Status.FINISHED
+        self.pending_forks = 0  # a request aborted before it forked has no other samples
+        self.finish_reason, self.error, self.error_kind = finish
+        self.finish_time = time.perf_counter()
 
     @property
     def is_finished(self) -> bool:

@@ -2,9 +2,9 @@
 random mix of valid, cut-short and invalid requests for a while; every answer is checked, the
 server's memory and queues are sampled each second, and at the end every KV block must be free.
 
-    .venv/bin/python -m pagedllm.bench.soak --duration 600            # starts its own server
-    .venv/bin/python -m pagedllm.bench.soak --duration 120 --json soak.json -- --memory 4GiB
-    .venv/bin/python -m pagedllm.bench.soak --url http://127.0.0.1:8000 --server-pid 1234
+    .venv/bin/python tests/soak.py --duration 600            # starts its own server
+    .venv/bin/python tests/soak.py --duration 120 --json soak.json -- --memory 4GiB
+    .venv/bin/python tests/soak.py --url http://127.0.0.1:8000 --server-pid 1234
 
 Arguments after `--` go to `pagedllm serve`, after the defaults (so they win). Loopback servers
 only. Exit status 0 when every check passed, 1 otherwise; the report says why.
@@ -23,8 +23,7 @@ from dataclasses import asdict, dataclass
 from urllib.parse import urlsplit
 
 import httpx
-
-from ..server.launch import ServerProcess, parse_metrics
+from server_process import ServerProcess, parse_metrics
 
 DEFAULT_SERVER_ARGS = ("--memory", "2GiB", "--max-num-seqs", "32", "--max-model-len", "2048")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -35,35 +34,75 @@ REQUEST_TIMEOUT = 300.0  # a valid request slower than this under load is a fail
 # invalid ones are cheap for the server, so a quarter of the mix costs little time; the 4 MiB
 # body is rare because it is the only invalid request that costs real bandwidth.
 WEIGHTS = {
-    "reference": 20, "chat": 18, "completion": 14, "long_prompt": 8,
-    "disconnect": 8, "client_timeout": 4, "invalid": 27, "body_too_large": 1,
+    "reference": 20,
+    "chat": 18,
+    "completion": 14,
+    "long_prompt": 8,
+    "disconnect": 8,
+    "client_timeout": 4,
+    "invalid": 27,
+    "body_too_large": 1,
 }
 
-QUESTIONS = ["What is the capital of France?", "Name three colours.", "Why is the sky blue?",
-             "Write a haiku about rain.", "What is 12 times 12?", "Give me a fun fact about cats.",
-             "Count from 1 to 10.", "Tell me a short joke."]
-OPENINGS = ["Once upon a time", "The best way to learn is", "In the year 2050,", "1, 2, 3, 4,",
-            "The recipe for bread:", "Dear diary, today"]
-PARAGRAPH = ("The river runs past the old mill, where the miller grinds wheat into flour every "
-             "morning before the market opens, and the children of the village watch the wheel turn. ")
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three colours.",
+    "Why is the sky blue?",
+    "Write a haiku about rain.",
+    "What is 12 times 12?",
+    "Give me a fun fact about cats.",
+    "Count from 1 to 10.",
+    "Tell me a short joke.",
+]
+OPENINGS = [
+    "Once upon a time",
+    "The best way to learn is",
+    "In the year 2050,",
+    "1, 2, 3, 4,",
+    "The recipe for bread:",
+    "Dear diary, today",
+]
+PARAGRAPH = (
+    "The river runs past the old mill, where the miller grinds wheat into flour every "
+    "morning before the market opens, and the children of the village watch the wheel turn. "
+)
 
 # Requests whose answers are computed once, one at a time, before the load starts; under load
 # each must come back exactly the same (greedy: the argmax; seeded: the same draws).
 REFERENCE_REQUESTS = [
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "What is the capital of France?"}],
-                              "max_tokens": 24, "temperature": 0}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "What is 12 times 12?"}],
-                              "max_tokens": 20, "temperature": 0}),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 24,
+            "temperature": 0,
+        },
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "What is 12 times 12?"}], "max_tokens": 20, "temperature": 0},
+    ),
     ("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}),
     ("/v1/completions", {"prompt": "1, 2, 3, 4,", "max_tokens": 16, "temperature": 0}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Write a haiku about rain."}],
-                              "max_tokens": 24, "temperature": 0.8, "seed": 1234, "n": 2}),
-    ("/v1/completions", {"prompt": "The best way to learn is", "max_tokens": 24, "temperature": 0.8,
-                         "seed": 42, "n": 2}),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "Write a haiku about rain."}],
+            "max_tokens": 24,
+            "temperature": 0.8,
+            "seed": 1234,
+            "n": 2,
+        },
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "The best way to learn is", "max_tokens": 24, "temperature": 0.8, "seed": 42, "n": 2},
+    ),
 ]
 
 
 # ---- the server ----------------------------------------------------------------------------------
+
 
 def progress(message: str) -> None:
     """One line on stderr, so a long run shows where it is; the report goes to stdout."""
@@ -80,18 +119,20 @@ def check_loopback(url: str) -> str:
 
 # ---- requests and what must come back -----------------------------------------------------------
 
+
 @dataclass
 class Call:
     """One request to send, and what must come back."""
+
     kind: str
     path: str
     body: dict | bytes
     expect: int = 200
-    choices: int = 1                       # how many choices a 200 must carry
-    reference: list | None = None          # the exact [[text, finish_reason], ...] it must equal
-    cut_after: int | None = None           # stream: hang up after this many text chunks
-    timeout: float | None = None           # give up on purpose after this many seconds
-    label: str = ""                        # which invalid case
+    choices: int = 1  # how many choices a 200 must carry
+    reference: list | None = None  # the exact [[text, finish_reason], ...] it must equal
+    cut_after: int | None = None  # stream: hang up after this many text chunks
+    timeout: float | None = None  # give up on purpose after this many seconds
+    label: str = ""  # which invalid case
 
     @property
     def stream(self) -> bool:
@@ -105,14 +146,14 @@ class Call:
 @dataclass
 class Result:
     kind: str
-    status: int | str                      # HTTP status, or what happened instead of one
+    status: int | str  # HTTP status, or what happened instead of one
     latency: float
     ttft: float | None = None
-    problem: str | None = None             # None: exactly what was expected
-    cut: bool = False                      # hung up or timed out on purpose
-    transport: bool = False                # a connection error nobody asked for
+    problem: str | None = None  # None: exactly what was expected
+    cut: bool = False  # hung up or timed out on purpose
+    transport: bool = False  # a connection error nobody asked for
     reference_mismatch: bool = False
-    answers: list | None = None            # [[text, finish_reason], ...] of a whole response
+    answers: list | None = None  # [[text, finish_reason], ...] of a whole response
 
 
 class Mix:
@@ -169,8 +210,13 @@ class Mix:
 
     def client_timeout(self, rng) -> Call:
         """A whole-response request the client gives up on before it can be done."""
-        body = {"prompt": rng.choice(OPENINGS), "max_tokens": 128, "ignore_eos": True,
-                "temperature": 0.7, "model": self.model}
+        body = {
+            "prompt": rng.choice(OPENINGS),
+            "max_tokens": 128,
+            "ignore_eos": True,
+            "temperature": 0.7,
+            "model": self.model,
+        }
         return Call("client_timeout", "/v1/completions", body, timeout=rng.uniform(0.3, 1.0))
 
     def invalid(self, rng) -> Call:
@@ -198,8 +244,9 @@ class Mix:
         if rng.random() < 0.1:
             p["stop"] = ["."]
         if rng.random() < 0.1:
-            p.update(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1,
-                     min_tokens=min(2, p["max_tokens"]))
+            p.update(
+                presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1, min_tokens=min(2, p["max_tokens"])
+            )
         return p
 
     def _invalid_cases(self) -> list[tuple[str, str, dict | bytes, int]]:
@@ -227,6 +274,7 @@ class Mix:
 
 # ---- sending and checking -------------------------------------------------------------------------
 
+
 def since(start: float) -> float:
     return time.perf_counter() - start
 
@@ -250,13 +298,20 @@ async def send(http: httpx.AsyncClient, url: str, call: Call) -> Result:
 
 async def _send_whole(http, url, call: Call, start: float) -> Result:
     content = call.body if isinstance(call.body, bytes) else json.dumps(call.body).encode()
-    r = await http.post(url + call.path, content=content, headers={"content-type": "application/json"},
-                        timeout=call.timeout or REQUEST_TIMEOUT)
+    r = await http.post(
+        url + call.path,
+        content=content,
+        headers={"content-type": "application/json"},
+        timeout=call.timeout or REQUEST_TIMEOUT,
+    )
     latency = since(start)
     if r.status_code != call.expect:
-        return Result(call.kind, r.status_code, latency,
-                      problem=f"{call.label or call.kind}: status {r.status_code}, expected {call.expect}: "
-                              f"{r.text[:200]}")
+        return Result(
+            call.kind,
+            r.status_code,
+            latency,
+            problem=f"{call.label or call.kind}: status {r.status_code}, expected {call.expect}: {r.text[:200]}",
+        )
     if call.expect != 200:
         problem = check_error_body(r)
         return Result(call.kind, r.status_code, latency, problem=problem and f"{call.label}: {problem}")
@@ -281,8 +336,9 @@ async def _send_stream(http, url, call: Call, start: float) -> Result:
     async with http.stream("POST", url + call.path, json=call.body, timeout=REQUEST_TIMEOUT) as r:
         if r.status_code != 200:
             await r.aread()
-            return Result(call.kind, r.status_code, since(start),
-                          problem=f"stream: status {r.status_code}: {r.text[:200]}")
+            return Result(
+                call.kind, r.status_code, since(start), problem=f"stream: status {r.status_code}: {r.text[:200]}"
+            )
         async for line in r.aiter_lines():
             if not line:
                 continue
@@ -299,10 +355,18 @@ async def _send_stream(http, url, call: Call, start: float) -> Result:
     return _judged(call, 200, since(start), ttft, check_stream(call, events))
 
 
-def _judged(call: Call, status: int, latency: float, ttft: float | None, problem: str | None,
-            answers: list | None = None) -> Result:
-    return Result(call.kind, status, latency, ttft, problem, answers=answers,
-                  reference_mismatch=bool(problem and problem.startswith("differs from its reference")))
+def _judged(
+    call: Call, status: int, latency: float, ttft: float | None, problem: str | None, answers: list | None = None
+) -> Result:
+    return Result(
+        call.kind,
+        status,
+        latency,
+        ttft,
+        problem,
+        answers=answers,
+        reference_mismatch=bool(problem and problem.startswith("differs from its reference")),
+    )
 
 
 def parse_event(data: str) -> dict | str:
@@ -371,11 +435,17 @@ def check_answers(call: Call, answers: list[list], usage: dict | None) -> str | 
         max_tokens = call.body["max_tokens"]
         done, prompt = usage.get("completion_tokens"), usage.get("prompt_tokens")
         at_length = sum(reason == "length" for _, reason in answers)
-        if not (isinstance(done, int) and isinstance(prompt, int) and prompt > 0
-                and at_length * max_tokens <= done <= call.choices * max_tokens
-                and usage.get("total_tokens") == prompt + done):
-            return (f"usage {usage} does not add up ({call.choices} choices, max_tokens {max_tokens}, "
-                    f"{at_length} at length)")
+        if not (
+            isinstance(done, int)
+            and isinstance(prompt, int)
+            and prompt > 0
+            and at_length * max_tokens <= done <= call.choices * max_tokens
+            and usage.get("total_tokens") == prompt + done
+        ):
+            return (
+                f"usage {usage} does not add up ({call.choices} choices, max_tokens {max_tokens}, "
+                f"{at_length} at length)"
+            )
     if call.reference is not None and answers != call.reference:
         return f"differs from its reference: {json.dumps(call.body)[:160]} -> {answers} != {call.reference}"
     return None
@@ -393,15 +463,16 @@ def check_error_body(r: httpx.Response) -> str | None:
 
 # ---- sampling the server ---------------------------------------------------------------------------
 
+
 @dataclass
 class Sample:
-    t: float                               # seconds since sampling began (before the references)
+    t: float  # seconds since sampling began (before the references)
     rss_mb: float | None
-    kv_resident_mb: float | None           # RssShmem: the touched part of the KV cache's memory map
+    kv_resident_mb: float | None  # RssShmem: the touched part of the KV cache's memory map
     running: float | None
     waiting: float | None
     blocks_used: float | None
-    steps: float | None                    # engine steps so far: flat while requests run = a stall
+    steps: float | None  # engine steps so far: flat while requests run = a stall
 
 
 def read_memory(pid: int | None) -> tuple[float | None, float | None]:
@@ -424,8 +495,9 @@ async def scrape(http: httpx.AsyncClient, url: str) -> dict[str, float]:
     return parse_metrics(r.text)
 
 
-async def sample_every_second(http, url: str, pid: int | None, t0: float, samples: list[Sample],
-                              failures: list[str], stop: asyncio.Event) -> None:
+async def sample_every_second(
+    http, url: str, pid: int | None, t0: float, samples: list[Sample], failures: list[str], stop: asyncio.Event
+) -> None:
     while not stop.is_set():
         rss, kv = read_memory(pid)
         try:
@@ -433,12 +505,20 @@ async def sample_every_second(http, url: str, pid: int | None, t0: float, sample
         except (httpx.HTTPError, ValueError) as e:
             failures.append(f"{time.monotonic() - t0:.0f} s: {type(e).__name__}: {e}")
             m = {}
-        samples.append(Sample(time.monotonic() - t0, rss, kv, m.get("pagedllm_requests_running"),
-                              m.get("pagedllm_requests_waiting"), m.get("pagedllm_kv_blocks_used"),
-                              m.get("pagedllm_steps_total")))
+        samples.append(
+            Sample(
+                time.monotonic() - t0,
+                rss,
+                kv,
+                m.get("pagedllm_requests_running"),
+                m.get("pagedllm_requests_waiting"),
+                m.get("pagedllm_kv_blocks_used"),
+                m.get("pagedllm_steps_total"),
+            )
+        )
         try:
             await asyncio.wait_for(stop.wait(), timeout=1.0)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
 
@@ -454,6 +534,7 @@ async def wait_idle(http, url: str, timeout: float = 60) -> dict[str, float]:
 
 
 # ---- memory verdict ---------------------------------------------------------------------------------
+
 
 def longest_stall(samples: list[Sample]) -> float:
     """Longest time (s) with requests running or waiting but not one engine step: a hung engine,
@@ -493,23 +574,37 @@ def memory_summary(samples: list[Sample], run_start: float, warmup_end: float, k
     if not with_rss:
         return {"measured": False}
     after = [s for s in with_rss if s.t >= warmup_end]
-    out = {"measured": True, "rss_start_mb": with_rss[0].rss_mb, "rss_end_mb": with_rss[-1].rss_mb,
-           "rss_max_mb": max(s.rss_mb for s in with_rss), "kv_resident_max_mb": max(s.kv_resident_mb for s in with_rss),
-           "kv_plan_mb": kv_plan_mb, "warmup_end_s": warmup_end - run_start}
+    out = {
+        "measured": True,
+        "rss_start_mb": with_rss[0].rss_mb,
+        "rss_end_mb": with_rss[-1].rss_mb,
+        "rss_max_mb": max(s.rss_mb for s in with_rss),
+        "kv_resident_max_mb": max(s.kv_resident_mb for s in with_rss),
+        "kv_plan_mb": kv_plan_mb,
+        "warmup_end_s": warmup_end - run_start,
+    }
     if len(after) < 5:
         return {**out, "judged": False}
     ts = [s.t for s in after]
     less_kv = [s.rss_mb - s.kv_resident_mb for s in after]
     slope = slope_per_minute(ts, less_kv)
     window_min = (ts[-1] - ts[0]) / 60
-    return {**out, "judged": True, "rss_after_warmup_mb": after[0].rss_mb,
-            "rss_slope_mb_per_min": slope_per_minute(ts, [s.rss_mb for s in after]),
-            "less_kv_after_warmup_mb": less_kv[0], "less_kv_end_mb": less_kv[-1],
-            "less_kv_slope_mb_per_min": slope, "less_kv_growth_mb": slope * window_min,
-            "window_min": window_min, "growth_bound_mb": max(48.0, 0.05 * less_kv[0])}
+    return {
+        **out,
+        "judged": True,
+        "rss_after_warmup_mb": after[0].rss_mb,
+        "rss_slope_mb_per_min": slope_per_minute(ts, [s.rss_mb for s in after]),
+        "less_kv_after_warmup_mb": less_kv[0],
+        "less_kv_end_mb": less_kv[-1],
+        "less_kv_slope_mb_per_min": slope,
+        "less_kv_growth_mb": slope * window_min,
+        "window_min": window_min,
+        "growth_bound_mb": max(48.0, 0.05 * less_kv[0]),
+    }
 
 
 # ---- the run ------------------------------------------------------------------------------------------
+
 
 async def compute_references(http, url: str, model: str) -> list[Call]:
     """Each reference request alone, before any load: the answers the loaded server must repeat."""
@@ -534,8 +629,9 @@ async def worker(http, url: str, mix: Mix, rng: random.Random, deadline: float, 
             await asyncio.sleep(1.0)
 
 
-async def soak(url: str, pid: int | None, duration: float, concurrency: int, seed: int,
-               warmup_fraction: float, max_body_bytes: int) -> dict:
+async def soak(
+    url: str, pid: int | None, duration: float, concurrency: int, seed: int, warmup_fraction: float, max_body_bytes: int
+) -> dict:
     """Reference answers first (alone), then the load, then the wait for idle; the server is
     sampled every second throughout, so its memory before the load is the baseline."""
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
@@ -551,8 +647,12 @@ async def soak(url: str, pid: int | None, duration: float, concurrency: int, see
         mix = Mix(info["id"], info.get("max_model_len", 2048), max_body_bytes, references)
         run_start, cpu_start = time.monotonic(), time.process_time()
         results: list[Result] = []
-        await asyncio.gather(*(worker(http, url, mix, random.Random(seed * 1000 + i), run_start + duration, results)
-                               for i in range(concurrency)))
+        await asyncio.gather(
+            *(
+                worker(http, url, mix, random.Random(seed * 1000 + i), run_start + duration, results)
+                for i in range(concurrency)
+            )
+        )
         elapsed, client_cpu = time.monotonic() - run_start, time.process_time() - cpu_start
         progress(f"{len(results)} requests in {elapsed:.0f} s (the last ones finished after the deadline)")
         try:
@@ -565,13 +665,27 @@ async def soak(url: str, pid: int | None, duration: float, concurrency: int, see
         await sampler
     memory = memory_summary(samples, run_start - t0, run_start - t0 + warmup_fraction * duration, kv_plan_mb)
     memory["longest_stall_s"] = longest_stall(samples)
-    return build_report(results, elapsed, final, memory, samples, scrape_failures,
-                        dict(concurrency=concurrency, seed=seed, duration_asked_s=duration,
-                             warmup_fraction=warmup_fraction, model=info["id"], url=url,
-                             client_cpu_s=client_cpu))
+    return build_report(
+        results,
+        elapsed,
+        final,
+        memory,
+        samples,
+        scrape_failures,
+        dict(
+            concurrency=concurrency,
+            seed=seed,
+            duration_asked_s=duration,
+            warmup_fraction=warmup_fraction,
+            model=info["id"],
+            url=url,
+            client_cpu_s=client_cpu,
+        ),
+    )
 
 
 # ---- the report ------------------------------------------------------------------------------------------
+
 
 def percentile(values: list[float], q: float) -> float | None:
     if not values:
@@ -586,10 +700,15 @@ def kind_table(results: list[Result]) -> dict:
         mine = [r for r in results if r.kind == kind]
         done = [r.latency for r in mine if not r.cut and not r.transport]
         ttfts = [r.ttft for r in mine if r.ttft is not None]
-        table[kind] = {"count": len(mine), "wrong": sum(r.problem is not None for r in mine),
-                       "cut_on_purpose": sum(r.cut for r in mine),
-                       "latency_p50_s": percentile(done, 0.5), "latency_p99_s": percentile(done, 0.99),
-                       "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p99_s": percentile(ttfts, 0.99)}
+        table[kind] = {
+            "count": len(mine),
+            "wrong": sum(r.problem is not None for r in mine),
+            "cut_on_purpose": sum(r.cut for r in mine),
+            "latency_p50_s": percentile(done, 0.5),
+            "latency_p99_s": percentile(done, 0.99),
+            "ttft_p50_s": percentile(ttfts, 0.5),
+            "ttft_p99_s": percentile(ttfts, 0.99),
+        }
     return table
 
 
@@ -603,8 +722,14 @@ def verdict(results: list[Result], final: dict, memory: dict, scrape_failures: l
     five = [r for r in results if isinstance(r.status, int) and r.status >= 500]
     transport = [r for r in results if r.transport]
     mismatched = [r for r in results if r.reference_mismatch]
-    wrong = [r for r in results if r.problem and not r.reference_mismatch and not r.transport
-             and not (isinstance(r.status, int) and r.status >= 500)]
+    wrong = [
+        r
+        for r in results
+        if r.problem
+        and not r.reference_mismatch
+        and not r.transport
+        and not (isinstance(r.status, int) and r.status >= 500)
+    ]
     if not any(r.status == 200 and not r.problem for r in results):
         reasons.append("no valid request was answered")
     if five:
@@ -621,11 +746,14 @@ def verdict(results: list[Result], final: dict, memory: dict, scrape_failures: l
     if scrape_failures:
         reasons.append(f"{len(scrape_failures)} /metrics scrapes failed: {scrape_failures[:3]}")
     if memory.get("judged") and memory["less_kv_growth_mb"] > memory["growth_bound_mb"]:
-        reasons.append(f"RSS less the KV cache grew {memory['less_kv_growth_mb']:.0f} MB after warm-up "
-                       f"({memory['less_kv_slope_mb_per_min']:.1f} MB/min; bound {memory['growth_bound_mb']:.0f} MB)")
+        reasons.append(
+            f"RSS less the KV cache grew {memory['less_kv_growth_mb']:.0f} MB after warm-up "
+            f"({memory['less_kv_slope_mb_per_min']:.1f} MB/min; bound {memory['growth_bound_mb']:.0f} MB)"
+        )
     if memory.get("kv_plan_mb") and memory.get("measured") and memory["kv_resident_max_mb"] > memory["kv_plan_mb"] + 16:
-        reasons.append(f"KV cache resident {memory['kv_resident_max_mb']:.0f} MB, "
-                       f"above its plan {memory['kv_plan_mb']:.0f} MB")
+        reasons.append(
+            f"KV cache resident {memory['kv_resident_max_mb']:.0f} MB, above its plan {memory['kv_plan_mb']:.0f} MB"
+        )
     return reasons
 
 
@@ -633,14 +761,18 @@ def build_report(results, elapsed, final, memory, samples, scrape_failures, sett
     statuses = Counter(str(r.status) for r in results)
     reasons = verdict(results, final, memory, scrape_failures)
     return {
-        "settings": settings, "duration_s": elapsed, "requests": len(results),
+        "settings": settings,
+        "duration_s": elapsed,
+        "requests": len(results),
         "requests_per_s": len(results) / elapsed if elapsed else 0.0,
-        "by_kind": kind_table(results), "by_status": dict(sorted(statuses.items())),
+        "by_kind": kind_table(results),
+        "by_status": dict(sorted(statuses.items())),
         "memory": memory,
         "final": {k: v for k, v in final.items() if k.startswith("pagedllm_") and not k.endswith("_created")},
         "problems": [asdict(r) for r in results if r.problem][:50],
         "samples": [asdict(s) for s in samples],
-        "passed": not reasons, "reasons": reasons,
+        "passed": not reasons,
+        "reasons": reasons,
     }
 
 
@@ -654,34 +786,46 @@ def mb(value: float | None) -> str:
 
 def format_report(report: dict) -> str:
     s, m, f = report["settings"], report["memory"], report["final"]
-    lines = [f"pagedllm soak: {report['duration_s']:.0f} s, {s['concurrency']} clients, seed {s['seed']}, "
-             f"model {s['model']} at {s['url']}",
-             f"server: {s.get('server_command') or '(external)'}"
-             + (f" (log: {s['server_log']})" if s.get("server_log") else ""), "",
-             f"{'kind':<16}{'count':>7}{'wrong':>7}{'cut':>6}{'p50 ms':>9}{'p99 ms':>9}"
-             f"{'TTFT p50':>10}{'TTFT p99':>10}"]
+    lines = [
+        f"pagedllm soak: {report['duration_s']:.0f} s, {s['concurrency']} clients, seed {s['seed']}, "
+        f"model {s['model']} at {s['url']}",
+        f"server: {s.get('server_command') or '(external)'}"
+        + (f" (log: {s['server_log']})" if s.get("server_log") else ""),
+        "",
+        f"{'kind':<16}{'count':>7}{'wrong':>7}{'cut':>6}{'p50 ms':>9}{'p99 ms':>9}{'TTFT p50':>10}{'TTFT p99':>10}",
+    ]
     for kind, k in report["by_kind"].items():
-        lines.append(f"{kind:<16}{k['count']:>7}{k['wrong']:>7}{k['cut_on_purpose']:>6}{ms(k['latency_p50_s']):>9}"
-                     f"{ms(k['latency_p99_s']):>9}{ms(k['ttft_p50_s']):>10}{ms(k['ttft_p99_s']):>10}")
-    lines.append(f"{'total':<16}{report['requests']:>7}   ({report['requests_per_s']:.2f} requests/s; "
-                 f"this client used {s['client_cpu_s']:.1f} s of CPU)")
+        lines.append(
+            f"{kind:<16}{k['count']:>7}{k['wrong']:>7}{k['cut_on_purpose']:>6}{ms(k['latency_p50_s']):>9}"
+            f"{ms(k['latency_p99_s']):>9}{ms(k['ttft_p50_s']):>10}{ms(k['ttft_p99_s']):>10}"
+        )
+    lines.append(
+        f"{'total':<16}{report['requests']:>7}   ({report['requests_per_s']:.2f} requests/s; "
+        f"this client used {s['client_cpu_s']:.1f} s of CPU)"
+    )
     lines.append("by status: " + ", ".join(f"{k}: {v}" for k, v in report["by_status"].items()))
     if m.get("measured"):
-        lines.append(f"RSS: start {mb(m['rss_start_mb'])}, after warm-up ({m['warmup_end_s']:.0f} s) "
-                     f"{mb(m.get('rss_after_warmup_mb'))}, end {mb(m['rss_end_mb'])}, max {mb(m['rss_max_mb'])}"
-                     + (f", slope after warm-up {m['rss_slope_mb_per_min']:+.1f} MB/min" if m.get("judged") else ""))
+        lines.append(
+            f"RSS: start {mb(m['rss_start_mb'])}, after warm-up ({m['warmup_end_s']:.0f} s) "
+            f"{mb(m.get('rss_after_warmup_mb'))}, end {mb(m['rss_end_mb'])}, max {mb(m['rss_max_mb'])}"
+            + (f", slope after warm-up {m['rss_slope_mb_per_min']:+.1f} MB/min" if m.get("judged") else "")
+        )
         lines.append(f"KV cache resident: max {mb(m['kv_resident_max_mb'])} of {mb(m['kv_plan_mb'])} planned")
         if m.get("judged"):
-            lines.append(f"RSS less KV cache: {mb(m['less_kv_after_warmup_mb'])} -> {mb(m['less_kv_end_mb'])}, "
-                         f"slope {m['less_kv_slope_mb_per_min']:+.2f} MB/min, growth over {m['window_min']:.1f} min "
-                         f"{m['less_kv_growth_mb']:+.1f} MB (bound {m['growth_bound_mb']:.0f} MB)")
+            lines.append(
+                f"RSS less KV cache: {mb(m['less_kv_after_warmup_mb'])} -> {mb(m['less_kv_end_mb'])}, "
+                f"slope {m['less_kv_slope_mb_per_min']:+.2f} MB/min, growth over {m['window_min']:.1f} min "
+                f"{m['less_kv_growth_mb']:+.1f} MB (bound {m['growth_bound_mb']:.0f} MB)"
+            )
         else:
             lines.append("RSS trend: not judged (run too short)")
     else:
         lines.append("RSS: not measured (give --server-pid)")
     lines.append(f"longest time with requests queued and no engine step: {m.get('longest_stall_s', 0):.0f} s")
-    lines.append("at the end: " + ", ".join(f"{k} {f.get('pagedllm_' + k)}" for k in
-                                            ("kv_blocks_used", "requests_running", "requests_waiting")))
+    lines.append(
+        "at the end: "
+        + ", ".join(f"{k} {f.get('pagedllm_' + k)}" for k in ("kv_blocks_used", "requests_running", "requests_waiting"))
+    )
     counters = ("requests_finished", "requests_aborted", "requests_failed", "preemptions")
     lines.append("server counters: " + ", ".join(f"{k} {f.get(f'pagedllm_{k}_total', 0):.0f}" for k in counters))
     lines.append("")
@@ -692,9 +836,18 @@ def format_report(report: dict) -> str:
 
 # ---- entry points ------------------------------------------------------------------------------------------
 
-def run(duration: float = 600, concurrency: int = 16, seed: int = 0, url: str | None = None,
-        server_pid: int | None = None, server_args: list[str] = (), warmup_fraction: float = 0.25,
-        max_body_bytes: int = 4 * 1024 * 1024, json_path: str | None = None) -> dict:
+
+def run(
+    duration: float = 600,
+    concurrency: int = 16,
+    seed: int = 0,
+    url: str | None = None,
+    server_pid: int | None = None,
+    server_args: list[str] = (),
+    warmup_fraction: float = 0.25,
+    max_body_bytes: int = 4 * 1024 * 1024,
+    json_path: str | None = None,
+) -> dict:
     """Runs a soak against ``url``, or against a server it starts (and stops) itself; returns
     the report, with ``passed`` and ``reasons``."""
     server = None
@@ -704,8 +857,9 @@ def run(duration: float = 600, concurrency: int = 16, seed: int = 0, url: str | 
         url, server_pid = server.url, server.pid
         progress(f"server up in {time.monotonic() - started:.1f} s: {' '.join(server.command)}")
     try:
-        report = asyncio.run(soak(check_loopback(url), server_pid, duration, concurrency, seed,
-                                  warmup_fraction, max_body_bytes))
+        report = asyncio.run(
+            soak(check_loopback(url), server_pid, duration, concurrency, seed, warmup_fraction, max_body_bytes)
+        )
     finally:
         stopping = time.monotonic()
         exit_code = server.stop(keep_log=True) if server else None
@@ -728,10 +882,11 @@ def run(duration: float = 600, concurrency: int = 16, seed: int = 0, url: str | 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    server_args = argv[argv.index("--") + 1:] if "--" in argv else []
-    own = argv[:argv.index("--")] if "--" in argv else argv
-    ap = argparse.ArgumentParser(prog="python -m pagedllm.bench.soak", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    server_args = argv[argv.index("--") + 1 :] if "--" in argv else []
+    own = argv[: argv.index("--")] if "--" in argv else argv
+    ap = argparse.ArgumentParser(
+        prog="python tests/soak.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--duration", type=float, default=600, help="seconds of load (default 600)")
     ap.add_argument("--concurrency", type=int, default=16, help="clients, each one request at a time")
     ap.add_argument("--seed", type=int, default=0)
@@ -747,8 +902,17 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("server arguments after -- only apply to a server this command starts")
     elif args.server_pid is not None:
         ap.error("--server-pid goes with --url (a server this command starts is sampled anyway)")
-    report = run(args.duration, args.concurrency, args.seed, args.url, args.server_pid, server_args,
-                 args.warmup, args.max_body_bytes, args.json)
+    report = run(
+        args.duration,
+        args.concurrency,
+        args.seed,
+        args.url,
+        args.server_pid,
+        server_args,
+        args.warmup,
+        args.max_body_bytes,
+        args.json,
+    )
     print(format_report(report))
     return 0 if report["passed"] else 1
 

@@ -17,8 +17,7 @@ import mmap
 
 import torch
 
-from .config import ModelConfig
-from .planner import kv_bytes_per_block
+from ..config import ModelConfig
 
 
 class KVCache:
@@ -29,8 +28,9 @@ class KVCache:
     keys are contiguous, which the bf16 matmul kernels need to avoid copying them again.
     """
 
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(
+        self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+    ):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be >= 1")
         self.num_blocks = num_blocks
@@ -39,7 +39,6 @@ class KVCache:
         shape = (cfg.num_kv_heads, num_blocks * block_size, cfg.head_dim)
         self.k = [_zeros(shape, dtype, device) for _ in range(cfg.num_layers)]
         self.v = [_zeros(shape, dtype, device) for _ in range(cfg.num_layers)]
-        self.bytes_per_block = kv_bytes_per_block(cfg, block_size, dtype)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copies every layer's K/V of block ``src`` into block ``dst`` (copy-on-write of a
@@ -47,21 +46,15 @@ class KVCache:
         bs = self.block_size
         for src, dst in pairs:
             for cache in (*self.k, *self.v):
-                cache[:, dst * bs:(dst + 1) * bs].copy_(cache[:, src * bs:(src + 1) * bs])
+                cache[:, dst * bs : (dst + 1) * bs].copy_(cache[:, src * bs : (src + 1) * bs])
 
     def zero_blocks(self, blocks: list[int]) -> None:
+        """Zeroes every layer's K/V of ``blocks``: stale values are read (masked) by a block's
+        next owner, and a masked NaN still poisons ``probs @ V`` (0 x NaN is NaN)."""
         bs = self.block_size
         for block in blocks:
             for cache in (*self.k, *self.v):
-                cache[:, block * bs:(block + 1) * bs].zero_()
-
-    @property
-    def num_slots(self) -> int:
-        return self.num_blocks * self.block_size
-
-    @property
-    def nbytes(self) -> int:
-        return self.bytes_per_block * self.num_blocks
+                cache[:, block * bs : (block + 1) * bs].zero_()
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:

@@ -88,8 +88,7 @@ class BlockManager:
         the blocks still missing. Returns the (source, destination) block copies to perform."""
         i, grow = self._shared_block_at(seq_id, start), self.blocks_needed(seq_id, end)
         if grow + (i is not None) > self.num_free:
-            raise RuntimeError(f"prepare_write({seq_id}): needs {grow + (i is not None)} blocks, "
-                               f"{self.num_free} free")
+            raise RuntimeError(f"prepare_write({seq_id}): needs {grow + (i is not None)} blocks, {self.num_free} free")
         copies = []
         table = self.tables.setdefault(seq_id, [])
         if i is not None:
@@ -148,7 +147,7 @@ class BlockManager:
         bs = self.block_size
         parent, blocks = None, []
         for i in range((len(tokens) - 1) // bs):
-            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
             h = hash((parent, chunk))
             block = self._by_hash.get(h)
             if block is None or self._block_key[block][1:] != (parent, chunk):
@@ -221,7 +220,8 @@ class BlockManager:
             if idle != (owners[b] == 0) or self.ref_counts[b] != owners[b]:
                 raise AssertionError(
                     f"block {b}: free={b in free}, cached-free={b in evictable}, owners={owners[b]}, "
-                    f"ref_count={self.ref_counts[b]}")
+                    f"ref_count={self.ref_counts[b]}"
+                )
             if b in free and b in self._block_key:
                 raise AssertionError(f"block {b} is plainly free but still registered")
             if b in evictable and b not in self._block_key:

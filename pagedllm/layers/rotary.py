@@ -1,32 +1,15 @@
-"""Building blocks shared by every Llama-family decoder: RMSNorm, rotary embedding, SwiGLU MLP.
-
-Each follows HF transformers' order of operations and dtypes exactly (norm in float32, rotary
-tables in float32 then cast), so fp32 logits agree to rounding.
-"""
+"""Rotary position embedding: the inverse frequencies with the checkpoint's scaling (default,
+linear, llama3), cos/sin tables computed once per step, and the in-place rotation every layer
+applies. Tables are float32 then cast, as in HF transformers."""
 
 from __future__ import annotations
 
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig, RopeConfig
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # HF's order of operations; the last multiply is done in place (same values, no copy).
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return x.to(dtype).mul_(self.weight)
 
 
 def rope_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
@@ -69,19 +52,3 @@ def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     torch.neg(x[..., half:], out=rotated[..., :half])
     rotated[..., half:] = x[..., :half]
     return x.mul_(cos).add_(rotated.mul_(sin))
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        h, i, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj = nn.Linear(h, i, bias=b)
-        self.up_proj = nn.Linear(h, i, bias=b)
-        self.down_proj = nn.Linear(i, h, bias=b)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # down(silu(gate(x)) * up(x)), with silu and the product in place: two [T, I] buffers.
-        gate = self.gate_proj(x)
-        F.silu(gate, inplace=True)
-        gate.mul_(self.up_proj(x))
-        return self.down_proj(gate)

@@ -42,8 +42,7 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{port}"
         self.command = [sys.executable, "-m", "pagedllm.cli", "serve", "--port", str(port), *args]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="pagedllm-serve-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=os.environ.copy())
+        self.proc = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ.copy())
         self.pid = self.proc.pid
         self._wait_healthy(startup_timeout)
 

@@ -1,0 +1,216 @@
+"""LLMEngine: the step loop. add_request / abort / step, driven by LLM or by the server.
+
+One step: the scheduler picks tokens under the budget, the runner computes and samples them, the
+scheduler commits the result (and ends the sequences that are done, freeing their blocks at once,
+so a waiting request can use them next step); the engine turns what changed into outputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..errors import RequestRejected
+from ..layers.kv_cache import KVCache
+from ..layers.sampler import Sampler
+from ..loading import LoadedModel
+from ..memory.footprint import StepShape
+from ..memory.planner import MemoryPlan, plan_engine
+from ..outputs import RequestMetrics, RequestOutput
+from ..sampling_params import SamplingParams
+from ..sizes import dtype_name, torch_dtype
+from .block_manager import BlockManager
+from .detokenizer import Detokenizer
+from .model_runner import ModelRunner
+from .scheduler import Scheduler, SchedulerCounters
+from .sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats(SchedulerCounters):
+    """A snapshot, replaced (never mutated) after every step, add and abort, so another thread
+    (the server's metrics) always reads one consistent set of figures."""
+
+    running: int = 0
+    waiting: int = 0
+    blocks_used: int = 0
+    blocks_free: int = 0
+    blocks_total: int = 0
+    blocks_cached_free: int = 0  # unused blocks kept for their cached prefix (counted as free)
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0  # prompt tokens served from cached blocks, not recomputed
+    prefix_cache_evictions: int = 0
+    last_step_tokens: int = 0
+    max_batch_tokens: int = 0  # the effective step budget (lowered by out-of-memory recoveries)
+
+
+class LLMEngine:
+    """Give it a loaded model and either a ``plan`` (from ``memory.planner.plan_engine``) or the
+    same knobs ``plan_engine`` takes; the plan is checked before the KV cache is allocated."""
+
+    def __init__(
+        self, loaded: LoadedModel, *, plan: MemoryPlan | None = None, enable_prefix_caching: bool = True, **sizes
+    ):
+        cfg = loaded.config
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        if plan is None:
+            weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+            plan = plan_engine(
+                cfg,
+                model_name=loaded.name,
+                dtype=dtype_name(next(loaded.model.parameters()).dtype),
+                already_loaded=weights,
+                **sizes,
+            )
+        self.memory_plan = plan
+        self.max_model_len = plan.max_model_len
+        eos = set(cfg.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+        self.detokenizer = Detokenizer(self.tokenizer, self.eos_token_ids, plan.max_model_len)
+        self.blocks = BlockManager(plan.num_blocks, plan.block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, plan.max_batch_tokens, plan.max_num_seqs, self.detokenizer.check_stop)
+        self.kv_cache = KVCache(cfg, plan.num_blocks, plan.block_size, torch_dtype(plan.kv_dtype))
+        self.runner = ModelRunner(loaded.model, self.kv_cache, Sampler(self.eos_token_ids))
+        # Debug mode (the test suite runs with it): verify every step's bookkeeping.
+        self.check_invariants_every_step = os.environ.get("PAGEDLLM_CHECK_INVARIANTS", "") not in ("", "0")
+        self.record_step_shapes = False  # the memory tests turn it on to read last_step_shape
+        self.last_step_shape: StepShape | None = None
+        self._ids = itertools.count()
+        self._refresh_stats(0)
+        log.info("memory plan:\n%s", plan.table())
+
+    # ---- requests -------------------------------------------------------------------------
+
+    @property
+    def requests(self) -> dict[str, Sequence]:
+        """Unfinished requests by id (their first sample); read-only for callers."""
+        return self.scheduler.requests
+
+    @property
+    def cache_capacity_tokens(self) -> int:
+        return self.blocks.num_blocks * self.blocks.block_size
+
+    def encode(self, prompt: str) -> list[int]:
+        """Text to token ids; a prompt the tokenizer fails on is rejected, like any bad input."""
+        if self.tokenizer is None:
+            raise RequestRejected("this model directory has no tokenizer: pass token ids instead of text")
+        try:
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        except Exception as e:
+            raise RequestRejected(f"the tokenizer cannot encode this prompt: {type(e).__name__}: {e}") from None
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Queues a request; raises RequestRejected (and changes nothing) if it can never run."""
+        params = params or SamplingParams()
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        self.validate(request_id, ids, params)
+        self.scheduler.add(Sequence(request_id, ids, params))  # n > 1: forks into n samples later
+        self._refresh_stats(0)
+        return request_id
+
+    def validate(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
+        """Raises RequestRejected, naming the field to blame, for a request that can never run."""
+        if request_id in self.requests:
+            raise RequestRejected(f"request id {request_id!r} is already in use", param=None)
+        if not ids:
+            raise RequestRejected("the prompt is empty")
+        vocab = self.loaded.config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise RequestRejected(f"prompt token ids must be integers in [0, {vocab})")
+        if params.n > self.scheduler.max_num_seqs:
+            raise RequestRejected(f"n={params.n} samples exceed max_num_seqs={self.scheduler.max_num_seqs}", param="n")
+        need = len(ids) + params.max_tokens
+        limit = min(self.max_model_len, self.cache_capacity_tokens)
+        if need > limit:
+            raise RequestRejected(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {need} tokens exceeds "
+                f"max_model_len={self.max_model_len} (the KV cache holds {self.cache_capacity_tokens} "
+                f"tokens: {self.blocks.num_blocks} blocks of {self.blocks.block_size})",
+                param="prompt" if len(ids) >= limit else "max_tokens",
+                code="context_length_exceeded",
+            )
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Ends every unfinished sample of a request; returns their final outputs ([] if the
+        request is unknown or already finished)."""
+        outputs = [self._output(seq) for seq in self.scheduler.abort(request_id)]
+        self._refresh_stats(0)
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one step; returns an output for every sample that produced text or finished.
+        A step that runs out of memory commits nothing and is retried smaller next time."""
+        batch = self.scheduler.schedule()
+        outputs = []
+        if batch:
+            try:
+                result = self.runner.run(batch)
+            except (torch.OutOfMemoryError, MemoryError) as e:
+                self.scheduler.recover_from_oom(batch, e)
+            else:
+                if self.record_step_shapes:
+                    self.last_step_shape = self.runner.step_shape(batch, result)
+                changed = self.scheduler.update_from_output(batch, result)
+                outputs = [self._output(seq) for seq in changed]
+        self._refresh_stats(batch.total_tokens)
+        if self.check_invariants_every_step:
+            self.check_invariants()
+        return outputs
+
+    def check_invariants(self) -> None:
+        self.scheduler.check_invariants()
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        end = self.detokenizer.releasable(seq)
+        delta = seq.text[seq.emitted_chars : end]
+        seq.emitted_chars = end
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            text=seq.text[:end],
+            token_ids=list(seq.output_token_ids),
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            delta_text=delta,
+            error=seq.error,
+            error_kind=seq.error_kind,
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            metrics=RequestMetrics(seq.arrival_time, seq.first_token_time, seq.finish_time, seq.num_preemptions),
+            index=seq.index,
+            request_finished=seq.request_finished,
+        )
+
+    def _refresh_stats(self, step_tokens: int) -> None:
+        """Queue lengths, block counts and counters, as one new snapshot."""
+        s, blocks, prefix = self.scheduler, self.blocks, self.blocks.prefix_stats
+        self.stats = EngineStats(
+            **asdict(s.counters),
+            running=len(s.running),
+            waiting=len(s.waiting),
+            blocks_used=blocks.num_used,
+            blocks_free=blocks.num_free,
+            blocks_total=blocks.num_blocks,
+            blocks_cached_free=blocks.num_cached_free,
+            prefix_cache_queried_tokens=prefix.queried_tokens,
+            prefix_cache_hit_tokens=prefix.hit_tokens,
+            prefix_cache_evictions=prefix.evictions,
+            last_step_tokens=step_tokens,
+            max_batch_tokens=s.max_batch_tokens,
+        )

@@ -1,0 +1,328 @@
+"""Scheduler: decides, step by step, which tokens of which requests run, and commits the result.
+
+Each step has a budget of ``max_batch_tokens`` tokens and at most ``max_num_seqs`` sequences.
+Running sequences go first (decodes and unfinished prompt chunks, oldest admission first), then
+waiting ones in arrival order (FCFS). A prompt that does not fit the remaining budget is chunked:
+it gets what is left, and the rest next step. When a running sequence needs a block and none is
+free, the most recently admitted sequence is preempted: its blocks are freed and it goes back to
+the front of the queue, to be recomputed (prompt plus what it generated) when room frees up.
+
+A request for n samples is admitted as one sequence holding n of the ``max_num_seqs`` slots;
+its prompt is computed once, and it forks into n sequences just before its last prompt token
+(see ``pagedllm.engine.sequence``). The blocks it shares are copied on first write (``copies``).
+
+The step's shape (as in nano-vllm and vLLM)::
+
+    batch = scheduler.schedule()               # tokens, block tables, cache copies and zeroing
+    result = runner.run(batch)                 # forward pass and sampling; nothing committed
+    scheduler.update_from_output(batch, result)  # tokens appended, blocks registered, stops
+
+Nothing changes state between ``schedule`` and ``update_from_output`` except the blocks the
+batch took, so a step that runs out of memory is retried smaller (``recover_from_oom``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from .block_manager import BlockManager
+from .sequence import Finish, Sequence, Status
+
+log = logging.getLogger(__name__)
+
+# Whether a sequence ends, decided after its token is appended (None: it goes on).
+StopCheck = Callable[[Sequence], "Finish | None"]
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of a step: tokens [start, start + num_tokens) with their K/V going
+    to ``block_table`` (a snapshot: the runner never asks the block manager)."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    block_table: list[int]
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """This step computes the sequence's last known token, so a token is sampled for it."""
+        return self.end == self.seq.num_tokens
+
+
+@dataclass
+class ScheduledBatch:
+    """What one step computes, and the cache maintenance to do before it computes anything."""
+
+    entries: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) blocks
+    zeros: list[int] = field(default_factory=list)  # blocks whose K/V may be non-finite
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(e.num_tokens for e in self.entries)
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+
+class StepResult(Protocol):
+    """What ``update_from_output`` needs of a step (``ModelRunner.run`` returns one)."""
+
+    sampled: list[int]  # indices into batch.entries that got a token
+    token_ids: list[int]
+    logprobs: list[dict | None]
+    failed: list[int]  # indices into batch.entries whose logits were not finite
+
+
+@dataclass
+class SchedulerCounters:
+    steps: int = 0
+    tokens_computed: int = 0
+    prompt_tokens_computed: int = 0
+    tokens_generated: int = 0
+    preemptions: int = 0
+    blocks_copied: int = 0  # copy-on-write copies of blocks shared by the samples of one request
+    oom_recoveries: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    requests_failed: int = 0
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_batch_tokens: int, max_num_seqs: int, stop_check: StopCheck):
+        if max_batch_tokens < 1 or max_num_seqs < 1:
+            raise ValueError("max_batch_tokens and max_num_seqs must be >= 1")
+        self.blocks = blocks
+        self.max_batch_tokens = max_batch_tokens
+        self.max_num_seqs = max_num_seqs
+        self.stop_check = stop_check
+        self.requests: dict[str, Sequence] = {}  # request id -> its first sample, until all finish
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+        self.counters = SchedulerCounters()
+        self._to_zero: list[int] = []  # carried by the next batch
+        self._to_copy: list[tuple[int, int]] = []  # re-carried after a failed step
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        self.requests[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def slots_used(self) -> int:
+        return sum(s.width for s in self.running)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Ends every unfinished sample of a request; returns them ([] if none)."""
+        first = self.requests.get(request_id)
+        if first is None:
+            return []
+        live = [s for s in first.group if not s.is_finished]
+        for seq in live:
+            self.finish(seq, Finish("abort"))
+        self.counters.requests_aborted += 1
+        return live
+
+    def finish(self, seq: Sequence, finish: Finish) -> None:
+        """Ends one sample wherever it is and frees its blocks; the request is forgotten once
+        every sample has ended. A sample that already ended keeps its first reason."""
+        if seq.is_finished:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq.seq_id)
+        seq.mark_finished(finish)
+        if finish.reason == "error":
+            self.counters.requests_failed += 1
+        if seq.request_finished:
+            del self.requests[seq.request_id]
+            if finish.reason in ("stop", "length"):
+                self.counters.requests_finished += 1
+
+    # ---- the step ---------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_batch_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            if seq.ready_to_fork:
+                self._fork(seq, at=i + 1)
+            start = seq.num_computed_tokens
+            n = min(_compute_until(seq) - start, budget)
+            while not self.blocks.can_write(seq.seq_id, start, start + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                break  # seq preempted itself: nothing after it is left either
+            self._add(batch, seq, n)
+            budget -= n
+            i += 1
+        if not batch.preempted:  # memory is tight after a preemption: admit nobody new this step
+            self._admit(batch, budget)
+        if batch:
+            batch.zeros, self._to_zero = self._to_zero, []
+            batch.copies, self._to_copy = self._to_copy + batch.copies, []
+        self.counters.preemptions += len(batch.preempted)
+        return batch
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        slots = self.slots_used
+        while self.waiting and budget > 0 and slots + self.waiting[0].width <= self.max_num_seqs:
+            seq = self.waiting[0]
+            # Reuse the longest cached prefix (prefix caching): those tokens are not recomputed.
+            seq.num_computed_tokens = self.blocks.adopt_prefix(seq.seq_id, seq.tokens(0, seq.num_tokens))
+            start = seq.num_computed_tokens
+            n = 0 if seq.ready_to_fork else min(_compute_until(seq) - start, budget)
+            if not self.blocks.can_write(seq.seq_id, start, start + n):
+                self.blocks.free(seq.seq_id)  # adopted blocks go back to the cache
+                seq.num_computed_tokens = 0
+                return
+            self.waiting.popleft()
+            self.blocks.count_admission(seq.num_tokens, seq.num_computed_tokens)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            slots += seq.width
+            if n:  # (a sequence with nothing to compute before it forks runs from the next step)
+                self._add(batch, seq, n)
+                budget -= n
+
+    def update_from_output(self, batch: ScheduledBatch, result: StepResult) -> list[Sequence]:
+        """Commits a computed step: its tokens' K/V count as cached (full blocks become prefixes
+        others can adopt), each sampled token is appended, and a sequence that is done (EOS, a
+        stop token or string, max_tokens, the context) finishes. A sequence whose logits were
+        not finite fails alone; its blocks are zeroed before anyone reuses them. Returns the
+        sequences that got a token or finished, in batch order."""
+        c = self.counters
+        c.steps += 1
+        c.tokens_computed += batch.total_tokens
+        c.blocks_copied += len(batch.copies)
+        for e in batch.entries:
+            seq = e.seq
+            c.prompt_tokens_computed += max(0, min(seq.num_prompt_tokens, e.end) - e.start)
+            seq.num_computed_tokens = e.end
+            self.blocks.register_computed(seq.seq_id, seq.tokens, e.end)
+        changed = []
+        for i in result.failed:
+            seq = batch.entries[i].seq
+            self._to_zero += self.blocks.release_poisoned(seq.seq_id)
+            self.finish(
+                seq, Finish("error", "the model produced non-finite logits (NaN/inf) for this request", "model")
+            )
+            changed.append(seq)
+        for i, token, logprob in zip(result.sampled, result.token_ids, result.logprobs):
+            seq = batch.entries[i].seq
+            seq.append_token(token, logprob)
+            c.tokens_generated += 1
+            stop = self.stop_check(seq)
+            if stop is not None:
+                self.finish(seq, stop)
+            changed.append(seq)
+        return changed
+
+    def recover_from_oom(self, batch: ScheduledBatch, error: BaseException) -> None:
+        """Halves the step budget so the same work is retried as smaller steps next time.
+
+        Nothing was committed: sequences keep their state and blocks, and the next schedule
+        splits their tokens under the lower budget. The batch's cache maintenance is carried
+        again by the next batch (copies and zeroing are idempotent). A one-token step that
+        still fails re-raises.
+        """
+        if batch.total_tokens <= 1:
+            raise error
+        self._to_copy = batch.copies + self._to_copy
+        self._to_zero = batch.zeros + self._to_zero
+        old = self.max_batch_tokens
+        self.max_batch_tokens = max(1, min(old, batch.total_tokens // 2))
+        self.counters.oom_recoveries += 1
+        log.warning(
+            "out of memory in a step of %d tokens (%s); max_batch_tokens %d -> %d",
+            batch.total_tokens,
+            type(error).__name__,
+            old,
+            self.max_batch_tokens,
+        )
+
+    def _add(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
+        start = seq.num_computed_tokens
+        batch.copies += self.blocks.prepare_write(seq.seq_id, start, start + n)
+        batch.entries.append(ScheduledSeq(seq, start, n, list(self.blocks.table(seq.seq_id))))
+
+    def _fork(self, seq: Sequence, at: int) -> None:
+        """Splits a sequence into its n samples; they run right after it, sharing its blocks."""
+        children = seq.fork()
+        for child in children:
+            self.blocks.fork(seq.seq_id, child.seq_id)
+            child.status = Status.RUNNING
+        self.running[at:at] = children
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.seq_id)
+        seq.status = Status.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # ---- checks -------------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Raises AssertionError if the block manager and the queues disagree: a block both free
+        and owned, a leak, a request in two states or in none, a finished request still queued."""
+        self.blocks.check_invariants()
+        running = {s.seq_id for s in self.running}
+        waiting = {s.seq_id for s in self.waiting}
+        known = {s.seq_id for first in self.requests.values() for s in first.group if not s.is_finished}
+        problems = []
+        if len(running) != len(self.running) or len(waiting) != len(self.waiting):
+            problems.append("a request is queued twice")
+        if running & waiting:
+            problems.append(f"requests both running and waiting: {sorted(running & waiting)}")
+        if running | waiting != known:
+            problems.append(f"queued sequences {sorted(running | waiting)} but live ones {sorted(known)}")
+        if self.slots_used > self.max_num_seqs:
+            problems.append(f"{self.slots_used} running samples exceed max_num_seqs")
+        if set(self.blocks.tables) - running:
+            problems.append(f"blocks held by requests not running: {sorted(set(self.blocks.tables) - running)}")
+        for seq in self.running:
+            if seq.status is not Status.RUNNING:
+                problems.append(f"{seq.request_id}[{seq.index}] is in the running queue with status {seq.status}")
+            need = self.blocks.blocks_for(seq.num_computed_tokens)
+            if len(self.blocks.table(seq.seq_id)) < need:
+                problems.append(
+                    f"{seq.request_id}[{seq.index}] computed {seq.num_computed_tokens} tokens but "
+                    f"holds {len(self.blocks.table(seq.seq_id))} blocks"
+                )
+        for seq in self.waiting:
+            if seq.status is not Status.WAITING or seq.num_computed_tokens:
+                problems.append(
+                    f"{seq.request_id}[{seq.index}] waits with status {seq.status} and "
+                    f"{seq.num_computed_tokens} computed tokens"
+                )
+        if problems:
+            raise AssertionError("engine invariants broken: " + "; ".join(problems))
+
+
+def _compute_until(seq: Sequence) -> int:
+    """A sequence that will fork stops before its last prompt token: each sample computes that."""
+    return seq.num_prompt_tokens - 1 if seq.pending_forks else seq.num_tokens

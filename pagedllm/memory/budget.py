@@ -1,0 +1,102 @@
+"""The budget: a size the user gave, or a fraction of the memory free now (host or container)."""
+
+from __future__ import annotations
+
+import re
+
+from ..sizes import GiB
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+
+
+def parse_memory(text: str | int) -> int:
+    """'6GiB', '512MiB', '8GB', '1.5 GiB' or a byte count."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"memory {text!r}: expected a size like '6GiB', '512MiB' or '8GB'")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def free_memory(device: str = "cpu") -> tuple[int, str]:
+    """(bytes free now, where that figure came from)."""
+    if device.startswith("cuda"):
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return free, "torch.cuda.mem_get_info"
+    candidates = []
+    host = _meminfo_available()
+    if host is not None:
+        candidates.append((host, "host MemAvailable"))
+    cgroup = _cgroup_free()
+    if cgroup is not None:
+        candidates.append(cgroup)
+    if not candidates:
+        raise RuntimeError("cannot tell how much memory is free: no /proc/meminfo and no cgroup limit")
+    return min(candidates)
+
+
+def _meminfo_available() -> int | None:
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        text = open(path).read().strip()
+    except OSError:
+        return None
+    return None if text in ("max", "") else int(text)
+
+
+def _cgroup_free(root: str = "/sys/fs/cgroup") -> tuple[int, str] | None:
+    """Container limit minus current usage: cgroup v2, else v1."""
+    limit, usage = _read_int(f"{root}/memory.max"), _read_int(f"{root}/memory.current")
+    if limit is not None and usage is not None:
+        return max(0, limit - usage), "cgroup v2 memory.max - memory.current"
+    limit, usage = _read_int(f"{root}/memory/memory.limit_in_bytes"), _read_int(f"{root}/memory/memory.usage_in_bytes")
+    if limit is not None and usage is not None and limit < (1 << 60):
+        return max(0, limit - usage), "cgroup v1 memory.limit_in_bytes - memory.usage_in_bytes"
+    return None
+
+
+def resolve_budget(
+    memory: str | int | None, memory_fraction: float | None, device: str = "cpu", already_used: int = 0
+) -> tuple[int, str]:
+    """The engine's whole budget in bytes, and a phrase saying where it came from.
+
+    ``already_used``: bytes the engine itself already holds (e.g. loaded weights), added back to
+    the free figure so a fraction means a fraction of what was free before the engine started.
+    """
+    if memory is not None and memory_fraction is not None:
+        raise ValueError("give memory or memory_fraction, not both")
+    if memory is not None:
+        return parse_memory(memory), f"memory={memory}"
+    fraction = 0.9 if memory_fraction is None else memory_fraction
+    if not 0 < fraction <= 1:
+        raise ValueError(f"memory_fraction must be in (0, 1], got {fraction}")
+    free, source = free_memory(device)
+    free += already_used
+    return int(free * fraction), f"{fraction:g} x {free / GiB:.2f} GiB free ({source})"

@@ -1,0 +1,243 @@
+"""The footprint model: what an engine costs, as a polynomial in its sizes.
+
+Pure arithmetic over a model description (``ModelConfig``, read from config.json alone) and the
+engine's settings; it imports nothing from the engine and needs no weights, so it plans a 70B
+model on a laptop.
+
+The model of memory
+-------------------
+With N = KV-cache blocks, M = ``max_batch_tokens``, S = ``max_num_seqs``, L = ``max_model_len``::
+
+    footprint(N, M, S) = weights + kv_block · N + activations(M, S, L) + buffers(M, S, L) + fixed
+
+- ``weights``: every parameter times the weight dtype's size (tied embeddings counted once).
+- ``kv_block = 2 · layers · block_size · kv_heads · head_dim · kv_dtype_size``: K and V of one
+  block in every layer. The cache is allocated once, so this term is exact.
+- ``activations``: the peak of live tensors during one step, above the weights and the cache.
+  It is the largest of the step's phases (embedding, rotary tables, each sub-layer of a decoder
+  layer, the final norm and logits, the sampler), each a sum of tensors whose sizes are products
+  of the step's token count with the config's widths. Every phase is linear in M except:
+
+  * attention: the CPU backend (``pagedllm.layers.attention``) scores at most ``pairs_budget`` query ·
+    key pairs per KV head at once, so its scores are bounded by a constant; what remains is the
+    gathered K/V of one sequence's context, linear in L;
+  * logits and sampler: logits exist only for the S sampled rows (S · vocab · 4 bytes), and the
+    sampler works on chunks of 8 rows, so its workspace is a constant (≈ 25 · 8 · vocab bytes).
+
+- ``buffers``: the step's index tensors (token ids, positions, slot mapping: 8 bytes each per
+  token; 8 bytes per context block gathered; a 1-byte padding mask per (decode row, key slot),
+  which is bilinear in S and L: the one bilinear term, bounded by S · L).
+- On bf16, oneDNN's GEMM kernels take a scratch buffer from torch's allocator; measured on this
+  torch build, it is at most ``128 · (2 · min(K, 512) + 17 + 4 · (min(rows, 256) - 1))`` bytes
+  (+128 KiB for K > 1024) for a [rows, K] input. On fp32 there is none.
+
+``step_transient_bytes`` predicts the peak of one concrete step (its shape: tokens, sampled
+rows, decode groups, prefill chunks); ``activation_peak`` is its maximum over every step the
+limits allow, which is what the planner reserves. Both are checked against measured peaks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..config import ModelConfig
+from ..layers.workspace import GATHER_BUDGET, PAIRS_BUDGET, SAMPLER_CHUNK_ROWS
+from ..sizes import INDEX_BYTES as INDEX
+from ..sizes import ceil_div, dtype_bytes
+
+SAMPLER_BYTES_PER_LOGIT = 25  # full sampling path: float32 copies, int64 sort order, masks
+SCALAR_SLACK = 256  # one-element temporaries (eps, scale factors) that ops create on the way
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_dtype) -> int:
+    """Bytes one block costs across all layers, K and V. The only place this is computed."""
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype_bytes(kv_dtype)
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    dq, dk = cfg.num_heads * d, cfg.num_kv_heads * d
+    per_layer = h * dq + 2 * h * dk + dq * h + 3 * h * i + 2 * h
+    per_layer += (dq + 2 * dk) * cfg.qkv_bias + h * cfg.o_bias + (2 * i + h) * cfg.mlp_bias
+    per_layer += 2 * d * cfg.qk_norm
+    embeddings = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
+    return embeddings + cfg.num_layers * per_layer + h
+
+
+def weight_bytes(cfg: ModelConfig, dtype) -> int:
+    return parameter_count(cfg) * dtype_bytes(dtype)
+
+
+# ---- one step -------------------------------------------------------------------------------
+
+
+@dataclass
+class StepShape:
+    """What one step computes, as far as memory is concerned."""
+
+    tokens: int
+    sampled: int
+    decode_groups: list[tuple[int, int, bool]] = field(default_factory=list)  # (rows, keys, padded)
+    prefills: list[tuple[int, int]] = field(default_factory=list)  # (query rows, context)
+    full_sampler_rows: list[int] = field(default_factory=list)  # rows of chunks on the full path
+    penalized_lengths: list[int] = field(default_factory=list)  # token counts of penalized rows
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    dtype: str = "float32"
+    kv_dtype: str | None = None  # default: as dtype
+    block_size: int = 16
+    max_model_len: int | None = None  # default: the model's
+    pairs_budget: int = PAIRS_BUDGET
+    gather_budget: int = GATHER_BUDGET
+
+    @property
+    def kv(self) -> str:
+        return self.kv_dtype or self.dtype
+
+
+def gemm_scratch(rows: int, k: int, dtype: str) -> int:
+    """oneDNN's bf16 GEMM scratch for a [rows, k] input (none on fp32)."""
+    if dtype_bytes(dtype) == 4 or rows == 0 or k < 32:
+        return 0
+    return 128 * (2 * min(k, 512) + 17 + 4 * (min(rows, 256) - 1)) + (131072 if k > 1024 else 0)
+
+
+def _norm_transient(rows: int, width: int, e: int) -> int:
+    """RMSNorm's temporaries above its input (HF's float32 formulation)."""
+    return rows * width * (4 if e == 4 else 8) + 4 * rows
+
+
+def _softmax_bytes(pairs: int, e: int) -> int:
+    """scores (activation dtype) + float32 softmax output (+ float32 input copy on bf16)."""
+    return pairs * (e + 4 + (0 if e == 4 else 4))
+
+
+def _per_head(rows: int, keys: int, g: int, d: int, e: int, query_copy: bool) -> int:
+    """Peak of one KV head's matmul / softmax / matmul over ``rows`` query rows of ``g`` heads."""
+    pairs = rows * g * keys
+    return max(
+        pairs * e + (rows * g * d * e if query_copy else 0),  # q @ k^T
+        _softmax_bytes(pairs, e),  # softmax in float32
+        pairs * e + rows * g * d * e,
+    )  # probs @ v
+
+
+def _attention_workspace(cfg: ModelConfig, s: EngineSettings, shape: StepShape, windowed: bool) -> int:
+    """Largest live workspace of one attention call (one decode group or one prefill tile)."""
+    e, kv_e = dtype_bytes(s.dtype), dtype_bytes(s.kv)
+    g, d = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+    dq, dk = cfg.num_heads * d, cfg.num_kv_heads * d
+    worst = 0
+    for rows, keys, _ in shape.decode_groups:  # keys: gathered slots per row, whole blocks
+        gathered = 2 * rows * keys * dk * kv_e + rows * dq * e  # K, V, the group's queries
+        mask = 2 * rows * keys + INDEX * (keys + rows) if windowed else 0  # a window's mask, built once
+        worst = max(worst, gathered + mask + _per_head(rows, keys, g, d, e, query_copy=False))
+    for q_rows, ctx in shape.prefills:
+        tile = min(q_rows, max(1, s.pairs_budget // (g * ctx)))
+        padded = ceil_div(ctx, s.block_size) * s.block_size
+        build = INDEX * (tile + ctx) + tile * ctx + (tile * ctx + INDEX * tile if windowed else 0)
+        body = tile * ctx + _per_head(tile, ctx, g, d, e, query_copy=True)
+        worst = max(worst, 2 * padded * dk * kv_e + max(build, body))
+    return worst
+
+
+def step_buffers(shape: StepShape, block_size: int, windows: set[int] = frozenset()) -> int:
+    """Index tensors built for the step: ids, positions, slots, logit rows, the block ids of
+    every context, and the decode masks (padding; one per sliding window shorter than the
+    group's context)."""
+    total = INDEX * (3 * shape.tokens + shape.sampled)
+    for rows, keys, _ in shape.decode_groups:
+        total += INDEX * (rows * (keys // block_size) + 2 * rows) + rows * keys
+        total += rows * keys * sum(1 for w in windows if w < keys)
+    total += sum(INDEX * ceil_div(ctx, block_size) for _, ctx in shape.prefills)
+    return total
+
+
+def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[str, int]:
+    """Peak live bytes of each phase of one step, above the weights and the cache."""
+    e = dtype_bytes(s.dtype)
+    t, n = shape.tokens, shape.sampled
+    h, i, v, d = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
+    dq, dk = cfg.num_heads * d, cfg.num_kv_heads * d
+    window_sizes = {w for w in cfg.sliding_windows if w is not None}
+    windows = bool(window_sizes)
+    x = step_buffers(shape, s.block_size, window_sizes) + SCALAR_SLACK
+    base = x + t * h * e + 2 * t * d * e  # buffers, residual stream, rotary tables
+    xn, qkv = t * h * e, t * (dq + 2 * dk) * e
+    phases = {
+        "embedding": x + t * h * e + INDEX * t,
+        "rotary tables": x + t * h * e + 12 * t * d,
+        "attention norm": base + _norm_transient(t, h, e),
+        "q/k/v projections": base + xn + qkv + gemm_scratch(t, h, s.dtype),
+        "rotary": base + xn + qkv + t * dq * e,
+        "attention": base + xn + qkv + t * dq * e + _attention_workspace(cfg, s, shape, windows),
+        "output projection": base + xn + t * dq * e + t * h * e + gemm_scratch(t, dq, s.dtype),
+        "mlp gate/up": base + xn + 2 * t * i * e + gemm_scratch(t, h, s.dtype),
+        "mlp down": base + xn + t * i * e + t * h * e + gemm_scratch(t, i, s.dtype),
+        "lm head": base + n * h * e + n * v * e + gemm_scratch(n, h, s.dtype),
+    }
+    if e != 4:
+        phases["logits to float32"] = base + n * h * e + n * v * (e + 4)
+    if cfg.qk_norm:
+        # q's norm, then k's while q's result is alive; the inputs die after both
+        phases["q/k norm"] = (
+            base
+            + xn
+            + qkv
+            + max(_norm_transient(t * cfg.num_heads, d, e), t * dq * e + _norm_transient(t * cfg.num_kv_heads, d, e))
+        )
+    logits = n * v * 4
+    sampler = max([r * v * SAMPLER_BYTES_PER_LOGIT + INDEX * v for r in shape.full_sampler_rows], default=0)
+    penalties = max([40 * length for length in shape.penalized_lengths], default=0)
+    phases["sampler"] = logits + sampler + penalties + INDEX * n + SCALAR_SLACK
+    return phases
+
+
+def step_transient_bytes(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> int:
+    """Predicted peak tensor memory of one step above the weights and the cache."""
+    return max(step_phases(cfg, s, shape).values())
+
+
+def worst_step(
+    cfg: ModelConfig, s: EngineSettings, max_batch_tokens: int, max_num_seqs: int, max_model_len: int
+) -> StepShape:
+    """A step shape whose every phase is at least that of any step the limits allow.
+
+    Tokens = M; sampled rows = min(S, M), all on the full sampling path; the decode group and the
+    prefill chunk that maximise the attention workspace; every sampled sequence's context as long
+    as L (gather indices, padding masks).
+    """
+    m, seqs, ctx = max_batch_tokens, min(max_num_seqs, max_batch_tokens), max_model_len
+    # Decode groups: many short rows filling the gather budget, or one row of the longest context.
+    bs = s.block_size
+    rows = max(1, min(seqs, s.gather_budget // bs))
+    groups = [
+        (rows, max(bs, min(_whole_blocks(ctx, bs), s.gather_budget // rows // bs * bs)), True),
+        (1, _whole_blocks(ctx, bs), True),
+    ]
+    chunks = min(seqs, SAMPLER_CHUNK_ROWS)
+    shape = StepShape(
+        tokens=m,
+        sampled=seqs,
+        decode_groups=groups,
+        prefills=[(min(m, ctx), ctx)],
+        full_sampler_rows=[chunks],
+        penalized_lengths=[ctx],
+    )
+    # Index buffers of a full step: every sampled sequence gathers up to L context slots; the two
+    # groups above stand for two of them.
+    shape.decode_groups += [(1, _whole_blocks(ctx, bs), True)] * max(0, seqs - 2)
+    return shape
+
+
+def _whole_blocks(n: int, block_size: int) -> int:
+    """Slots gathered for ``n`` tokens: gathers are whole blocks."""
+    return ceil_div(n, block_size) * block_size
+
+
+def activation_peak(
+    cfg: ModelConfig, s: EngineSettings, max_batch_tokens: int, max_num_seqs: int, max_model_len: int
+) -> int:
+    return step_transient_bytes(cfg, s, worst_step(cfg, s, max_batch_tokens, max_num_seqs, max_model_len))
