@@ -1,14 +1,20 @@
 # The two commands of README.md. Both create or reuse .venv in this checkout.
 PROMPT ?= What is the capital of France?
 
-.PHONY: demo test
+.PHONY: demo test lint
 
 demo:
 	@scripts/setup.sh
 	.venv/bin/pagedllm generate "$(PROMPT)"
 
+# Lint and types first (seconds), then the suite.
 # pytest exits 5 when it collected no tests: that must fail, not pass silently.
-test:
-	@scripts/setup.sh test
+test: lint
 	.venv/bin/python -m pytest -ra $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
+
+lint:
+	@scripts/setup.sh test
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+	.venv/bin/mypy

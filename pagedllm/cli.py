@@ -125,7 +125,7 @@ def cmd_serve(args) -> int:
     )
     # uvicorn re-raises SIGTERM after its graceful shutdown, so the process would die of the
     # signal; we take SIGTERM/SIGINT ourselves: stop accepting, drain, exit 0.
-    server.capture_signals = contextlib.nullcontext
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
     server.run()

@@ -81,15 +81,15 @@ class LLM:
         one per prompt. A prompt that can never run raises before anything is queued. With
         ``n`` > 1, each output's ``outputs`` holds all n samples (its own fields are sample 0's).
         """
-        prompts = _as_prompt_list(prompts)
-        params = _per_prompt(sampling_params, len(prompts))
-        ids = [self.engine.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        prompt_list = _as_prompt_list(prompts)
+        params = _per_prompt(sampling_params, len(prompt_list))
+        ids = [self.engine.encode(p) if isinstance(p, str) else list(p) for p in prompt_list]
         for i, (p, sp) in enumerate(zip(ids, params)):
             self.engine.validate(f"#{i}", p, sp)  # all-or-nothing: check before queueing any
         request_ids = [self.engine.add_request(p, sp) for p, sp in zip(ids, params)]
         samples: dict[str, dict[int, RequestOutput]] = {rid: {} for rid in request_ids}
         done: set[str] = set()
-        bar = _Progress(len(prompts)) if progress else None
+        bar = _Progress(len(prompt_list)) if progress else None
         try:
             while len(done) < len(request_ids):
                 for out in self.engine.step():
@@ -108,11 +108,11 @@ class LLM:
             if bar:
                 bar.close()
         outputs = []
-        for rid, p in zip(request_ids, prompts):
+        for rid, prompt in zip(request_ids, prompt_list):
             by_index = samples[rid]
             out = by_index[0]
             out.outputs = [by_index[i].completion() for i in sorted(by_index)]
-            out.prompt = p if isinstance(p, str) else None
+            out.prompt = prompt if isinstance(prompt, str) else None
             outputs.append(out)
         return outputs
 
@@ -123,7 +123,7 @@ class LLM:
         progress: bool = False,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several; the chat template is applied."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations: list = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         return self.generate([self.apply_chat_template(c) for c in conversations], sampling_params, progress)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:

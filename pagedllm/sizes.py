@@ -33,6 +33,11 @@ def torch_dtype(dtype):
     return getattr(torch, dtype_name(dtype))
 
 
+def gib(nbytes: int | float, width: int = 0) -> str:
+    """Bytes as GiB with three decimals, e.g. '1.250 GiB' (right-aligned to ``width``)."""
+    return f"{nbytes / GiB:{width}.3f} GiB"
+
+
 def ceil_div(n: int, d: int) -> int:
     """Blocks of ``d`` needed for ``n`` items (rounding up)."""
     return -(-n // d)

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.engine import LLMEngine
-from pagedllm.memory.footprint import EngineSettings, step_phases
+from pagedllm.memory.footprint import EngineSettings, gemm_scratch, step_phases
+from pagedllm.memory.machine import cpu_has_amx
 from pagedllm.memory.tracker import track_peak
 from pagedllm.sampling_params import SamplingParams
 
@@ -38,6 +39,7 @@ class GridPoint:
     measured: int
     predicted: int
     peak_phase: str
+    scratch_bound: int = 0  # on AMX, the bf16 GEMM scratch is a bound, not a fit (gemm_scratch)
 
     @property
     def ratio(self) -> float:
@@ -65,7 +67,7 @@ def run_grid(loaded, dtype: str, seed: int = 0) -> list[GridPoint]:
     cfg = loaded.config
     g = torch.Generator().manual_seed(seed)
     prompt = lambda n: torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist()  # noqa: E731
-    settings = EngineSettings(dtype=dtype)
+    settings = EngineSettings(dtype=dtype, amx=cpu_has_amx())
     warm = LLMEngine(loaded, num_blocks=64, max_model_len=256)
     warm.add_request(prompt(20), FULL)
     warm.step(), warm.step()  # first-use initialisation stays out of the measurements
@@ -82,8 +84,16 @@ def run_grid(loaded, dtype: str, seed: int = 0) -> list[GridPoint]:
         phases = step_phases(cfg, settings, engine.last_step_shape)
         top = max(phases, key=phases.get)
         shape = engine.last_step_shape
-        points.append(GridPoint(name, shape.tokens, shape.sampled, m.peak_bytes, phases[top], top))
+        bound = _largest_gemm_scratch(cfg, settings, shape) if settings.amx else 0
+        points.append(GridPoint(name, shape.tokens, shape.sampled, m.peak_bytes, phases[top], top, bound))
     return points
+
+
+def _largest_gemm_scratch(cfg, s: EngineSettings, shape) -> int:
+    h, i, dq = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
+    t, n = shape.tokens, shape.sampled
+    shapes = [(t, h, dq), (t, dq, h), (t, h, i), (t, i, h), (n, h, cfg.vocab_size)]
+    return max(gemm_scratch(rows, k, out, s.dtype, s.amx) for rows, k, out in shapes)
 
 
 def main() -> None:

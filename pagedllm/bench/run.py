@@ -36,7 +36,7 @@ def run_engine(
             return {"engine": "vllm-cpu", "skipped": "no vLLM environment (give --vllm-python PATH)"}
         cmd = [vllm_python, str(Path(__file__).with_name("vllm_runner.py")), workload_file, model_dir, dtype]
         env.update(
-            VLLM_CPU_OMP_THREADS_BIND=env.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}"),
+            VLLM_CPU_OMP_THREADS_BIND=env.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}"),
             VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "2"),
         )
     else:

@@ -24,16 +24,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from ..sizes import ceil_div
+
 
 @dataclass
 class PrefixCacheStats:
     queried_tokens: int = 0  # tokens looked up at admission
     hit_tokens: int = 0  # of which served from cached blocks
     evictions: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
 class BlockManager:
@@ -46,10 +44,10 @@ class BlockManager:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unused; oldest first
         self.ref_counts = [0] * num_blocks
-        self.tables: dict[object, list[int]] = {}  # sequence id -> its blocks, in order
+        self.tables: dict[int, list[int]] = {}  # sequence id -> its blocks, in order
         self._block_key: dict[int, tuple] = {}  # registered block -> (hash, parent hash, tokens)
         self._by_hash: dict[int, int] = {}  # hash -> registered block
-        self._hashed: dict[object, tuple[int, int | None]] = {}  # seq -> (blocks registered, last hash)
+        self._hashed: dict[int, tuple[int, int | None]] = {}  # seq -> (blocks registered, last hash)
         self.prefix_stats = PrefixCacheStats()
 
     @property
@@ -66,24 +64,24 @@ class BlockManager:
         return len(self._evictable)
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return ceil_div(num_tokens, self.block_size)
 
-    def table(self, seq_id) -> list[int]:
+    def table(self, seq_id: int) -> list[int]:
         return self.tables.get(seq_id, [])
 
-    def blocks_needed(self, seq_id, num_tokens: int) -> int:
+    def blocks_needed(self, seq_id: int, num_tokens: int) -> int:
         """Blocks ``seq_id`` still has to take to hold ``num_tokens`` tokens."""
         return max(0, self.blocks_for(num_tokens) - len(self.table(seq_id)))
 
-    def blocks_to_write(self, seq_id, start: int, end: int) -> int:
+    def blocks_to_write(self, seq_id: int, start: int, end: int) -> int:
         """Blocks a sequence must take to write tokens [start, end): new ones past its table,
         plus a private copy of a shared block it would write into."""
         return self.blocks_needed(seq_id, end) + (self._shared_block_at(seq_id, start) is not None)
 
-    def can_write(self, seq_id, start: int, end: int) -> bool:
+    def can_write(self, seq_id: int, start: int, end: int) -> bool:
         return self.blocks_to_write(seq_id, start, end) <= self.num_free
 
-    def prepare_write(self, seq_id, start: int, end: int) -> list[tuple[int, int]]:
+    def prepare_write(self, seq_id: int, start: int, end: int) -> list[tuple[int, int]]:
         """Makes tokens [start, end) writable: copies a shared block on first write, appends
         the blocks still missing. Returns the (source, destination) block copies to perform."""
         i, grow = self._shared_block_at(seq_id, start), self.blocks_needed(seq_id, end)
@@ -103,12 +101,12 @@ class BlockManager:
             table.append(block)
         return copies
 
-    def _shared_block_at(self, seq_id, position: int) -> int | None:
+    def _shared_block_at(self, seq_id: int, position: int) -> int | None:
         """Index in the table of the block holding ``position`` if others hold it too."""
         table, i = self.table(seq_id), position // self.block_size
         return i if i < len(table) and self.ref_counts[table[i]] > 1 else None
 
-    def fork(self, parent_id, child_id) -> None:
+    def fork(self, parent_id: int, child_id: int) -> None:
         """Gives ``child_id`` the parent's blocks (shared, counted), and its prefix-cache place."""
         table = list(self.table(parent_id))
         for block in table:
@@ -126,9 +124,11 @@ class BlockManager:
         self.prefix_stats.evictions += 1
         return block
 
-    def free(self, seq_id) -> None:
+    def free(self, seq_id: int) -> None:
         self._hashed.pop(seq_id, None)
-        for block in self.tables.pop(seq_id, []):
+        # Last block first: a prefix is looked up from its first block, so the tail of a cached
+        # prompt must be evicted before its head, or one eviction would orphan the whole chain.
+        for block in reversed(self.tables.pop(seq_id, [])):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 if block in self._block_key:
@@ -138,7 +138,7 @@ class BlockManager:
 
     # ---- prefix cache -------------------------------------------------------------------------
 
-    def adopt_prefix(self, seq_id, tokens: list[int]) -> int:
+    def adopt_prefix(self, seq_id: int, tokens: list[int]) -> int:
         """Gives a sequence with no blocks the longest chain of cached blocks of ``tokens``,
         leaving at least the last token to compute (its logits are needed). Returns the number
         of tokens covered."""
@@ -170,7 +170,7 @@ class BlockManager:
             self.prefix_stats.queried_tokens += num_tokens
             self.prefix_stats.hit_tokens += reused
 
-    def register_computed(self, seq_id, tokens_between, num_computed: int) -> None:
+    def register_computed(self, seq_id: int, tokens_between, num_computed: int) -> None:
         """Registers the sequence's blocks that became full and computed, so others can adopt
         them. ``tokens_between(start, end)`` gives the sequence's token ids (asked only when a
         block has filled up)."""
@@ -189,7 +189,7 @@ class BlockManager:
             parent = h
         self._hashed[seq_id] = (max(done, full), parent)
 
-    def release_poisoned(self, seq_id) -> list[int]:
+    def release_poisoned(self, seq_id: int) -> list[int]:
         """For a sequence whose K/V may hold NaN/inf: unregisters the blocks only it holds from
         the prefix cache (no one may adopt them) and returns them, for the caller to zero before
         they are freed. Stale values are read (masked) by the block's next owner, and a masked

@@ -222,14 +222,14 @@ class Scheduler:
             c.prompt_tokens_computed += max(0, min(seq.num_prompt_tokens, e.end) - e.start)
             seq.num_computed_tokens = e.end
             self.blocks.register_computed(seq.seq_id, seq.tokens, e.end)
-        changed = []
+        changed: dict[int, Sequence] = {}
         for i in result.failed:
             seq = batch.entries[i].seq
             self._to_zero += self.blocks.release_poisoned(seq.seq_id)
             self.finish(
                 seq, Finish("error", "the model produced non-finite logits (NaN/inf) for this request", "model")
             )
-            changed.append(seq)
+            changed[i] = seq
         for i, token, logprob in zip(result.sampled, result.token_ids, result.logprobs):
             seq = batch.entries[i].seq
             seq.append_token(token, logprob)
@@ -237,8 +237,8 @@ class Scheduler:
             stop = self.stop_check(seq)
             if stop is not None:
                 self.finish(seq, stop)
-            changed.append(seq)
-        return changed
+            changed[i] = seq
+        return [changed[i] for i in sorted(changed)]
 
     def recover_from_oom(self, batch: ScheduledBatch, error: BaseException) -> None:
         """Halves the step budget so the same work is retried as smaller steps next time.

@@ -34,6 +34,8 @@ def rope_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
 class Rotary(nn.Module):
     """Computes cos/sin for the step's positions once; every layer applies them."""
 
+    inv_freq: torch.Tensor
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)

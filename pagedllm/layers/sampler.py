@@ -71,13 +71,12 @@ class Sampler:
     def _full(self, raw: torch.Tensor, seqs: list[SamplingRow]):
         params = [s.params for s in seqs]
         rows, vocab = raw.shape
-        col = lambda values: torch.tensor(values, dtype=torch.float32)[:, None]  # noqa: E731
         logits = raw.clone()
         for row, s in enumerate(seqs):
             _penalize_row(logits[row], s)
         self._block_stops(logits, seqs)
         greedy_tokens = logits.argmax(dim=-1)
-        temps = col([p.temperature if not p.greedy else 1.0 for p in params])
+        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params])[:, None]
         logits.div_(temps)
         probs = _filtered_probs(logits, params)
         del logits

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 class LoadedModel:
     model: DecoderLM
     config: ModelConfig
-    tokenizer: object | None  # a transformers tokenizer, or None for a weights-only directory
+    tokenizer: Any  # a transformers tokenizer, or None for a weights-only directory
     path: Path  # the HF-style directory the weights came from
     name: str
 

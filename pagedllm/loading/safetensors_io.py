@@ -90,7 +90,7 @@ def iter_tensors(
                 scratch = torch.empty(end - begin, dtype=torch.uint8)
             buf = scratch[: end - begin] if convert else torch.empty(end - begin, dtype=torch.uint8)
             f.seek(data_start + begin)
-            if end > begin and f.readinto(memoryview(buf.numpy())) != end - begin:
+            if end > begin and f.readinto(buf.numpy().data) != end - begin:
                 raise ModelLoadError(f"{path}: truncated while reading tensor {name!r}")
             tensor = buf.view(stored).reshape(e["shape"])
             yield name, tensor.to(dtype) if convert else tensor

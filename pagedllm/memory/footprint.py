@@ -38,6 +38,7 @@ limits allow, which is what the planner reserves. Both are checked against measu
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig
@@ -91,17 +92,33 @@ class EngineSettings:
     max_model_len: int | None = None  # default: the model's
     pairs_budget: int = PAIRS_BUDGET
     gather_budget: int = GATHER_BUDGET
+    amx: bool = False  # the CPU has AMX, so oneDNN's bf16 GEMMs take other scratch (gemm_scratch)
 
     @property
     def kv(self) -> str:
         return self.kv_dtype or self.dtype
 
 
-def gemm_scratch(rows: int, k: int, dtype: str) -> int:
-    """oneDNN's bf16 GEMM scratch for a [rows, k] input (none on fp32)."""
-    if dtype_bytes(dtype) == 4 or rows == 0 or k < 32:
+def gemm_scratch(rows: int, k: int, n: int, dtype: str, amx: bool = False) -> int:
+    """oneDNN's bf16 GEMM scratch for a [rows, k] x [k, n] product (none on fp32), as measured
+    on torch 2.13. Without AMX it depends on rows and k only. With AMX (``amx``: the CPU has
+    amx_bf16), oneDNN picks among kernels by shape, and above 32 rows its scratch has no simple
+    form: there it is bounded by an A-packing term (rows x k) plus a B-packing term (k x n,
+    blocked at 512 x 4096), both fitted over a sweep of k in [32, 2048], n in [64, 49152] and
+    rows in [1, 512] (docs/memory.md)."""
+    if dtype_bytes(dtype) == 4 or rows == 0:
         return 0
-    return 128 * (2 * min(k, 512) + 17 + 4 * (min(rows, 256) - 1)) + (131072 if k > 1024 else 0)
+    if not amx:
+        if k < 32:
+            return 0
+        return 128 * (2 * min(k, 512) + 17 + 4 * (min(rows, 256) - 1)) + (131072 if k > 1024 else 0)
+    if rows == 1:
+        return 128 * (2 * k + 77)
+    if rows <= 16:
+        return 128 * (k + 45)
+    if rows <= 32:
+        return 128 * (k + 77)
+    return 128 * (2 * k + 77) + 4 * rows * k + 4 * min(n, 4096) * min(k, 512)
 
 
 def _norm_transient(rows: int, width: int, e: int) -> int:
@@ -143,7 +160,7 @@ def _attention_workspace(cfg: ModelConfig, s: EngineSettings, shape: StepShape, 
     return worst
 
 
-def step_buffers(shape: StepShape, block_size: int, windows: set[int] = frozenset()) -> int:
+def step_buffers(shape: StepShape, block_size: int, windows: AbstractSet[int] = frozenset()) -> int:
     """Index tensors built for the step: ids, positions, slots, logit rows, the block ids of
     every context, and the decode masks (padding; one per sliding window shorter than the
     group's context)."""
@@ -170,13 +187,13 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
         "embedding": x + t * h * e + INDEX * t,
         "rotary tables": x + t * h * e + 12 * t * d,
         "attention norm": base + _norm_transient(t, h, e),
-        "q/k/v projections": base + xn + qkv + gemm_scratch(t, h, s.dtype),
+        "q/k/v projections": base + xn + qkv + gemm_scratch(t, h, dq, s.dtype, s.amx),
         "rotary": base + xn + qkv + t * dq * e,
         "attention": base + xn + qkv + t * dq * e + _attention_workspace(cfg, s, shape, windows),
-        "output projection": base + xn + t * dq * e + t * h * e + gemm_scratch(t, dq, s.dtype),
-        "mlp gate/up": base + xn + 2 * t * i * e + gemm_scratch(t, h, s.dtype),
-        "mlp down": base + xn + t * i * e + t * h * e + gemm_scratch(t, i, s.dtype),
-        "lm head": base + n * h * e + n * v * e + gemm_scratch(n, h, s.dtype),
+        "output projection": base + xn + t * dq * e + t * h * e + gemm_scratch(t, dq, h, s.dtype, s.amx),
+        "mlp gate/up": base + xn + 2 * t * i * e + gemm_scratch(t, h, i, s.dtype, s.amx),
+        "mlp down": base + xn + t * i * e + t * h * e + gemm_scratch(t, i, h, s.dtype, s.amx),
+        "lm head": base + n * h * e + n * v * e + gemm_scratch(n, h, v, s.dtype, s.amx),
     }
     if e != 4:
         phases["logits to float32"] = base + n * h * e + n * v * (e + 4)

@@ -10,9 +10,10 @@ from dataclasses import asdict, dataclass
 
 from ..config import ModelConfig
 from ..errors import CacheDoesNotFitError
-from ..sizes import GiB, ceil_div, dtype_bytes
+from ..sizes import ceil_div, dtype_bytes, gib
 from .budget import resolve_budget
 from .footprint import EngineSettings, activation_peak, kv_bytes_per_block, weight_bytes
+from .machine import cpu_has_amx
 
 # Kept out of the cache for what the footprint does not itemise: per-request Python state,
 # tokenizer buffers, allocator rounding.
@@ -68,25 +69,24 @@ class MemoryPlan:
         return d
 
     def table(self) -> str:
-        gib = lambda b: f"{b / GiB:8.3f} GiB"  # noqa: E731
         rows = [
             ("model", self.model),
-            ("budget", f"{gib(self.budget_bytes)}  ({self.budget_source})"),
-            ("weights", f"{gib(self.weights_bytes)}  ({self.dtype})"),
+            ("budget", f"{gib(self.budget_bytes, 8)}  ({self.budget_source})"),
+            ("weights", f"{gib(self.weights_bytes, 8)}  ({self.dtype})"),
             (
                 "KV cache",
-                f"{gib(self.kv_cache_bytes)}  ({self.num_blocks} blocks x {self.block_size} tokens = "
+                f"{gib(self.kv_cache_bytes, 8)}  ({self.num_blocks} blocks x {self.block_size} tokens = "
                 f"{self.cache_tokens} tokens, {self.full_length_requests} requests of "
                 f"{self.max_model_len} tokens; {self.kv_dtype})",
             ),
             (
                 "activation peak",
-                f"{gib(self.activation_bytes)}  (max_batch_tokens={self.max_batch_tokens}, "
+                f"{gib(self.activation_bytes, 8)}  (max_batch_tokens={self.max_batch_tokens}, "
                 f"max_num_seqs={self.max_num_seqs})",
             ),
-            ("fixed", gib(self.fixed_bytes)),
-            ("total", gib(self.total_bytes)),
-            ("headroom", gib(self.headroom_bytes)),
+            ("fixed", gib(self.fixed_bytes, 8)),
+            ("total", gib(self.total_bytes, 8)),
+            ("headroom", gib(self.headroom_bytes, 8)),
         ]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
@@ -158,7 +158,15 @@ def plan(
     if weights + FIXED_BYTES > budget_bytes:
         _raise(context, "the weights alone exceed the budget", num_blocks, max_batch_tokens or 1)
     cap = cap_blocks if cap_blocks is not None else 1 << 62
-    if num_blocks is None and max_batch_tokens is None:
+    if num_blocks is not None and max_batch_tokens is not None:
+        n, m = num_blocks, max_batch_tokens
+    elif num_blocks is not None:
+        n, m = num_blocks, largest_m(num_blocks, max(1, budget_bytes))
+        if m == 0:
+            _raise(context, f"num_blocks={num_blocks} leaves no room for even one token per step", n, 1)
+    elif max_batch_tokens is not None:
+        m, n = max_batch_tokens, min(cap, largest_n(max_batch_tokens))
+    else:
         m = largest_m(min_blocks, AUTO_MAX_BATCH_TOKENS)
         if m == 0:  # not even one full-length request fits, whatever the step size
             n = largest_n(1)
@@ -172,14 +180,6 @@ def plan(
                 {"max_model_len": n * s.block_size},
             )
         n = min(cap, largest_n(m))
-    elif num_blocks is None:
-        m, n = max_batch_tokens, min(cap, largest_n(max_batch_tokens))
-    elif max_batch_tokens is None:
-        n, m = num_blocks, largest_m(num_blocks, max(1, budget_bytes))
-        if m == 0:
-            _raise(context, f"num_blocks={num_blocks} leaves no room for even one token per step", n, 1)
-    else:
-        n, m = num_blocks, max_batch_tokens
     if fixed_for(m) + n * per_block > budget_bytes:
         _raise(context, "the requested sizes exceed the budget", n, m)
     if n < min_blocks:
@@ -212,7 +212,6 @@ def plan(
 
 
 def _raise(c: dict, reason: str, num_blocks: int | None, m: int, extra: dict | None = None) -> None:
-    gib = lambda b: f"{b / GiB:.3f} GiB"  # noqa: E731
     per_block, budget, max_len, s = c["per_block"], c["budget"], c["max_len"], c["s"]
     n = max(num_blocks if num_blocks is not None else 0, c["min_blocks"])
     act = c["act"](m)
@@ -282,7 +281,9 @@ def plan_engine(
     ``plan``. With no budget given, a solved cache is capped at what ``max_num_seqs`` requests of
     ``max_model_len`` tokens can use at once, so a small model does not reserve the whole host."""
     budget, source = resolve_budget(memory, memory_fraction, device, already_loaded)
-    settings = EngineSettings(dtype=dtype, kv_dtype=kv_cache_dtype, block_size=block_size, max_model_len=max_model_len)
+    settings = EngineSettings(
+        dtype=dtype, kv_dtype=kv_cache_dtype, block_size=block_size, max_model_len=max_model_len, amx=cpu_has_amx()
+    )
     max_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     seqs = max_num_seqs or AUTO_MAX_NUM_SEQS
     cap = seqs * -(-max_len // block_size) if memory is None and memory_fraction is None else None

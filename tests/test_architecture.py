@@ -1,0 +1,70 @@
+"""The import graph points one way: the data path's stages, from facts at the bottom to the user's
+entry points at the top. A module may import its own component or a lower level, never a higher
+one, so a reader (and the next kernel, quantized layer or grammar) finds each stage by its place."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "pagedllm"
+
+# Lowest first. Components on one level do not import each other.
+LEVELS = [
+    {"errors", "sizes"},  # facts every stage shares
+    {"config", "sampling_params", "outputs"},  # what a model and a request are
+    {"layers"},  # attention over the paged cache, the cache, the sampler, norm/rotary/mlp
+    {"models"},  # decoders built from layers
+    {"memory"},  # the planner (pure arithmetic), the budget, the peak tracker
+    {"loading"},  # checkpoints and GGUF files into models
+    {"engine"},  # scheduler, block manager, runner, the step loop
+    {"llm"},  # the Python API
+    {"server", "bench"},  # the HTTP API, the benchmark
+    {"cli"},  # the command line
+]
+LEVEL = {component: i for i, names in enumerate(LEVELS) for component in names}
+
+
+def component(module: str) -> str:
+    return module.split(".")[1]
+
+
+def imports_of(path: Path) -> set[str]:
+    """pagedllm modules imported by ``path`` (relative imports resolved), at any depth."""
+    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            names = [name] if node.module else [f"{name}.{a.name}" for a in node.names]
+            found.update(n for n in names if n.startswith("pagedllm."))
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("pagedllm."))
+    return found
+
+
+def test_no_module_imports_a_stage_above_its_own():
+    wrong = []
+    modules = [p for p in PACKAGE.rglob("*.py") if p != PACKAGE / "__init__.py"]  # the facade
+    for path in modules:
+        own = component(".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts))
+        assert own in LEVEL, f"{path}: component {own!r} has no level in LEVELS"
+        for target in imports_of(path):
+            other = component(target)
+            if other != own and LEVEL[other] >= LEVEL[own]:
+                wrong.append(f"{path.relative_to(PACKAGE.parent)} imports {target}")
+    assert not wrong, "imports against the data path:\n" + "\n".join(sorted(wrong))
+
+
+def test_the_planner_and_the_plan_command_start_without_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, pagedllm.cli, pagedllm.memory.planner; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
