@@ -148,3 +148,20 @@ def test_n_beyond_max_num_seqs_is_rejected(llm):
         SamplingParams(n=0)
     with pytest.raises(ValueError, match="n > 1"):
         next(llm.stream([5, 6, 7], SamplingParams(n=2)))
+
+
+@pytest.mark.parametrize("abort", [False, True])  # ends by itself, or is aborted once forked
+def test_when_samples_end_together_only_the_last_output_says_the_request_finished(llm, abort):
+    """Readers (the server's mailbox, LLM.generate) stop at the first output marked
+    request_finished: if every sample that ends in the same step carried it, the others' final
+    outputs would be lost (a request for n samples would hang or lose samples)."""
+    engine = llm.engine
+    rid = engine.add_request(prompt_of(12, seed=3), sampled(seed=1, n=3, max_tokens=2))
+    finals = []
+    while engine.has_unfinished():
+        if abort and len(engine.requests[rid].group) == 3:
+            finals += [o for o in engine.abort(rid) if o.finished]
+            break
+        finals += [o for o in engine.step() if o.finished]
+    assert sorted(o.index for o in finals) == [0, 1, 2]
+    assert [o.request_finished for o in finals] == [False, False, True]

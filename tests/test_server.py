@@ -3,11 +3,13 @@ non-streaming, disconnects free their blocks, bad input is a documented 4xx and 
 the others."""
 
 import asyncio
+import json
 import threading
 import time
 
 import httpx
 import pytest
+import torch
 from server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -133,8 +135,6 @@ def test_32_streaming_clients_with_a_quarter_disconnecting_free_every_block(serv
                 if i % 4 == 0 and len(text) >= 2:
                     return None  # disconnect mid-stream
                 if line.startswith("data: ") and line != "data: [DONE]":
-                    import json
-
                     chunk = json.loads(line[6:])
                     if chunk["choices"]:
                         text.append(chunk["choices"][0]["delta"].get("content", ""))
@@ -289,3 +289,88 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(tiny_checkpoints):
     t.join(30)
     assert result["r"].status_code == 200
     assert len(result["r"].json()["choices"][0]["text"]) > 0 or result["r"].json()["usage"]["completion_tokens"] == 300
+
+
+# ---- in this process, over the tiny model: faults a server process cannot be given ------------
+
+
+@pytest.fixture
+def tiny_app(tiny_checkpoints):
+    from fastapi.testclient import TestClient
+
+    from pagedllm import LLM
+    from pagedllm.server.app import create_app
+
+    llm = LLM(str(tiny_checkpoints["llama"][0]), max_model_len=64, max_num_seqs=4)
+    with TestClient(create_app(llm)) as client:
+        yield llm, client
+
+
+TINY_BODY = {"prompt": [1, 2, 3], "max_tokens": 4}
+
+
+def sse_events(client, body) -> list[str]:
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        return [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+
+
+def test_non_finite_logits_are_the_servers_500_not_the_clients_400(tiny_app):
+    llm, client = tiny_app
+    assert client.post("/v1/completions", json=TINY_BODY).status_code == 200
+    with torch.no_grad():
+        llm.loaded.model.lm_head.weight.fill_(float("nan"))  # every logit is NaN from now on
+    r = client.post("/v1/completions", json=TINY_BODY)
+    assert r.status_code == 500, r.text
+    err = r.json()["error"]
+    assert err["type"] == "server_error" and "non-finite" in err["message"]
+    *_, error, done = sse_events(client, TINY_BODY)  # the 200 is sent: the error is an event
+    assert json.loads(error)["error"]["type"] == "server_error" and done == "[DONE]"
+    assert client.get("/health").json() == {"status": "ok"}
+
+
+def test_an_engine_that_dies_fails_every_request_with_500_and_health_says_503(tiny_app):
+    llm, client = tiny_app
+
+    def broken_step():
+        raise RuntimeError("injected engine bug")
+
+    llm.engine.step = broken_step
+    r = client.post("/v1/completions", json=TINY_BODY)
+    assert r.status_code == 500, r.text
+    assert r.json()["error"]["type"] == "server_error" and "injected engine bug" in r.json()["error"]["message"]
+    health = client.get("/health")
+    assert health.status_code == 503 and "injected engine bug" in health.json()["error"]
+
+
+def test_abort_all_ends_running_requests_and_fails_queued_ones(tiny_checkpoints):
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.server.async_engine import AsyncEngine
+
+    llm = LLM(str(tiny_checkpoints["llama"][0]), max_model_len=64, max_num_seqs=4)
+    long = SamplingParams(max_tokens=50, ignore_eos=True)
+
+    async def last_output(box):
+        while not (out := await asyncio.wait_for(box.get(), 30)).request_finished:
+            pass
+        return out
+
+    async def main():
+        engine = AsyncEngine(llm.engine)
+        queued = engine.add("queued", [1, 2, 3], long)  # not started yet: stays queued
+        engine.abort_all()
+        engine.start()
+        try:
+            failed = await last_output(queued)
+            running = engine.add("running", [1, 2, 3], long)
+            await asyncio.wait_for(running.get(), 30)
+            engine.abort_all()
+            aborted = await last_output(running)
+        finally:
+            engine.stop()
+        return failed, aborted
+
+    failed, aborted = asyncio.run(main())
+    assert (failed.finish_reason, failed.error_kind) == ("error", "engine") and "shutting down" in failed.error
+    assert aborted.finish_reason == "abort"
+    assert llm.engine.blocks.num_used == 0 and not llm.engine.has_unfinished()

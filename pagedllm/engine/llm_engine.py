@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -109,14 +110,22 @@ class LLMEngine:
             raise RequestRejected(f"the tokenizer cannot encode this prompt: {type(e).__name__}: {e}") from None
 
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        arrival_time: float | None = None,
     ) -> str:
-        """Queues a request; raises RequestRejected (and changes nothing) if it can never run."""
+        """Queues a request; raises RequestRejected (and changes nothing) if it can never run.
+        ``arrival_time`` (time.perf_counter seconds, default now) is when the request really
+        arrived, for a caller that queued it first (the server): its latency metrics count from it."""
         params = params or SamplingParams()
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         self.validate(request_id, ids, params)
-        self.scheduler.add(Sequence(request_id, ids, params))  # n > 1: forks into n samples later
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
+        self.scheduler.add(Sequence(request_id, ids, params, arrival_time=arrival))  # n > 1: forks later
         self._refresh_stats(0)
         return request_id
 
@@ -145,7 +154,7 @@ class LLMEngine:
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Ends every unfinished sample of a request; returns their final outputs ([] if the
         request is unknown or already finished)."""
-        outputs = [self._output(seq) for seq in self.scheduler.abort(request_id)]
+        outputs = self._outputs(self.scheduler.abort(request_id))
         self._refresh_stats(0)
         return outputs
 
@@ -167,8 +176,7 @@ class LLMEngine:
             else:
                 if self.record_step_shapes:
                     self.last_step_shape = self.runner.step_shape(batch, result)
-                changed = self.scheduler.update_from_output(batch, result)
-                outputs = [self._output(seq) for seq in changed]
+                outputs = self._outputs(self.scheduler.update_from_output(batch, result))
         self._refresh_stats(batch.total_tokens)
         if self.check_invariants_every_step:
             self.check_invariants()
@@ -176,6 +184,17 @@ class LLMEngine:
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
+
+    def _outputs(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """One output per sample; when several samples of a request end together, only the last
+        of them says ``request_finished`` (readers stop at it)."""
+        outputs = [self._output(seq) for seq in seqs]
+        seen: set[str] = set()
+        for out in reversed(outputs):
+            if out.request_finished:
+                out.request_finished = out.request_id not in seen
+                seen.add(out.request_id)
+        return outputs
 
     def _output(self, seq: Sequence) -> RequestOutput:
         end = self.detokenizer.releasable(seq)

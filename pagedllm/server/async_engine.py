@@ -13,11 +13,12 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..engine import LLMEngine
 from ..errors import RequestRejected
-from ..outputs import RequestOutput
+from ..outputs import ErrorKind, RequestOutput
 from ..sampling_params import SamplingParams
 from .mailbox import Mailbox
 
@@ -37,18 +38,28 @@ class _Add:
     arrival: float = field(default_factory=time.perf_counter)
 
 
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class _AbortAll:
+    """Abort every request added before this (see ``AsyncEngine.abort_all``)."""
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_waiting: int = 256):
         self.engine = engine
         self.max_waiting = max_waiting
-        self._ops: queue.SimpleQueue = queue.SimpleQueue()
+        self._ops: queue.SimpleQueue[_Add | _Abort | _AbortAll] = queue.SimpleQueue()
         self._sinks: dict[str, Mailbox] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
         self._pending = 0  # adds queued for the engine thread, not yet in the engine
+        self._aborts_all = 0  # abort_all calls queued, not yet done (adds before them fail)
         self._lock = threading.Lock()
-        self.observers: list = []  # called on the engine thread with (outputs, step seconds)
+        self.observers: list[Callable[[list[RequestOutput], float], None]] = []  # on the engine thread
         self.error: BaseException | None = None
 
     def start(self) -> None:
@@ -86,7 +97,16 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Aborts a request wherever it is; its blocks are freed before the next step."""
-        self._ops.put(("abort", request_id))
+        self._ops.put(_Abort(request_id))
+        self._wake.set()
+
+    def abort_all(self) -> None:
+        """Ends everything added so far (for shutdown): requests in the engine are aborted, and
+        adds still queued fail without entering it. Done on the engine thread, like every change
+        to the engine; ``stop`` right after still does it."""
+        with self._lock:
+            self._aborts_all += 1
+        self._ops.put(_AbortAll())
         self._wake.set()
 
     # ---- the engine thread -------------------------------------------------------------------
@@ -104,15 +124,25 @@ class AsyncEngine:
                 elapsed = time.perf_counter() - start
                 for observer in self.observers:
                     observer(outputs, elapsed)
-                for out in outputs:
-                    self._deliver(out)
+                self._deliver(outputs)
+            self._apply_ops()  # aborts queued just before stop() still free their blocks
+            self._fail_everything("the server is shutting down")  # so no reader waits forever
         except BaseException as e:  # a bug, not bad input: fail every request loudly, keep the server up
             log.exception("engine thread failed")
             self.error = e
-            for rid in list(self._sinks):
-                self._deliver(
-                    RequestOutput(rid, [], "", [], True, "error", error=f"engine failure: {e}", request_finished=True)
-                )
+            self._fail_everything(f"engine failure: {e}")
+
+    def _fail_everything(self, error: str) -> None:
+        """Fails every request with a reader, and the adds still queued (no engine runs them now)."""
+        while True:
+            try:
+                op = self._ops.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(op, _Add):
+                self._take_pending()
+                self._sinks[op.request_id] = op.sink
+        self._deliver([RequestOutput.failed(rid, [], error, kind="engine") for rid in list(self._sinks)])
 
     def _apply_ops(self) -> None:
         while True:
@@ -121,31 +151,44 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if isinstance(op, _Add):
-                with self._lock:
-                    self._pending -= 1
-                self._sinks[op.request_id] = op.sink
-                try:
-                    self.engine.add_request(op.prompt, op.params, request_id=op.request_id)
-                    seq = self.engine.requests[op.request_id]
-                    seq.arrival_time = op.arrival
-                except Exception as e:  # fails this request only; the engine is unchanged
-                    if not isinstance(e, (RequestRejected, ValueError)):
-                        log.exception("adding request %s failed", op.request_id)
-                    self._deliver(
-                        RequestOutput(
-                            op.request_id, op.prompt, "", [], True, "error", error=str(e), request_finished=True
-                        )
-                    )
+                self._add(op, aborted=self._take_pending())
+            elif isinstance(op, _Abort):
+                self._deliver(self.engine.abort(op.request_id))
+                self._sinks.pop(op.request_id, None)
             else:
-                _, rid = op
-                for out in self.engine.abort(rid):
-                    self._deliver(out)
-                self._sinks.pop(rid, None)
+                for rid in list(self.engine.requests):
+                    self._deliver(self.engine.abort(rid))
+                with self._lock:
+                    self._aborts_all -= 1
 
-    def _deliver(self, out: RequestOutput) -> None:
-        sink = self._sinks.get(out.request_id)
-        if sink is None:
+    def _take_pending(self) -> bool:
+        """Counts a queued add as taken; True if an abort_all queued after it is not done yet."""
+        with self._lock:
+            self._pending -= 1
+            return self._aborts_all > 0
+
+    def _add(self, op: _Add, aborted: bool) -> None:
+        self._sinks[op.request_id] = op.sink
+        if aborted:
+            error = "the server is shutting down; the request was aborted before it started"
+            self._deliver([RequestOutput.failed(op.request_id, op.prompt, error, kind="engine")])
             return
-        if out.request_finished:
-            del self._sinks[out.request_id]
-        sink.put(out)
+        try:
+            self.engine.add_request(op.prompt, op.params, request_id=op.request_id, arrival_time=op.arrival)
+        except Exception as e:  # fails this request only; the engine is unchanged
+            client_error = isinstance(e, (RequestRejected, ValueError))
+            if not client_error:
+                log.exception("adding request %s failed", op.request_id)
+            kind: ErrorKind = "rejected" if client_error else "engine"
+            self._deliver([RequestOutput.failed(op.request_id, op.prompt, str(e), kind=kind)])
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Leaves each output in its request's mailbox; the mailbox is forgotten after the
+        request's last output (the engine marks only that one ``request_finished``)."""
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue
+            if out.request_finished:
+                del self._sinks[out.request_id]
+            sink.put(out)

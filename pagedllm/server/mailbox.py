@@ -17,7 +17,7 @@ from ..outputs import RequestOutput
 
 
 class Mailbox:
-    def __init__(self):
+    def __init__(self) -> None:
         self._loop = asyncio.get_running_loop()  # the reader's loop
         self._ready = asyncio.Event()
         self._lock = threading.Lock()

@@ -1,0 +1,188 @@
+"""One generation request's life: checked and queued on the engine, its outputs read from its
+mailbox, and answered whole or streamed as they come.
+
+Every prompt is validated before any is queued, so a request is refused whole or runs whole. A
+client that goes away aborts what it still has running at once, which frees its blocks before
+the next step; the disconnect is checked on a clock, as outputs may never pause.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from ..errors import RequestRejected
+from ..llm import LLM
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
+from .async_engine import AsyncEngine, QueueFull
+from .errors import APIError, failed, rejected
+from .mailbox import Mailbox
+from .metrics import Metrics
+from .protocol import SamplingFields
+from .responses import DONE, Reply, TokenText, sse, usage
+
+DISCONNECT_CHECK_S = 0.5
+
+
+async def generate(
+    request: Request,
+    req: SamplingFields,
+    prompts: list[list[int]],
+    max_tokens: int | None,
+    logprobs: int | None,
+    chat: bool,
+) -> Response | dict:
+    """Runs ``prompts`` (each for ``req.n`` samples) and answers: the whole body, an SSE stream,
+    or 499 when the client left before the end."""
+    state = request.app.state
+    engine: AsyncEngine = state.engine
+    created = int(time.time())
+    base, ids, sink = submit(engine, req, prompts, max_tokens, logprobs)
+    reply = Reply(("chatcmpl-" if chat else "cmpl-") + base, chat, created, state.model_name, token_text(state.llm))
+    outputs = outputs_of(request, engine, state.metrics, ids, req.n, sink)
+    num_choices = len(ids) * req.n
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        events = stream(reply, outputs, num_choices, prompts, include_usage)
+        return StreamingResponse(events, media_type="text/event-stream")
+    finals: dict[int, RequestOutput] = {}
+    async for i, out in outputs:
+        if out.finish_reason == "error":
+            raise failed(out)
+        if out.finished:
+            finals[i] = out
+    if len(finals) < num_choices:
+        return Response(status_code=499)  # the client went away
+    return reply.body([finals[i] for i in range(num_choices)], prompts)
+
+
+def token_text(llm: LLM) -> TokenText:
+    tokenizer = llm.tokenizer
+    if tokenizer is None:
+        return str
+    return lambda token_id: tokenizer.decode([token_id])
+
+
+def sampling_params(
+    req: SamplingFields, prompt_len: int, max_tokens: int | None, logprobs: int | None, max_len: int
+) -> SamplingParams:
+    """The request's sampling fields for one prompt; no ``max_tokens`` means the rest of the context."""
+    if max_tokens is None:
+        max_tokens = max(1, max_len - prompt_len)
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            seed=req.seed,
+            stop=req.stop,
+            n=req.n,
+            min_tokens=min(req.min_tokens, max_tokens),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+        )
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+
+
+def submit(
+    engine: AsyncEngine, req: SamplingFields, prompts: list[list[int]], max_tokens: int | None, logprobs: int | None
+) -> tuple[str, list[str], Mailbox]:
+    """Validates every prompt first, then queues them all on one shared mailbox. Each is one
+    engine request for ``n`` samples, which share the prompt's KV blocks. A full queue takes
+    back what was queued and answers 429."""
+    base = uuid.uuid4().hex[:24]
+    jobs = []
+    for i, prompt in enumerate(prompts):
+        params = sampling_params(req, len(prompt), max_tokens, logprobs, engine.engine.max_model_len)
+        try:
+            engine.validate(prompt, params)
+        except RequestRejected as e:
+            raise rejected(e) from None
+        jobs.append((f"{base}-{i}", prompt, params))
+    sink = Mailbox()
+    ids: list[str] = []
+    try:
+        for rid, prompt, params in jobs:
+            engine.add(rid, prompt, params, sink)
+            ids.append(rid)
+    except QueueFull as e:
+        for rid in ids:
+            engine.abort(rid)
+        raise APIError(
+            429, f"server busy: {e}; retry later", "rate_limit_error", headers={"Retry-After": "1"}
+        ) from None
+    return base, ids, sink
+
+
+async def outputs_of(
+    request: Request, engine: AsyncEngine, metrics: Metrics, ids: list[str], n: int, sink: Mailbox
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Yields (choice index, output) until every request finished, observing the latency
+    histograms; aborts whatever is unfinished when the client disconnects (or the reader stops)."""
+    first_choice = {rid: i * n for i, rid in enumerate(ids)}
+    open_ids = set(ids)
+    last_time: dict[tuple[str, int], float] = {}
+    next_check = time.monotonic() + DISCONNECT_CHECK_S
+    try:
+        while open_ids:
+            if time.monotonic() >= next_check:
+                if await request.is_disconnected():
+                    return
+                next_check = time.monotonic() + DISCONNECT_CHECK_S
+            try:
+                out = await asyncio.wait_for(sink.get(), timeout=DISCONNECT_CHECK_S)
+            except TimeoutError:
+                continue
+            now, key = time.perf_counter(), (out.request_id, out.index)
+            if out.token_ids and key not in last_time and out.metrics:
+                metrics.ttft.observe(now - out.metrics.arrival_time)
+            elif key in last_time and out.token_ids:
+                metrics.itl.observe(now - last_time[key])
+            last_time[key] = now
+            if out.request_finished:
+                open_ids.discard(out.request_id)
+            yield first_choice[out.request_id] + out.index, out
+    finally:
+        for rid in open_ids:
+            engine.abort(rid)
+
+
+async def stream(
+    reply: Reply,
+    outputs: AsyncIterator[tuple[int, RequestOutput]],
+    num_choices: int,
+    prompts: list[list[int]],
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    """The SSE events of a streamed answer: each choice's new text as it comes, an error event
+    if a request fails (the 200 is already sent), the usage if asked, then ``[DONE]``."""
+    if reply.chat:
+        yield reply.role_chunk(num_choices)
+    sent = [0] * num_choices  # tokens whose logprobs each choice has sent
+    completion_tokens = 0
+    async for i, out in outputs:
+        if out.finish_reason == "error":
+            yield sse(failed(out).body())
+            break
+        lp = reply.logprobs(out, sent[i], len(out.token_ids))
+        sent[i] = len(out.token_ids)
+        if not out.delta_text and not out.finished and not lp:
+            continue
+        if out.finished:
+            completion_tokens += len(out.token_ids)
+        yield reply.chunk([reply.delta_choice(i, out, lp)])
+    if include_usage:
+        yield reply.chunk([], usage=usage(prompts, completion_tokens))
+    yield DONE

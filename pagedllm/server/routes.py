@@ -1,0 +1,108 @@
+"""The endpoints. Each reads what it serves from ``request.app.state`` (set by ``create_app``):
+``llm``, ``engine`` (the AsyncEngine), ``metrics``, ``model_name`` and ``tokenizer_thread``.
+
+The generation endpoints only turn their body into token-id prompts; ``generation.generate``
+runs them. Tokenizing and chat templating (a body may carry megabytes of text) run on one
+worker thread, never on the event loop, which must keep streaming to everyone else meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TypeVar
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from ..errors import RequestRejected
+from .async_engine import AsyncEngine
+from .errors import APIError, rejected
+from .generation import generate
+from .protocol import ChatCompletionRequest, CompletionRequest
+
+router = APIRouter()
+T = TypeVar("T")
+
+
+@router.get("/health")
+async def health(request: Request):
+    engine: AsyncEngine = request.app.state.engine
+    if engine.error is not None:
+        return JSONResponse({"status": "error", "error": str(engine.error)}, status_code=503)
+    return {"status": "ok"}
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    state = request.app.state
+    model = {
+        "id": state.model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "pagedllm",
+        "max_model_len": state.llm.engine.max_model_len,
+    }
+    return {"object": "list", "data": [model]}
+
+
+@router.get("/v1/plan")
+async def plan(request: Request):
+    return request.app.state.llm.memory_plan.to_dict()
+
+
+@router.get("/metrics")
+async def prometheus(request: Request):
+    return Response(request.app.state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+@router.post("/v1/completions")
+async def completions(req: CompletionRequest, request: Request):
+    check_model(request, req.model)
+    raw = req.prompt
+    texts = [raw] if isinstance(raw, str) or isinstance(raw[0], int) else raw
+    prompts = []
+    for p in texts:
+        if isinstance(p, str):
+            try:
+                prompts.append(await off_loop(request, request.app.state.llm.engine.encode, p))
+            except RequestRejected as e:
+                raise rejected(e) from None
+        else:
+            prompts.append(list(p))
+    if any(not p for p in prompts):
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    return await generate(request, req, prompts, req.max_tokens, req.logprobs, chat=False)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(req: ChatCompletionRequest, request: Request):
+    check_model(request, req.model)
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+    try:
+        prompt = await off_loop(request, request.app.state.llm.apply_chat_template, messages)
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from None
+    except Exception as e:  # a template that fails on these messages is the request's problem
+        raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return await generate(request, req, [prompt], max_tokens, logprobs, chat=True)
+
+
+def check_model(request: Request, name: str | None) -> None:
+    """The model field may name the served model or be left out; anything else is a 404."""
+    served = request.app.state.model_name
+    if name is not None and name != served:
+        raise APIError(
+            404,
+            f"model {name!r} does not exist; this server serves {served!r}",
+            "not_found_error",
+            "model",
+            "model_not_found",
+        )
+
+
+async def off_loop(request: Request, fn: Callable[..., T], *args) -> T:
+    """``fn(*args)`` on the tokenizer thread."""
+    return await asyncio.get_running_loop().run_in_executor(request.app.state.tokenizer_thread, fn, *args)
