@@ -19,6 +19,7 @@ import torch
 from . import loading
 from .config import ModelConfig
 from .engine import LLMEngine
+from .memory.machine import bound_allocator_slack, resident_bytes
 from .memory.planner import plan_engine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -43,11 +44,17 @@ class LLM:
         memory_fraction: float | None = None,
         enable_prefix_caching: bool = True,
     ):
-        """``memory="6GiB"`` (the whole engine) or ``memory_fraction=0.9`` of what is free now;
-        whatever of num_blocks / max_batch_tokens is left unset is solved for. The plan is
-        checked from config.json before any weight is loaded: CacheDoesNotFitError if it cannot fit.
+        """``memory="6GiB"`` bounds the whole process's peak resident memory (what it holds
+        before this call included); ``memory_fraction=0.9`` lets the engine take that fraction of
+        what is free now. Whatever of num_blocks / max_batch_tokens / max_model_len is left unset
+        is solved for. The plan is checked from config.json before any weight is loaded:
+        CacheDoesNotFitError if it cannot fit. With a budget, the KV cache is committed at once.
         """
-        model_dir, name = loading.resolve_model_dir(model)
+        model_dir, name = loading.resolve_model_dir(model)  # a GGUF file is converted in a child process
+        tokenizer = loading.load_tokenizer(model_dir)  # before measuring: it belongs to the baseline
+        budgeted = memory is not None or memory_fraction is not None
+        if budgeted:
+            bound_allocator_slack()
         self.memory_plan = plan_engine(
             ModelConfig.from_file(model_dir),
             model_name=name,
@@ -60,10 +67,13 @@ class LLM:
             max_model_len=max_model_len,
             memory=memory,
             memory_fraction=memory_fraction,
+            baseline_bytes=resident_bytes()[0],
         )
-        self.loaded = loading.load_dir(model_dir, name, dtype)
+        self.loaded = loading.load_dir(model_dir, name, dtype, tokenizer=tokenizer)
         self.tokenizer = self.loaded.tokenizer
-        self.engine = LLMEngine(self.loaded, plan=self.memory_plan, enable_prefix_caching=enable_prefix_caching)
+        self.engine = LLMEngine(
+            self.loaded, plan=self.memory_plan, enable_prefix_caching=enable_prefix_caching, resident_cache=budgeted
+        )
 
     @property
     def stats(self):
@@ -84,8 +94,8 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params = _per_prompt(sampling_params, len(prompt_list))
         ids = [self.engine.encode(p) if isinstance(p, str) else list(p) for p in prompt_list]
-        for i, (p, sp) in enumerate(zip(ids, params)):
-            self.engine.validate(f"#{i}", p, sp)  # all-or-nothing: check before queueing any
+        for p, sp in zip(ids, params):
+            self.engine.validate(p, sp)  # all-or-nothing: check before queueing any
         request_ids = [self.engine.add_request(p, sp) for p, sp in zip(ids, params)]
         samples: dict[str, dict[int, RequestOutput]] = {rid: {} for rid in request_ids}
         done: set[str] = set()

@@ -489,6 +489,15 @@ def read_memory(pid: int | None) -> tuple[float | None, float | None]:
     return kb("VmRSS") / 1024, kb("RssShmem") / 1024
 
 
+def read_peak(pid: int | None) -> float | None:
+    """VmHWM in MB: the process's peak resident memory since it started, startup included."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, TypeError, StopIteration):
+        return None
+
+
 async def scrape(http: httpx.AsyncClient, url: str) -> dict[str, float]:
     r = await http.get(url + "/metrics", timeout=10)
     r.raise_for_status()
@@ -639,6 +648,8 @@ async def soak(
         info = (await probe.get(url + "/v1/models", timeout=30)).json()["data"][0]
         plan = await probe.get(url + "/v1/plan", timeout=30)
         kv_plan_mb = plan.json().get("kv_cache_bytes", 0) / 2**20 if plan.status_code == 200 else None
+        given = plan.status_code == 200 and plan.json().get("budget_source", "").startswith("memory=")
+        budget_mb = plan.json()["budget_bytes"] / 2**20 if given else None
         t0 = time.monotonic()
         samples, scrape_failures, stop = [], [], asyncio.Event()
         sampler = asyncio.create_task(sample_every_second(probe, url, pid, t0, samples, scrape_failures, stop))
@@ -665,6 +676,7 @@ async def soak(
         await sampler
     memory = memory_summary(samples, run_start - t0, run_start - t0 + warmup_fraction * duration, kv_plan_mb)
     memory["longest_stall_s"] = longest_stall(samples)
+    memory["rss_peak_mb"], memory["budget_mb"] = read_peak(pid), budget_mb
     return build_report(
         results,
         elapsed,
@@ -750,6 +762,8 @@ def verdict(results: list[Result], final: dict, memory: dict, scrape_failures: l
             f"RSS less the KV cache grew {memory['less_kv_growth_mb']:.0f} MB after warm-up "
             f"({memory['less_kv_slope_mb_per_min']:.1f} MB/min; bound {memory['growth_bound_mb']:.0f} MB)"
         )
+    if memory.get("budget_mb") and memory.get("rss_peak_mb") and memory["rss_peak_mb"] > memory["budget_mb"]:
+        reasons.append(f"peak RSS {memory['rss_peak_mb']:.0f} MB exceeds the budget {memory['budget_mb']:.0f} MB")
     if memory.get("kv_plan_mb") and memory.get("measured") and memory["kv_resident_max_mb"] > memory["kv_plan_mb"] + 16:
         reasons.append(
             f"KV cache resident {memory['kv_resident_max_mb']:.0f} MB, above its plan {memory['kv_plan_mb']:.0f} MB"
@@ -811,6 +825,9 @@ def format_report(report: dict) -> str:
             + (f", slope after warm-up {m['rss_slope_mb_per_min']:+.1f} MB/min" if m.get("judged") else "")
         )
         lines.append(f"KV cache resident: max {mb(m['kv_resident_max_mb'])} of {mb(m['kv_plan_mb'])} planned")
+        if m.get("rss_peak_mb") is not None:
+            budget = f" (budget {mb(m['budget_mb'])}: memory= bounds it)" if m.get("budget_mb") else ""
+            lines.append(f"peak RSS (VmHWM, start-up included): {mb(m['rss_peak_mb'])}{budget}")
         if m.get("judged"):
             lines.append(
                 f"RSS less KV cache: {mb(m['less_kv_after_warmup_mb'])} -> {mb(m['less_kv_end_mb'])}, "

@@ -16,7 +16,7 @@ from pagedllm import LLM, CacheDoesNotFitError, SamplingParams, loading
 from pagedllm.config import ModelConfig
 from pagedllm.memory.budget import _cgroup_free, parse_memory, resolve_budget
 from pagedllm.memory.footprint import EngineSettings, activation_peak, kv_bytes_per_block, parameter_count
-from pagedllm.memory.planner import FIXED_BYTES, plan
+from pagedllm.memory.planner import OVERHEAD_BYTES, plan
 from pagedllm.memory.tracker import track_peak
 
 GiB = 1024**3
@@ -114,7 +114,7 @@ def total(cfg, s, n, m, seqs, max_len):
         weight_bytes(cfg, s.dtype)
         + n * kv_bytes_per_block(cfg, s.block_size, s.kv)
         + activation_peak(cfg, s, m, seqs, max_len)
-        + FIXED_BYTES
+        + OVERHEAD_BYTES
     )
 
 
@@ -141,6 +141,10 @@ def test_solver_fits_and_is_maximal_and_its_suggestions_fit(cfg, s, budget_gib, 
             assert total(cfg, s, sug["num_blocks"], m, seqs, p_len(cfg, s)) <= budget
         if "max_batch_tokens" in sug and n_given is not None:
             assert total(cfg, s, n_given, sug["max_batch_tokens"], seqs, p_len(cfg, s)) <= budget
+        if "max_model_len" in sug:  # a request of that length fits, with the failed step budget
+            m = m_given or 512
+            blocks = -(-sug["max_model_len"] // s.block_size)
+            assert total(cfg, s, blocks, m, seqs, sug["max_model_len"]) <= budget
         return
     max_len = p.max_model_len
     used = total(cfg, s, p.num_blocks, p.max_batch_tokens, seqs, max_len)
@@ -150,6 +154,12 @@ def test_solver_fits_and_is_maximal_and_its_suggestions_fit(cfg, s, budget_gib, 
         assert total(cfg, s, p.num_blocks + 1, p.max_batch_tokens, seqs, max_len) > budget
     if mode == "n":  # M was solved: one more token per step would not fit
         assert total(cfg, s, p.num_blocks, p.max_batch_tokens + 1, seqs, max_len) > budget
+    if mode != "n" and max_len < p_len(cfg, s):  # L was solved: one more block of context would not fit
+        longer = max_len + s.block_size
+        n_longer = (budget - total(cfg, s, 0, p.max_batch_tokens, seqs, longer)) // kv_bytes_per_block(
+            cfg, s.block_size, s.kv
+        )
+        assert n_longer * s.block_size < longer
 
 
 def p_len(cfg, s):
@@ -200,9 +210,15 @@ def test_weights_alone_too_big():
         plan(small_cfg(), 256 * 1024**2)
 
 
-def test_cache_too_small_for_one_full_length_request_names_the_length_that_fits():
-    with pytest.raises(CacheDoesNotFitError, match=r"max_model_len <= 1600") as e:
-        plan(small_cfg(), 4 * GiB, num_blocks=100)
+def test_a_cache_too_small_for_the_models_context_serves_the_context_it_holds():
+    p = plan(small_cfg(), 4 * GiB, num_blocks=100)
+    assert (p.max_model_len, p.max_model_len_source) == (1600, "solved: what the cache holds")
+
+
+def test_a_given_max_model_len_the_cache_cannot_hold_is_refused_with_the_length_that_fits():
+    s = EngineSettings(max_model_len=8192)
+    with pytest.raises(CacheDoesNotFitError, match=r"cannot hold one request of max_model_len=8192") as e:
+        plan(small_cfg(), 4 * GiB, settings=s, num_blocks=100)
     assert e.value.suggestions["max_model_len"] == 1600
 
 
@@ -211,8 +227,18 @@ def test_plan_is_checked_before_any_weight_is_loaded(tiny_checkpoints, monkeypat
         raise AssertionError("weights were loaded before the plan was checked")
 
     monkeypatch.setattr(loading, "load_dir", fail)
-    with pytest.raises(CacheDoesNotFitError):
-        LLM(tiny_checkpoints["llama"][0], memory="1MiB")
+    with pytest.raises(CacheDoesNotFitError) as e:
+        LLM(tiny_checkpoints["llama"][0], memory="1MiB", max_model_len=512)
+    # The process baseline is measured (this test process holds far more than a few MiB), and
+    # the memory the error names is enough for that same engine.
+    from pagedllm.memory.machine import resident_bytes
+    from pagedllm.memory.planner import plan_engine
+
+    baseline = e.value.breakdown["baseline"]
+    assert 50 * 1024**2 < baseline <= resident_bytes()[0]
+    cfg = ModelConfig.from_file(tiny_checkpoints["llama"][0])
+    fits = plan_engine(cfg, memory=e.value.suggestions["memory_bytes"], baseline_bytes=baseline, max_model_len=512)
+    assert fits.total_bytes <= e.value.suggestions["memory_bytes"] and fits.max_model_len == 512
 
 
 # ---- the budget ---------------------------------------------------------------------------------
@@ -336,3 +362,43 @@ def test_plan_cli_plans_a_70b_model_from_its_config(tmp_path):
     assert "KV cache" in table.stdout and "headroom" in table.stdout
     too_small = pagedllm("plan", "--model", str(config), "--memory", "80GiB", "--dtype", "bfloat16")
     assert too_small.returncode == 3 and "weights alone exceed" in too_small.stderr
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [dict(), dict(num_blocks=2000, max_batch_tokens=20000), dict(num_blocks=300), dict(max_batch_tokens=4096)],
+)
+def test_every_number_in_a_does_not_fit_message_is_the_planners(sizes):
+    """One consistent set of numbers: each figure the message prints is one the planner computed
+    (breakdown, suggestions), and each suggestion it prints is one that fits."""
+    import re
+
+    from pagedllm.sizes import gib
+
+    cfg, budget = small_cfg(), 900 * 1024**2
+    s = EngineSettings(max_model_len=8192)
+    with pytest.raises(CacheDoesNotFitError) as e:
+        plan(cfg, budget, settings=s, baseline_bytes=300 * 1024**2, **sizes)
+    msg, b, sug = str(e.value), e.value.breakdown, e.value.suggestions
+    needs = re.search(
+        r"needs (\S+ GiB): process baseline (\S+ GiB) \+ weights (\S+ GiB) .*KV cache (\S+ GiB) "
+        r"\((\d+) blocks.*activations (\S+ GiB) .*overhead (\S+ GiB)",
+        msg,
+    )
+    assert needs, msg
+    parts = [b["total"], b["baseline"], b["weights"], b["kv_cache"], None, b["activations"], b["overhead"]]
+    for shown, value in zip(needs.groups(), parts):
+        if value is not None:
+            assert shown == gib(value)
+    assert int(needs.group(5)) * kv_bytes_per_block(cfg, 16, "float32") == b["kv_cache"]
+    assert b["total"] == sum(b[k] for k in ("baseline", "weights", "kv_cache", "activations", "overhead"))
+    assert "smallest memory that fits" in msg and msg.count(gib(b["total"])) >= 2
+    for key, label in (
+        ("num_blocks", "largest num_blocks"),
+        ("max_batch_tokens", "largest max_batch_tokens"),
+        ("max_model_len", "longest max_model_len"),
+    ):
+        shown = re.search(label + r"[^:]*: (\d+)", msg)
+        assert (shown is not None) == (key in sug), (key, msg)
+        if shown:
+            assert int(shown.group(1)) == sug[key]

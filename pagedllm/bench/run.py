@@ -88,12 +88,10 @@ def machine() -> str:
 
 
 def main(args) -> int:
-    from transformers import AutoTokenizer
-
-    from ..loading import resolve_model_dir
+    from ..loading import load_tokenizer, resolve_model_dir
 
     model_dir, name = resolve_model_dir(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = load_tokenizer(model_dir)
     workload = build_workload(args.workload, tokenizer, args.num_prompts, args.new_tokens)
     compare = [p for p in (args.compare.split(",") if args.compare else []) if p]
     unknown = [p for p in compare if p not in PEERS]

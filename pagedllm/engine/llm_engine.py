@@ -20,6 +20,7 @@ from ..layers.kv_cache import KVCache
 from ..layers.sampler import Sampler
 from ..loading import LoadedModel
 from ..memory.footprint import StepShape
+from ..memory.machine import resident_bytes
 from ..memory.planner import MemoryPlan, plan_engine
 from ..outputs import RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
@@ -56,18 +57,26 @@ class LLMEngine:
     same knobs ``plan_engine`` takes; the plan is checked before the KV cache is allocated."""
 
     def __init__(
-        self, loaded: LoadedModel, *, plan: MemoryPlan | None = None, enable_prefix_caching: bool = True, **sizes
+        self,
+        loaded: LoadedModel,
+        *,
+        plan: MemoryPlan | None = None,
+        enable_prefix_caching: bool = True,
+        resident_cache: bool = False,
+        **sizes,
     ):
+        """``resident_cache``: commit the whole KV cache now (``LLM`` does when given a budget)."""
         cfg = loaded.config
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
-        if plan is None:
+        if plan is None:  # the model is loaded already: the baseline is what the process holds besides it
             weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
             plan = plan_engine(
                 cfg,
                 model_name=loaded.name,
                 dtype=dtype_name(next(loaded.model.parameters()).dtype),
                 already_loaded=weights,
+                baseline_bytes=max(0, resident_bytes()[0] - weights),
                 **sizes,
             )
         self.memory_plan = plan
@@ -79,7 +88,9 @@ class LLMEngine:
         self.detokenizer = Detokenizer(self.tokenizer, self.eos_token_ids, plan.max_model_len)
         self.blocks = BlockManager(plan.num_blocks, plan.block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, plan.max_batch_tokens, plan.max_num_seqs, self.detokenizer.check_stop)
-        self.kv_cache = KVCache(cfg, plan.num_blocks, plan.block_size, torch_dtype(plan.kv_dtype))
+        self.kv_cache = KVCache(
+            cfg, plan.num_blocks, plan.block_size, torch_dtype(plan.kv_dtype), resident=resident_cache
+        )
         self.runner = ModelRunner(loaded.model, self.kv_cache, Sampler(self.eos_token_ids))
         # Debug mode (the test suite runs with it): verify every step's bookkeeping.
         self.check_invariants_every_step = os.environ.get("PAGEDLLM_CHECK_INVARIANTS", "") not in ("", "0")
@@ -123,16 +134,17 @@ class LLMEngine:
         params = params or SamplingParams()
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        self.validate(request_id, ids, params)
+        if request_id in self.requests:
+            raise RequestRejected(f"request id {request_id!r} is already in use", param=None)
+        self.validate(ids, params)
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         self.scheduler.add(Sequence(request_id, ids, params, arrival_time=arrival))  # n > 1: forks later
         self._refresh_stats(0)
         return request_id
 
-    def validate(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
-        """Raises RequestRejected, naming the field to blame, for a request that can never run."""
-        if request_id in self.requests:
-            raise RequestRejected(f"request id {request_id!r} is already in use", param=None)
+    def validate(self, ids: list[int], params: SamplingParams) -> None:
+        """Raises RequestRejected, naming the field to blame, for a request that can never run.
+        Reads only limits fixed at start, so any thread may call it."""
         if not ids:
             raise RequestRejected("the prompt is empty")
         vocab = self.loaded.config.vocab_size

@@ -29,16 +29,25 @@ class KVCache:
     """
 
     def __init__(
-        self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+        self,
+        cfg: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        resident: bool = False,
     ):
+        """``resident``: commit every page now (the engine does when a budget is given, so the
+        process's memory is what the plan says from the start and load cannot grow it); else
+        pages are committed as blocks are first written."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
         shape = (cfg.num_kv_heads, num_blocks * block_size, cfg.head_dim)
-        self.k = [_zeros(shape, dtype, device) for _ in range(cfg.num_layers)]
-        self.v = [_zeros(shape, dtype, device) for _ in range(cfg.num_layers)]
+        self.k = [_zeros(shape, dtype, device, resident) for _ in range(cfg.num_layers)]
+        self.v = [_zeros(shape, dtype, device, resident) for _ in range(cfg.num_layers)]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copies every layer's K/V of block ``src`` into block ``dst`` (copy-on-write of a
@@ -57,14 +66,16 @@ class KVCache:
                 cache[:, block * bs : (block + 1) * bs].zero_()
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
-    """Zeros that cost no RAM until written: on CPU an anonymous memory map, whose pages the
-    kernel zero-fills on first touch. Masked keys past a context's end are read (gathers are
-    whole blocks), so what they hold must be finite; zeros are, and so is any stale K/V."""
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device, resident: bool) -> torch.Tensor:
+    """Zeros in an anonymous memory map, whose pages the kernel zero-fills: on first touch, or
+    all at once when ``resident`` (MAP_POPULATE). Masked keys past a context's end are read
+    (gathers are whole blocks), so what they hold must be finite; zeros are, and so is any
+    stale K/V."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = dtype.itemsize
     for d in shape:
         nbytes *= d
-    buffer = mmap.mmap(-1, max(nbytes, 1))
+    flags = mmap.MAP_SHARED | mmap.MAP_ANONYMOUS | (mmap.MAP_POPULATE if resident else 0)
+    buffer = mmap.mmap(-1, max(nbytes, 1), flags=flags)
     return torch.frombuffer(buffer, dtype=dtype, count=nbytes // dtype.itemsize).view(shape)

@@ -13,8 +13,11 @@ from ..config import ModelConfig, RopeConfig
 
 
 def rope_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
-    """Inverse frequencies for ``dim`` rotary dims, with the checkpoint's scaling applied."""
-    inv = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    """Inverse frequencies for ``dim`` rotary dims, with the checkpoint's scaling applied.
+
+    Always on the CPU, even while a model is built on the meta device: arithmetic on meta
+    tensors imports ~70 MB of torch's symbolic-shape machinery into the process."""
+    inv = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     if rope.type == "linear":
         return inv / rope.factor
     if rope.type == "llama3":

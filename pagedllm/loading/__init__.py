@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 class LoadedModel:
     model: DecoderLM
     config: ModelConfig
-    tokenizer: Any  # a transformers tokenizer, or None for a weights-only directory
+    tokenizer: Any  # loading.tokenizer.Tokenizer (or a transformers one), None for a weights-only directory
     path: Path  # the HF-style directory the weights came from
     name: str
 
@@ -59,17 +59,27 @@ def load(model: str | Path | None = None, dtype: str | torch.dtype = "float32") 
     return load_dir(model_dir, name, dtype)
 
 
-def load_dir(model_dir: Path, name: str, dtype: str | torch.dtype = "float32") -> LoadedModel:
+def load_dir(model_dir: Path, name: str, dtype: str | torch.dtype = "float32", tokenizer: Any = None) -> LoadedModel:
+    """Weights (and the tokenizer, unless the caller loaded it already) of an HF-style directory."""
     decoder = load_decoder(model_dir, torch_dtype(dtype))
-    return LoadedModel(decoder, decoder.config, load_tokenizer(model_dir), model_dir, name)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
+    return LoadedModel(decoder, decoder.config, tokenizer, model_dir, name)
 
 
 def load_tokenizer(model_dir: Path):
+    """The directory's tokenizer, or None. A ``tokenizer.json`` loads into pagedllm's own
+    ``Tokenizer`` (the Rust tokenizers library and jinja2, as transformers uses them): importing
+    transformers for it would cost ~67 MiB resident in every process. Anything else (a
+    sentencepiece ``tokenizer.model``) still goes through transformers' ``AutoTokenizer``."""
     if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         return None
-    from transformers import AutoTokenizer
-
     try:
+        if (model_dir / "tokenizer.json").is_file():
+            from .tokenizer import Tokenizer
+
+            return Tokenizer.from_dir(model_dir)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as e:
         raise ModelLoadError(f"{model_dir}: cannot load its tokenizer ({type(e).__name__}: {e})") from None

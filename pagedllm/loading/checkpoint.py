@@ -14,7 +14,6 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..errors import ModelLoadError
-from ..layers.rotary import Rotary
 from ..models import DecoderLM
 from .safetensors_io import iter_tensors, read_header
 
@@ -71,7 +70,6 @@ def load_decoder(model_dir: Path, dtype: torch.dtype) -> DecoderLM:
         raise ModelLoadError(f"{model_dir}: checkpoint lacks {len(missing)} tensor(s): {shown}")
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary = Rotary(cfg)  # its buffer was built on meta; recompute for real
     return model.eval()
 
 

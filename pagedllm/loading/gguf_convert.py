@@ -15,6 +15,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -70,7 +72,7 @@ def converted_dir(gguf_path: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
     try:
         log.info("converting %s into %s (once)", gguf_path, target)
-        convert(gguf_path, tmp)
+        convert_in_subprocess(gguf_path, tmp)
         try:
             tmp.rename(target)
         except OSError:  # another process won the race; its result is as good as ours
@@ -79,6 +81,35 @@ def converted_dir(gguf_path: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def convert_in_subprocess(gguf_path: Path, out_dir: Path) -> None:
+    """Runs ``convert`` in a child process. Dequantizing and building the tokenizer from GGUF
+    metadata touch hundreds of MB (the memory-mapped file, float32 tensors, the tokenizer
+    converter's imports) that the allocator would keep in this process afterwards, outside the
+    memory plan; a child gives all of it back when it exits. Its errors keep their type."""
+    run = subprocess.run([sys.executable, "-m", __name__, str(gguf_path), str(out_dir)], capture_output=True, text=True)
+    if run.returncode == 0:
+        return
+    if _ERROR in run.stderr:
+        message = run.stderr.rpartition(_ERROR)[2].strip()
+    else:  # a crash, not a reported error: its last line says what
+        message = f"{gguf_path}: converting failed: " + (run.stderr.strip().splitlines() or ["no output"])[-1]
+    error = UnsupportedModelError if run.returncode == _UNSUPPORTED else ModelLoadError
+    raise error(message)
+
+
+_UNSUPPORTED = 3
+_ERROR = "pagedllm-convert-error: "
+
+
+def _main(argv: list[str]) -> int:
+    try:
+        convert(Path(argv[0]), Path(argv[1]))
+    except ModelLoadError as e:
+        print(f"{_ERROR}{e}", file=sys.stderr)
+        return _UNSUPPORTED if isinstance(e, UnsupportedModelError) else 2
+    return 0
 
 
 def convert(gguf_path: Path, out_dir: Path) -> None:
@@ -202,3 +233,7 @@ def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
     except Exception as e:
         raise ModelLoadError(f"{gguf_path}: cannot build a tokenizer from its metadata ({e})") from None
     tok.save_pretrained(out_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ModelLoadError
+from ..sizes import CONVERT_CHUNK_BYTES
 
 DTYPES = {
     "F64": torch.float64,
@@ -77,23 +78,34 @@ def iter_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (name, tensor) in file order, each in a fresh buffer of ``dtype`` (default: as stored).
 
-    A tensor stored in another dtype is read into one reused scratch buffer and converted from
-    there: freeing a temporary per tensor would leave the allocator holding that memory anyway.
+    A tensor stored as ``dtype`` is read straight into its buffer. One stored in another dtype is
+    read ``CONVERT_CHUNK_BYTES`` at a time into one reused buffer and converted from there into
+    its final one: a float32 checkpoint loads as bfloat16 without a float32 copy of any tensor.
     """
-    scratch = torch.empty(0, dtype=torch.uint8)
+    scratch = torch.empty(CONVERT_CHUNK_BYTES, dtype=torch.uint8)
     with open(path, "rb") as f:
         for name, e in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             begin, end = e["data_offsets"]
             stored = DTYPES[e["dtype"]]
-            convert = dtype is not None and dtype != stored
-            if convert and scratch.numel() < end - begin:
-                scratch = torch.empty(end - begin, dtype=torch.uint8)
-            buf = scratch[: end - begin] if convert else torch.empty(end - begin, dtype=torch.uint8)
             f.seek(data_start + begin)
-            if end > begin and f.readinto(buf.numpy().data) != end - begin:
-                raise ModelLoadError(f"{path}: truncated while reading tensor {name!r}")
-            tensor = buf.view(stored).reshape(e["shape"])
-            yield name, tensor.to(dtype) if convert else tensor
+            if dtype is None or dtype == stored:
+                tensor = torch.empty(end - begin, dtype=torch.uint8)
+                _read_into(f, tensor, path, name)
+                yield name, tensor.view(stored).reshape(e["shape"])
+                continue
+            out = torch.empty(e["shape"], dtype=dtype).reshape(-1)
+            step = CONVERT_CHUNK_BYTES // stored.itemsize
+            for first in range(0, out.numel(), step):
+                count = min(step, out.numel() - first)
+                piece = scratch[: count * stored.itemsize]
+                _read_into(f, piece, path, name)
+                out[first : first + count].copy_(piece.view(stored))
+            yield name, out.reshape(e["shape"])
+
+
+def _read_into(f, buffer: torch.Tensor, path: Path, name: str) -> None:
+    if buffer.numel() and f.readinto(buffer.numpy().data) != buffer.numel():
+        raise ModelLoadError(f"{path}: truncated while reading tensor {name!r}")
 
 
 def write_streaming(

@@ -24,3 +24,30 @@ def resident_bytes() -> tuple[int, int]:
                 key, value = line.split(":")
                 fields[key] = int(value.split()[0]) * 1024
     return fields["VmRSS"], fields["VmHWM"]
+
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
+MMAP_THRESHOLD_BYTES = 256 * 1024
+
+
+def bound_allocator_slack() -> bool:
+    """Makes glibc give freed memory back instead of keeping it, so resident memory follows the
+    live tensors the plan counts. By default glibc raises its mmap threshold to 32 MiB after the
+    first large free, after which a step's activations come from heaps it rarely returns, and
+    it keeps up to 8 arenas per core for the engine's and libraries' threads. Here: every block
+    of 256 KiB or more is its own mapping, unmapped when freed; heaps are trimmed beyond 1 MiB
+    of free top; two arenas. Process-wide, set once when a budget is given; returns False
+    where the C library is not glibc (nothing is changed there)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    ok = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
+    ok &= mallopt(_M_TRIM_THRESHOLD, 1024 * 1024) == 1
+    ok &= mallopt(_M_ARENA_MAX, 2) == 1
+    return bool(ok)

@@ -7,17 +7,22 @@ Pure arithmetic over ``ModelConfig``: no torch, no engine imports, no weights.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import NoReturn
 
 from ..config import ModelConfig
 from ..errors import CacheDoesNotFitError
-from ..sizes import ceil_div, dtype_bytes, gib
+from ..sizes import CONVERT_CHUNK_BYTES, ceil_div, dtype_bytes, gib
 from .budget import resolve_budget
 from .footprint import EngineSettings, activation_peak, kv_bytes_per_block, weight_bytes
 from .machine import cpu_has_amx
 
-# Kept out of the cache for what the footprint does not itemise: per-request Python state,
-# tokenizer buffers, allocator rounding.
-FIXED_BYTES = 16 * 1024**2
+# What the process holds beyond the tensors the footprint itemises, under load: the allocator's
+# freed-but-kept memory and fragmentation, per-request Python state, the server's buffers.
+# Measured under the 64-prompt workload and the soak (docs/memory.md, "The whole process").
+OVERHEAD_BYTES = 48 * 1024**2
+# The process before any weight is loaded, when there is none to measure (``pagedllm plan``):
+# Python with torch, transformers and a tokenizer, measured on this machine (docs/memory.md).
+ESTIMATED_BASELINE_BYTES = 320 * 1024**2
 # CPU throughput vs max_batch_tokens flattens out by 512 tokens per step on this class of
 # machine (docs/memory.md has the sweep); larger steps only cost memory.
 AUTO_MAX_BATCH_TOKENS = 512
@@ -26,6 +31,8 @@ AUTO_MAX_NUM_SEQS = 64
 
 @dataclass
 class MemoryPlan:
+    """What the process will hold at its peak, part by part, and the sizes that produce it."""
+
     model: str
     budget_bytes: int
     budget_source: str
@@ -34,21 +41,32 @@ class MemoryPlan:
     max_batch_tokens: int
     max_num_seqs: int
     max_model_len: int
+    max_model_len_source: str  # "given", "the model's", or "solved: what the cache holds"
     dtype: str
     kv_dtype: str
+    baseline_bytes: int
+    baseline_source: str  # "measured" (RSS before loading) or "estimated"
     weights_bytes: int
     kv_cache_bytes: int
     kv_bytes_per_block: int
     activation_bytes: int
-    fixed_bytes: int
+    overhead_bytes: int
+    loader_bytes: int  # what loading holds above the weights, freed before the cache exists
 
     @property
     def total_bytes(self) -> int:
-        return self.weights_bytes + self.kv_cache_bytes + self.activation_bytes + self.fixed_bytes
+        """The peak under load: everything resident at once."""
+        return (
+            self.baseline_bytes + self.weights_bytes + self.kv_cache_bytes + self.activation_bytes + self.overhead_bytes
+        )
+
+    @property
+    def loading_peak_bytes(self) -> int:
+        return self.baseline_bytes + self.weights_bytes + self.loader_bytes
 
     @property
     def headroom_bytes(self) -> int:
-        return self.budget_bytes - self.total_bytes
+        return self.budget_bytes - max(self.total_bytes, self.loading_peak_bytes)
 
     @property
     def cache_tokens(self) -> int:
@@ -62,6 +80,7 @@ class MemoryPlan:
         d = asdict(self)
         d.update(
             total_bytes=self.total_bytes,
+            loading_peak_bytes=self.loading_peak_bytes,
             headroom_bytes=self.headroom_bytes,
             cache_tokens=self.cache_tokens,
             full_length_requests=self.full_length_requests,
@@ -71,25 +90,95 @@ class MemoryPlan:
     def table(self) -> str:
         rows = [
             ("model", self.model),
-            ("budget", f"{gib(self.budget_bytes, 8)}  ({self.budget_source})"),
+            ("budget", f"{gib(self.budget_bytes, 8)}  ({self.budget_source}; the whole process's peak RSS)"),
+            (
+                "process baseline",
+                f"{gib(self.baseline_bytes, 8)}  ({self.baseline_source}: Python, libraries, tokenizer)",
+            ),
             ("weights", f"{gib(self.weights_bytes, 8)}  ({self.dtype})"),
             (
                 "KV cache",
                 f"{gib(self.kv_cache_bytes, 8)}  ({self.num_blocks} blocks x {self.block_size} tokens = "
                 f"{self.cache_tokens} tokens, {self.full_length_requests} requests of "
-                f"{self.max_model_len} tokens; {self.kv_dtype})",
+                f"{self.max_model_len} tokens ({self.max_model_len_source}); {self.kv_dtype})",
             ),
             (
                 "activation peak",
                 f"{gib(self.activation_bytes, 8)}  (max_batch_tokens={self.max_batch_tokens}, "
                 f"max_num_seqs={self.max_num_seqs})",
             ),
-            ("fixed", gib(self.fixed_bytes, 8)),
-            ("total", gib(self.total_bytes, 8)),
+            ("overhead", f"{gib(self.overhead_bytes, 8)}  (allocator, requests, buffers)"),
+            ("total", f"{gib(self.total_bytes, 8)}  (peak under load)"),
+            (
+                "loading peak",
+                f"{gib(self.loading_peak_bytes, 8)}  (baseline + weights + "
+                f"{self.loader_bytes // 1024**2} MiB conversion buffer)",
+            ),
             ("headroom", gib(self.headroom_bytes, 8)),
         ]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+@dataclass(frozen=True)
+class _Costs:
+    """The footprint of one configuration, as the solver and the error messages see it."""
+
+    cfg: ModelConfig
+    s: EngineSettings
+    seqs: int
+    baseline: int
+    loader: int
+
+    @property
+    def weights(self) -> int:
+        return weight_bytes(self.cfg, self.s.dtype)
+
+    @property
+    def per_block(self) -> int:
+        return kv_bytes_per_block(self.cfg, self.s.block_size, self.s.kv)
+
+    def fixed(self, m: int, max_len: int) -> int:
+        """Everything but the cache, at step budget ``m`` and context ``max_len``."""
+        return self.baseline + self.weights + activation_peak(self.cfg, self.s, m, self.seqs, max_len) + OVERHEAD_BYTES
+
+    def total(self, n: int, m: int, max_len: int) -> int:
+        return self.fixed(m, max_len) + n * self.per_block
+
+    def largest_n(self, budget: int, m: int, max_len: int) -> int:
+        return max(0, (budget - self.fixed(m, max_len)) // self.per_block)
+
+    def largest_m(self, budget: int, n: int, max_len: int, cap: int) -> int:
+        """Largest M in [1, cap] with total(n, M) <= budget (0 if none)."""
+        if self.total(n, 1, max_len) > budget:
+            return 0
+        lo, hi = 1, cap
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.total(n, mid, max_len) <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def longest_context(self, budget: int, m: int, limit: int) -> int:
+        """Largest L in [block_size, limit], a whole number of blocks unless it is the limit,
+        such that the cache that fits holds one request of L tokens (0 if none)."""
+        bs = self.s.block_size
+
+        def holds(length: int) -> bool:
+            return self.largest_n(budget, m, length) * bs >= length
+
+        if holds(limit):
+            return limit
+        lo, hi = 0, limit // bs  # in blocks
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if holds(mid * bs):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo * bs
 
 
 def plan(
@@ -103,95 +192,59 @@ def plan(
     max_batch_tokens: int | None = None,
     max_num_seqs: int | None = None,
     cap_blocks: int | None = None,
+    baseline_bytes: int = 0,
+    baseline_source: str = "not counted",
 ) -> MemoryPlan:
     """Solves for what the user left unset; raises CacheDoesNotFitError if nothing fits.
 
-    Neither N nor M: M = AUTO_MAX_BATCH_TOKENS (or the largest that fits), the rest to N.
-    N set: the largest M. M set: the largest N. Both: check. Results are integers, rounded down,
-    never above the budget, and maximal: one more block or one more token would not fit.
-    ``cap_blocks`` bounds a solved N (blocks beyond what can ever be used at once are waste).
+    ``budget_bytes`` bounds the whole process: ``baseline_bytes`` (the process before loading)
+    plus everything the engine adds. N = num_blocks, M = max_batch_tokens, L = max_model_len:
+
+    - N and M given: checked. One given: the other is the largest that fits. Neither: M =
+      AUTO_MAX_BATCH_TOKENS (smaller if even one block does not fit), N the largest that fits.
+    - L given (``settings.max_model_len``): the cache must hold one request of L tokens, else
+      the error says which L fits. L unset: the model's context, or, if the cache is smaller,
+      the longest context the cache holds (a solved N is solved together with it).
+
+    Results are integers, rounded down, never above the budget, and maximal: one more block or
+    one more token would not fit. ``cap_blocks`` bounds a solved N (blocks beyond what can ever
+    be used at once are waste).
     """
     s = settings or EngineSettings()
-    max_len = min(s.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-    seqs = max_num_seqs or AUTO_MAX_NUM_SEQS
-    weights = weight_bytes(cfg, s.dtype)
-    per_block = kv_bytes_per_block(cfg, s.block_size, s.kv)
-    min_blocks = ceil_div(max_len, s.block_size)  # one request of max_model_len must fit
-
-    def act(m: int) -> int:
-        return activation_peak(cfg, s, m, seqs, max_len)
-
-    def fixed_for(m: int) -> int:
-        return weights + act(m) + FIXED_BYTES
-
-    def largest_m(blocks: int, cap: int) -> int:
-        """Largest M in [1, cap] with fixed_for(M) + blocks * per_block <= budget (0 if none)."""
-        room = budget_bytes - blocks * per_block
-        if fixed_for(1) > room:
-            return 0
-        lo, hi = 1, cap
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if fixed_for(mid) <= room:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
-
-    def largest_n(m: int) -> int:
-        return max(0, (budget_bytes - fixed_for(m)) // per_block)
-
-    context = dict(
-        cfg=cfg,
-        s=s,
-        budget=budget_bytes,
-        source=budget_source,
-        weights=weights,
-        per_block=per_block,
-        max_len=max_len,
-        seqs=seqs,
-        act=act,
-        largest_m=largest_m,
-        largest_n=largest_n,
-        min_blocks=min_blocks,
-    )
-    if weights + FIXED_BYTES > budget_bytes:
-        _raise(context, "the weights alone exceed the budget", num_blocks, max_batch_tokens or 1)
+    model_len = cfg.max_position_embeddings
+    given_len = min(s.max_model_len, model_len) if s.max_model_len else None
+    costs = _Costs(cfg, s, max_num_seqs or AUTO_MAX_NUM_SEQS, baseline_bytes, CONVERT_CHUNK_BYTES)
+    fail = _Failure(costs, budget_bytes, budget_source, num_blocks, max_batch_tokens, given_len or model_len)
+    if costs.baseline + costs.weights + OVERHEAD_BYTES > budget_bytes:
+        fail("the process baseline and the weights alone exceed the budget")
     cap = cap_blocks if cap_blocks is not None else 1 << 62
-    if num_blocks is not None and max_batch_tokens is not None:
-        n, m = num_blocks, max_batch_tokens
-    elif num_blocks is not None:
-        n, m = num_blocks, largest_m(num_blocks, max(1, budget_bytes))
+    max_len = given_len or model_len
+    if num_blocks is not None:
+        n = num_blocks
+        if given_len is None:
+            max_len = min(model_len, n * s.block_size)
+        m = max_batch_tokens or costs.largest_m(budget_bytes, n, max_len, max(1, budget_bytes))
         if m == 0:
-            _raise(context, f"num_blocks={num_blocks} leaves no room for even one token per step", n, 1)
-    elif max_batch_tokens is not None:
-        m, n = max_batch_tokens, min(cap, largest_n(max_batch_tokens))
+            fail(f"num_blocks={num_blocks} leaves no room for even one token per step")
     else:
-        m = largest_m(min_blocks, AUTO_MAX_BATCH_TOKENS)
-        if m == 0:  # not even one full-length request fits, whatever the step size
-            n = largest_n(1)
-            _raise(
-                context,
-                f"the KV cache that fits ({n} blocks x {s.block_size} = {n * s.block_size} tokens) "
-                f"cannot hold one request of max_model_len={max_len} tokens ({min_blocks} blocks): "
-                f"set max_model_len <= {n * s.block_size}, or give more memory",
-                None,
-                AUTO_MAX_BATCH_TOKENS,
-                {"max_model_len": n * s.block_size},
-            )
-        n = min(cap, largest_n(m))
-    if fixed_for(m) + n * per_block > budget_bytes:
-        _raise(context, "the requested sizes exceed the budget", n, m)
-    if n < min_blocks:
-        _raise(
-            context,
-            f"the KV cache ({n} blocks x {s.block_size} = {n * s.block_size} tokens) cannot hold "
-            f"one request of max_model_len={max_len} tokens ({min_blocks} blocks): set "
-            f"max_model_len <= {n * s.block_size}, or num_blocks >= {min_blocks}",
-            num_blocks,
-            m,
-            {"max_model_len": n * s.block_size},
+        m = max_batch_tokens or _auto_m(costs, budget_bytes, max_len if given_len else s.block_size)
+        if m == 0:
+            fail("not even one block and one token per step fit")
+        if given_len is None:
+            max_len = costs.longest_context(budget_bytes, m, model_len)
+            if max_len == 0:
+                fail(f"max_batch_tokens={m} leaves no room for even one block")
+        n = min(cap, costs.largest_n(budget_bytes, m, max_len))
+    if costs.total(n, m, max_len) > budget_bytes:
+        fail("the requested sizes exceed the budget", n=n, m=m)
+    if n * s.block_size < max_len:
+        fail(
+            f"the KV cache ({n} blocks x {s.block_size} = {n * s.block_size} tokens) cannot hold one request of "
+            f"max_model_len={max_len} tokens ({ceil_div(max_len, s.block_size)} blocks)",
+            n=n,
+            m=m,
         )
+    source = "given" if given_len else ("the model's" if max_len == model_len else "solved: what the cache holds")
     return MemoryPlan(
         model_name,
         budget_bytes,
@@ -199,66 +252,100 @@ def plan(
         n,
         s.block_size,
         m,
-        seqs,
+        costs.seqs,
         max_len,
+        source,
         s.dtype,
         s.kv,
-        weights,
-        n * per_block,
-        per_block,
-        act(m),
-        FIXED_BYTES,
+        costs.baseline,
+        baseline_source,
+        costs.weights,
+        n * costs.per_block,
+        costs.per_block,
+        activation_peak(cfg, s, m, costs.seqs, max_len),
+        OVERHEAD_BYTES,
+        costs.loader,
     )
 
 
-def _raise(c: dict, reason: str, num_blocks: int | None, m: int, extra: dict | None = None) -> None:
-    per_block, budget, max_len, s = c["per_block"], c["budget"], c["max_len"], c["s"]
-    n = max(num_blocks if num_blocks is not None else 0, c["min_blocks"])
-    act = c["act"](m)
-    need = c["weights"] + n * per_block + act + FIXED_BYTES
-    breakdown = {
-        "weights": c["weights"],
-        "kv_cache": n * per_block,
-        "activations": act,
-        "fixed": FIXED_BYTES,
-        "total": need,
-        "budget": budget,
-    }
-    suggestions: dict = dict(extra or {})
-    lines = [
-        f"{reason}.",
-        f"  needs {gib(need)}: weights {gib(c['weights'])} ({s.dtype}) + KV cache {gib(n * per_block)} "
-        f"({n} blocks x {s.block_size} tokens) + activations {gib(act)} (max_batch_tokens={m}, "
-        f"max_num_seqs={c['seqs']}) + fixed {gib(FIXED_BYTES)}",
-        f"  budget: {gib(budget)} ({c['source']})",
-    ]
-    if c["weights"] + FIXED_BYTES <= budget and num_blocks is not None:
-        best_m = c["largest_m"](num_blocks, max(m, 1) * 64)
-        if best_m:
-            suggestions["max_batch_tokens"] = best_m
-            lines.append(f"  largest max_batch_tokens that fits with num_blocks={num_blocks}: {best_m}")
-    if c["weights"] + FIXED_BYTES <= budget:
-        best_n = c["largest_n"](m)
-        if best_n:
-            suggestions["num_blocks"] = best_n
-            fits_len = best_n * s.block_size
-            lines.append(
-                f"  largest num_blocks that fits with max_batch_tokens={m}: {best_n} "
-                f"({fits_len} tokens{'' if fits_len >= max_len else f'; max_model_len must be <= {fits_len}'})"
-            )
-            if best_n < c["min_blocks"]:
-                suggestions.setdefault("max_model_len", fits_len)
-    suggestions["memory_bytes"] = need
-    lines.append(f"  smallest memory that fits (num_blocks={n}, max_batch_tokens={m}): {gib(need)}")
-    levers = []
-    if dtype_bytes(s.kv) == 4:
-        levers.append("a bfloat16 KV cache (kv_cache_dtype='bfloat16') halves the cache")
-    if dtype_bytes(s.dtype) == 4:
-        levers.append("dtype='bfloat16' halves the weights")
-    levers.append("a smaller max_model_len shrinks the smallest cache and the gather buffers")
-    levers.append("block_size does not change bytes per token, only the rounding")
-    lines.append("  other levers: " + "; ".join(levers))
-    raise CacheDoesNotFitError("\n".join(lines), breakdown, suggestions)
+def _auto_m(costs: _Costs, budget: int, min_tokens: int) -> int:
+    """AUTO_MAX_BATCH_TOKENS, or the largest M below it with which a cache of ``min_tokens``
+    still fits (0 if none)."""
+    blocks = ceil_div(min_tokens, costs.s.block_size)
+    return costs.largest_m(budget, blocks, max(min_tokens, costs.s.block_size), AUTO_MAX_BATCH_TOKENS)
+
+
+class _Failure:
+    """Raises CacheDoesNotFitError with one consistent set of numbers: what was asked (or the
+    smallest engine that serves one request of L tokens), what each part of it needs, and the
+    largest values that fit instead, all from the same ``_Costs``."""
+
+    def __init__(
+        self,
+        costs: _Costs,
+        budget: int,
+        source: str,
+        num_blocks: int | None,
+        max_batch_tokens: int | None,
+        max_len: int,
+    ):
+        self.costs, self.budget, self.source = costs, budget, source
+        self.num_blocks, self.max_batch_tokens, self.max_len = num_blocks, max_batch_tokens, max_len
+
+    def __call__(self, reason: str, n: int | None = None, m: int | None = None) -> NoReturn:
+        c, s, budget, max_len = self.costs, self.costs.s, self.budget, self.max_len
+        min_blocks = ceil_div(max_len, s.block_size)
+        m = m or self.max_batch_tokens or AUTO_MAX_BATCH_TOKENS
+        n = max(n or self.num_blocks or 0, min_blocks)
+        act = activation_peak(c.cfg, s, m, c.seqs, max_len)
+        need = c.total(n, m, max_len)
+        breakdown = {
+            "baseline": c.baseline,
+            "weights": c.weights,
+            "kv_cache": n * c.per_block,
+            "activations": act,
+            "overhead": OVERHEAD_BYTES,
+            "total": need,
+            "budget": budget,
+        }
+        suggestions: dict = {"memory_bytes": need}
+        lines = [
+            f"{reason}.",
+            f"  needs {gib(need)}: process baseline {gib(c.baseline)} + weights {gib(c.weights)} ({s.dtype}) + "
+            f"KV cache {gib(n * c.per_block)} ({n} blocks x {s.block_size} tokens) + activations {gib(act)} "
+            f"(max_batch_tokens={m}, max_num_seqs={c.seqs}, max_model_len={max_len}) + overhead "
+            f"{gib(OVERHEAD_BYTES)}",
+            f"  budget: {gib(budget)} ({self.source})",
+        ]
+        if c.baseline + c.weights + OVERHEAD_BYTES <= budget:
+            if self.num_blocks is not None:
+                best_m = c.largest_m(budget, self.num_blocks, max_len, m * 64)
+                if best_m:
+                    suggestions["max_batch_tokens"] = best_m
+                    lines.append(f"  largest max_batch_tokens that fits with num_blocks={self.num_blocks}: {best_m}")
+            best_n = c.largest_n(budget, m, max_len)
+            if best_n:
+                suggestions["num_blocks"] = best_n
+                lines.append(
+                    f"  largest num_blocks that fits with max_batch_tokens={m}: {best_n} "
+                    f"({best_n * s.block_size} tokens)"
+                )
+            fits_len = c.longest_context(budget, m, max_len)
+            if fits_len < max_len:
+                suggestions["max_model_len"] = fits_len
+                lines.append(f"  longest max_model_len whose request fits with max_batch_tokens={m}: {fits_len}")
+        lines.append(
+            f"  smallest memory that fits (num_blocks={n}, max_batch_tokens={m}, max_model_len={max_len}): {gib(need)}"
+        )
+        levers = []
+        if dtype_bytes(s.kv) == 4:
+            levers.append("a bfloat16 KV cache (kv_cache_dtype='bfloat16') halves the cache")
+        if dtype_bytes(s.dtype) == 4:
+            levers.append("dtype='bfloat16' halves the weights")
+        levers.append("a smaller max_model_len shrinks the smallest cache and the gather buffers")
+        levers.append("block_size does not change bytes per token, only the rounding")
+        lines.append("  other levers: " + "; ".join(levers))
+        raise CacheDoesNotFitError("\n".join(lines), breakdown, suggestions)
 
 
 def plan_engine(
@@ -275,18 +362,30 @@ def plan_engine(
     memory: str | int | None = None,
     memory_fraction: float | None = None,
     device: str = "cpu",
+    baseline_bytes: int | None = None,
     already_loaded: int = 0,
 ) -> MemoryPlan:
-    """The plan an engine starts from: the budget (given, or a fraction of what is free), then
-    ``plan``. With no budget given, a solved cache is capped at what ``max_num_seqs`` requests of
-    ``max_model_len`` tokens can use at once, so a small model does not reserve the whole host."""
+    """The plan an engine starts from: the budget, then ``plan``.
+
+    ``memory`` bounds the whole process, ``baseline_bytes`` (its resident memory before any
+    weight is loaded; estimated when not given) included. ``memory_fraction`` is a fraction of
+    the memory free now (host or container), which the baseline has already taken, so the
+    process may reach ``baseline + fraction x free``. ``already_loaded``: weights the caller
+    holds already, counted as free. With no budget given, a solved cache is capped at what
+    ``max_num_seqs`` requests of ``max_model_len`` tokens can use at once, so a small model does
+    not reserve the whole host.
+    """
+    measured = baseline_bytes is not None
+    baseline = baseline_bytes if baseline_bytes is not None else ESTIMATED_BASELINE_BYTES
     budget, source = resolve_budget(memory, memory_fraction, device, already_loaded)
+    if memory is None:
+        budget, source = budget + baseline, f"{source} + the process baseline"
     settings = EngineSettings(
         dtype=dtype, kv_dtype=kv_cache_dtype, block_size=block_size, max_model_len=max_model_len, amx=cpu_has_amx()
     )
-    max_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     seqs = max_num_seqs or AUTO_MAX_NUM_SEQS
-    cap = seqs * -(-max_len // block_size) if memory is None and memory_fraction is None else None
+    longest = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    cap = seqs * ceil_div(longest, block_size) if memory is None and memory_fraction is None else None
     return plan(
         cfg,
         budget,
@@ -297,4 +396,6 @@ def plan_engine(
         max_batch_tokens=max_batch_tokens,
         max_num_seqs=seqs,
         cap_blocks=cap,
+        baseline_bytes=baseline,
+        baseline_source="measured" if measured else "estimated",
     )

@@ -76,7 +76,7 @@ class AsyncEngine:
 
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
         """Raises RequestRejected for a request that can never run (reads static limits only)."""
-        self.engine.validate("", prompt, params)
+        self.engine.validate(prompt, params)
 
     def add(self, request_id: str, prompt: list[int], params: SamplingParams, sink: Mailbox | None = None) -> Mailbox:
         """Queues a request; its outputs arrive in ``sink`` (or a new mailbox, returned), one per

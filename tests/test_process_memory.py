@@ -1,0 +1,134 @@
+"""`memory=` bounds the whole process: its peak resident memory (VmHWM, everything included:
+interpreter, libraries, tokenizer, loading, the KV cache, the steps, the server) stays within the
+budget under load, through the library, the CLI and the server, and a tight budget is used, not
+left idle. Each run is its own process, so its peak is its own."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+from server_process import ServerProcess
+
+MiB = 1024**2
+
+# One engine in a fresh process: a batch of prompts long enough to fill the cache, then the peak.
+LIBRARY_RUN = r"""
+import json, sys
+from pagedllm import LLM, SamplingParams
+from pagedllm.memory.machine import resident_bytes
+a = json.loads(sys.argv[1])
+llm = LLM(a["model"], memory=a["memory"], dtype=a["dtype"])
+vocab = llm.loaded.config.vocab_size
+prompts = [[(7 * i + 3 * j) % (vocab - 10) + 5 for j in range(n)] for i, n in enumerate(a["lengths"])]
+outs = llm.generate(prompts, SamplingParams(max_tokens=a["new"], temperature=0, ignore_eos=True))
+assert all(len(o.token_ids) == a["new"] for o in outs)
+p = llm.memory_plan
+print(json.dumps({"hwm": resident_bytes()[1], "budget": p.budget_bytes, "plan": p.total_bytes,
+                  "max_model_len": p.max_model_len, "preemptions": llm.stats.preemptions}))
+"""
+
+# A wrapper whose only child is the command: its children's peak is the command's.
+CHILD_PEAK = r"""
+import resource, subprocess, sys
+rc = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL).returncode
+print(rc, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
+"""
+
+
+def run_library(model, memory: str, dtype: str, lengths: list[int], new: int) -> dict:
+    args = json.dumps({"model": model, "memory": memory, "dtype": dtype, "lengths": lengths, "new": new})
+    out = subprocess.run([sys.executable, "-c", LIBRARY_RUN, args], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def check_within_and_used(r: dict, budget: int) -> None:
+    print(f"peak RSS {r['hwm'] / MiB:.0f} MiB, plan {r['plan'] / MiB:.0f} MiB, budget {budget / MiB:.0f} MiB")
+    assert r["budget"] == budget
+    assert r["hwm"] <= budget, f"peak RSS {r['hwm'] / MiB:.0f} MiB over the budget {budget / MiB:.0f} MiB"
+    assert r["hwm"] >= 0.90 * budget, f"peak RSS {r['hwm'] / MiB:.0f} MiB leaves the budget idle"
+
+
+WORKLOAD = [16 + 15 * i for i in range(16)]  # 16..241 tokens, like the benchmark's spread
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("memory", "dtype"), [("1GiB", "float32"), ("640MiB", "bfloat16")])
+def test_the_default_model_stays_within_a_tight_budget_under_load(memory, dtype):
+    r = run_library(None, memory, dtype, WORKLOAD, 32)
+    check_within_and_used(r, int(memory[:-3]) * (1024 if memory.endswith("GiB") else 1) * MiB)
+    assert r["preemptions"] > 0 or r["max_model_len"] < 8192  # the budget was tight: it shaped the run
+
+
+def test_a_tiny_hf_checkpoint_stays_within_a_tight_budget(tiny_checkpoints):
+    directory = str(tiny_checkpoints["qwen3"][0])
+    r = run_library(directory, "520MiB", "float32", [40, 90, 200, 300], 16)
+    check_within_and_used(r, 520 * MiB)
+
+
+@pytest.mark.slow
+def test_the_cli_stays_within_its_budget(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": "Tell me about rivers. " * (n // 5)}) + "\n" for n in WORKLOAD))
+    command = [
+        sys.executable,
+        "-m",
+        "pagedllm.cli",
+        "generate",
+        "--memory",
+        "1GiB",
+        "--input",
+        str(prompts),
+        "--output",
+        str(tmp_path / "out.jsonl"),
+        "--max-tokens",
+        "24",
+        "--ignore-eos",
+    ]
+    out = subprocess.run([sys.executable, "-c", CHILD_PEAK, *command], capture_output=True, text=True, timeout=900)
+    rc, peak = map(int, out.stdout.split())
+    assert rc == 0, out.stderr[-2000:]
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == len(WORKLOAD)
+    assert 0.90 * 1024 * MiB <= peak <= 1024 * MiB, f"peak RSS {peak / MiB:.0f} MiB"
+
+
+def server_peak(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+@pytest.mark.slow
+def test_the_server_stays_within_its_budget_under_concurrent_streams():
+    server = ServerProcess("--memory", "1GiB")
+    try:
+
+        async def one(client: httpx.AsyncClient, i: int) -> int:
+            body = {
+                "prompt": "The river runs past the old mill " * (2 + i % 12),
+                "max_tokens": 24,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            chunks = 0
+            async with client.stream("POST", server.url + "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    chunks += line.startswith("data: ")
+            return chunks
+
+        async def load() -> list[int]:
+            async with httpx.AsyncClient(timeout=600) as client:
+                return await asyncio.gather(*(one(client, i) for i in range(32)))
+
+        assert all(n > 2 for n in asyncio.run(load()))
+        peak = server_peak(server.pid)
+        print(f"server peak RSS {peak / MiB:.0f} MiB")
+        assert 0.90 * 1024 * MiB <= peak <= 1024 * MiB, f"peak RSS {peak / MiB:.0f} MiB"
+    finally:
+        assert server.stop() == 0
