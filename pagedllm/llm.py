@@ -19,7 +19,7 @@ import torch
 from . import loading
 from .config import ModelConfig
 from .engine import LLMEngine
-from .memory.machine import bound_allocator_slack, resident_bytes
+from .memory.machine import bound_allocator_slack, bound_kernel_caches, resident_bytes
 from .memory.planner import plan_engine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -55,6 +55,7 @@ class LLM:
         budgeted = memory is not None or memory_fraction is not None
         if budgeted:
             bound_allocator_slack()
+            bound_kernel_caches()
         self.memory_plan = plan_engine(
             ModelConfig.from_file(model_dir),
             model_name=name,

@@ -6,7 +6,8 @@ Pure arithmetic over ``ModelConfig``: no torch, no engine imports, no weights.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from functools import partial
 from typing import NoReturn
 
 from ..config import ModelConfig
@@ -16,10 +17,11 @@ from .budget import resolve_budget
 from .footprint import EngineSettings, activation_peak, kv_bytes_per_block, weight_bytes
 from .machine import cpu_has_amx
 
-# What the process holds beyond the tensors the footprint itemises, under load: the allocator's
-# freed-but-kept memory and fragmentation, per-request Python state, the server's buffers.
-# Measured under the 64-prompt workload and the soak (docs/memory.md, "The whole process").
-OVERHEAD_BYTES = 48 * 1024**2
+# What the process holds beyond the tensors the footprint itemises, under load: library code
+# paged in by the first steps, the allocator's kept memory, the capped GEMM kernel caches,
+# per-request Python state, the server's buffers. Measured at 37-45 MiB under the 64-prompt
+# workload (docs/memory.md, "The whole process"); 64 MiB leaves a margin.
+OVERHEAD_BYTES = 64 * 1024**2
 # The process before any weight is loaded, when there is none to measure (``pagedllm plan``):
 # Python with torch, transformers and a tokenizer, measured on this machine (docs/memory.md).
 ESTIMATED_BASELINE_BYTES = 320 * 1024**2
@@ -205,6 +207,8 @@ def plan(
     - L given (``settings.max_model_len``): the cache must hold one request of L tokens, else
       the error says which L fits. L unset: the model's context, or, if the cache is smaller,
       the longest context the cache holds (a solved N is solved together with it).
+    - S unset: AUTO_MAX_NUM_SEQS, or N when the cache has fewer blocks (each running sequence
+      holds one, so no more ever run at once), which frees their logits and sampler rows.
 
     Results are integers, rounded down, never above the budget, and maximal: one more block or
     one more token would not fit. ``cap_blocks`` bounds a solved N (blocks beyond what can ever
@@ -217,33 +221,22 @@ def plan(
     fail = _Failure(costs, budget_bytes, budget_source, num_blocks, max_batch_tokens, given_len or model_len)
     if costs.baseline + costs.weights + OVERHEAD_BYTES > budget_bytes:
         fail("the process baseline and the weights alone exceed the budget")
-    cap = cap_blocks if cap_blocks is not None else 1 << 62
-    max_len = given_len or model_len
-    if num_blocks is not None:
-        n = num_blocks
-        if given_len is None:
-            max_len = min(model_len, n * s.block_size)
-        m = max_batch_tokens or costs.largest_m(budget_bytes, n, max_len, max(1, budget_bytes))
-        if m == 0:
-            fail(f"num_blocks={num_blocks} leaves no room for even one token per step")
-    else:
-        m = max_batch_tokens or _auto_m(costs, budget_bytes, max_len if given_len else s.block_size)
-        if m == 0:
-            fail("not even one block and one token per step fit")
-        if given_len is None:
-            max_len = costs.longest_context(budget_bytes, m, model_len)
-            if max_len == 0:
-                fail(f"max_batch_tokens={m} leaves no room for even one block")
-        n = min(cap, costs.largest_n(budget_bytes, m, max_len))
-    if costs.total(n, m, max_len) > budget_bytes:
-        fail("the requested sizes exceed the budget", n=n, m=m)
-    if n * s.block_size < max_len:
-        fail(
-            f"the KV cache ({n} blocks x {s.block_size} = {n * s.block_size} tokens) cannot hold one request of "
-            f"max_model_len={max_len} tokens ({ceil_div(max_len, s.block_size)} blocks)",
-            n=n,
-            m=m,
-        )
+    solve = partial(
+        _solve,
+        budget=budget_bytes,
+        num_blocks=num_blocks,
+        max_batch_tokens=max_batch_tokens,
+        given_len=given_len,
+        cap=cap_blocks if cap_blocks is not None else 1 << 62,
+        fail=fail,
+    )
+    n, m, max_len = solve(costs)
+    if max_num_seqs is None and n < costs.seqs:
+        # Every running sequence holds a block, so no more than N ever run at once: a solved
+        # max_num_seqs above N only reserves logits and sampler rows that never exist.
+        costs = replace(costs, seqs=max(1, n))
+        fail.costs = costs
+        n, m, max_len = solve(costs)
     source = "given" if given_len else ("the model's" if max_len == model_len else "solved: what the cache holds")
     return MemoryPlan(
         model_name,
@@ -266,6 +259,49 @@ def plan(
         OVERHEAD_BYTES,
         costs.loader,
     )
+
+
+def _solve(
+    costs: _Costs,
+    *,
+    budget: int,
+    num_blocks: int | None,
+    max_batch_tokens: int | None,
+    given_len: int | None,
+    cap: int,
+    fail: _Failure,
+) -> tuple[int, int, int]:
+    """(N, M, L) for one max_num_seqs: see ``plan``."""
+    s, model_len = costs.s, costs.cfg.max_position_embeddings
+    max_len = given_len or model_len
+    if num_blocks is not None:
+        n = num_blocks
+        if given_len is None:
+            max_len = min(model_len, n * s.block_size)
+        m = max_batch_tokens or costs.largest_m(budget, n, max_len, max(1, budget))
+        if m == 0:
+            fail(f"num_blocks={num_blocks} leaves no room for even one token per step")
+    else:
+        # With a given L, the largest M under AUTO that still fits its request; if none does,
+        # the M that fits one block, so the error below is about the context, not the step.
+        m = max_batch_tokens or _auto_m(costs, budget, max_len if given_len else 1) or _auto_m(costs, budget, 1)
+        if m == 0:
+            fail("not even one block and one token per step fit")
+        if given_len is None:
+            max_len = costs.longest_context(budget, m, model_len)
+            if max_len == 0:
+                fail(f"max_batch_tokens={m} leaves no room for even one block")
+        n = min(cap, costs.largest_n(budget, m, max_len))
+    if costs.total(n, m, max_len) > budget:
+        fail("the requested sizes exceed the budget", n=n, m=m)
+    if n * s.block_size < max_len:
+        fail(
+            f"the KV cache ({n} blocks x {s.block_size} = {n * s.block_size} tokens) cannot hold one request of "
+            f"max_model_len={max_len} tokens ({ceil_div(max_len, s.block_size)} blocks)",
+            n=n,
+            m=m,
+        )
+    return n, m, max_len
 
 
 def _auto_m(costs: _Costs, budget: int, min_tokens: int) -> int:
