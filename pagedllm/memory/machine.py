@@ -56,7 +56,7 @@ def bound_allocator_slack() -> bool:
     return bool(ok)
 
 
-KERNEL_CACHE_ENTRIES = 32
+KERNEL_CACHE_ENTRIES = 16
 
 
 def bound_kernel_caches(entries: int = KERNEL_CACHE_ENTRIES) -> None:
@@ -64,7 +64,7 @@ def bound_kernel_caches(entries: int = KERNEL_CACHE_ENTRIES) -> None:
     shape: oneDNN's primitive cache and ideep's (PyTorch's oneDNN wrapper) LRU cache, 1024
     entries each by default. A serving engine's steps have ever new row counts, and measured
     here each entry holds ~0.5 MB, so uncapped they grew a bf16 process by ~250 MB over the
-    64-prompt benchmark (fp32 matmuls do not use them). 32 entries cover the shapes of the
+    64-prompt benchmark (fp32 matmuls do not use them). 16 entries cover the shapes of the
     last few steps; the run was faster, not slower. Both libraries read these variables once,
     at their first use: a value the user set wins, and a process that ran bf16 matmuls before
     keeps its caches as they are."""

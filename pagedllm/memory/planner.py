@@ -19,9 +19,10 @@ from .machine import cpu_has_amx
 
 # What the process holds beyond the tensors the footprint itemises, under load: library code
 # paged in by the first steps, the allocator's kept memory, the capped GEMM kernel caches,
-# per-request Python state, the server's buffers. Measured at 37-45 MiB under the 64-prompt
-# workload (docs/memory.md, "The whole process"); 64 MiB leaves a margin.
-OVERHEAD_BYTES = 64 * 1024**2
+# per-request Python state, the server's buffers. Measured at 37-69 MiB under the 64-prompt
+# workload (docs/memory.md, "The whole process": library code is paged in more eagerly from a
+# freshly installed environment); 80 MiB leaves a margin.
+OVERHEAD_BYTES = 80 * 1024**2
 # The process before any weight is loaded, when there is none to measure (``pagedllm plan``):
 # Python with torch, transformers and a tokenizer, measured on this machine (docs/memory.md).
 ESTIMATED_BASELINE_BYTES = 320 * 1024**2
@@ -233,8 +234,16 @@ def plan(
     n, m, max_len = solve(costs)
     if max_num_seqs is None and n < costs.seqs:
         # Every running sequence holds a block, so no more than N ever run at once: a solved
-        # max_num_seqs above N only reserves logits and sampler rows that never exist.
-        costs = replace(costs, seqs=max(1, n))
+        # max_num_seqs above N only reserves logits and sampler rows that never exist. The
+        # largest S whose cache still has S blocks (fewer rows reserved, more blocks).
+        lo, hi = 1, costs.seqs - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if solve(replace(costs, seqs=mid))[0] >= mid:
+                lo = mid
+            else:
+                hi = mid - 1
+        costs = replace(costs, seqs=lo)
         fail.costs = costs
         n, m, max_len = solve(costs)
     source = "given" if given_len else ("the model's" if max_len == model_len else "solved: what the cache holds")
@@ -430,7 +439,7 @@ def plan_engine(
         settings=settings,
         num_blocks=num_blocks,
         max_batch_tokens=max_batch_tokens,
-        max_num_seqs=seqs,
+        max_num_seqs=max_num_seqs,
         cap_blocks=cap,
         baseline_bytes=baseline,
         baseline_source="measured" if measured else "estimated",
