@@ -19,7 +19,7 @@ import torch
 from . import loading
 from .config import ModelConfig
 from .engine import LLMEngine
-from .memory.machine import bound_allocator_slack, bound_kernel_caches, resident_bytes
+from .memory.machine import bound_allocator_slack, bound_kernel_caches, release_library_pages, resident_bytes
 from .memory.planner import plan_engine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -56,6 +56,7 @@ class LLM:
         if budgeted:
             bound_allocator_slack()
             bound_kernel_caches()
+            release_library_pages()
         self.memory_plan = plan_engine(
             ModelConfig.from_file(model_dir),
             model_name=name,
