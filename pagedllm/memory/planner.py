@@ -21,7 +21,7 @@ from .machine import cpu_has_amx
 # paged in by the first steps, the allocator's kept memory, the capped GEMM kernel caches,
 # per-request Python state, the server's buffers. The baseline is measured after the library
 # pages are handed back (machine.release_library_pages), so the libraries' working set is paged
-# in here: 60-83 MiB measured under the 64-prompt workload (docs/memory.md, "The whole
+# in here: 37-83 MiB measured under the 64-prompt workload (docs/memory.md, "The whole
 # process"); 100 MiB leaves a margin.
 OVERHEAD_BYTES = 100 * 1024**2
 # The process before any weight is loaded, when there is none to measure (``pagedllm plan``):
