@@ -132,24 +132,24 @@ class AsyncEngine:
             self.error = e
             self._fail_everything(f"engine failure: {e}")
 
-    def _fail_everything(self, error: str) -> None:
-        """Fails every request with a reader, and the adds still queued (no engine runs them now)."""
+    def _queued_ops(self):
+        """Takes the queued ops, oldest first, until the queue is empty."""
         while True:
             try:
-                op = self._ops.get_nowait()
+                yield self._ops.get_nowait()
             except queue.Empty:
-                break
+                return
+
+    def _fail_everything(self, error: str) -> None:
+        """Fails every request with a reader, and the adds still queued (no engine runs them now)."""
+        for op in self._queued_ops():
             if isinstance(op, _Add):
                 self._take_pending()
                 self._sinks[op.request_id] = op.sink
         self._deliver([RequestOutput.failed(rid, [], error, kind="engine") for rid in list(self._sinks)])
 
     def _apply_ops(self) -> None:
-        while True:
-            try:
-                op = self._ops.get_nowait()
-            except queue.Empty:
-                return
+        for op in self._queued_ops():
             if isinstance(op, _Add):
                 self._add(op, aborted=self._take_pending())
             elif isinstance(op, _Abort):
