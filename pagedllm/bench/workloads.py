@@ -2,6 +2,7 @@
 
 - standard: N chat-formatted prompts whose token counts spread evenly over 16..256, shuffled with
   a fixed seed, 64 new tokens each, ignore_eos;
+- single: one request alone, a ~200-token chat prompt, 128 new tokens, ignore_eos;
 - shared-prefix: N requests sharing one ~512-token system prompt, each with its own ~32-token
   question, 64 new tokens each;
 - a JSONL file: one request per line, {"prompt": text} or {"messages": [...]} or
@@ -55,6 +56,11 @@ def standard(tokenizer, n: int = 64, new_tokens: int = 64, lo: int = 16, hi: int
     targets = [lo + (hi - lo) * i // max(1, n - 1) for i in range(n)]
     rng.shuffle(targets)
     return Workload("standard", [_words_to_length(tokenizer, t, rng) for t in targets], [new_tokens] * n)
+
+
+def single(tokenizer, new_tokens: int = 128, prompt_tokens: int = 199, seed: int = 0) -> Workload:
+    """One request alone: what a chat user waits for, bound by reading the weights once per token."""
+    return Workload("single", [_words_to_length(tokenizer, prompt_tokens, random.Random(seed))], [new_tokens])
 
 
 def shared_prefix(

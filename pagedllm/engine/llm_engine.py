@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..errors import RequestRejected
+from ..kernels import compiled_ops
 from ..layers.kv_cache import KVCache
 from ..layers.sampler import Sampler
 from ..loading import LoadedModel
@@ -30,6 +31,7 @@ from .detokenizer import Detokenizer
 from .model_runner import ModelRunner
 from .scheduler import Scheduler, SchedulerCounters
 from .sequence import Sequence
+from .threads import ThreadGovernor
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,7 @@ class LLMEngine:
                 dtype=dtype_name(next(loaded.model.parameters()).dtype),
                 already_loaded=weights,
                 baseline_bytes=max(0, resident_bytes()[0] - weights),
+                kernels="compiled" if compiled_ops() is not None else "torch",
                 **sizes,
             )
         self.memory_plan = plan
@@ -92,6 +95,7 @@ class LLMEngine:
             cfg, plan.num_blocks, plan.block_size, torch_dtype(plan.kv_dtype), resident=resident_cache
         )
         self.runner = ModelRunner(loaded.model, self.kv_cache, Sampler(self.eos_token_ids))
+        self.threads = ThreadGovernor()
         # Debug mode (the test suite runs with it): verify every step's bookkeeping.
         self.check_invariants_every_step = os.environ.get("PAGEDLLM_CHECK_INVARIANTS", "") not in ("", "0")
         self.record_step_shapes = False  # the memory tests turn it on to read last_step_shape
@@ -190,6 +194,7 @@ class LLMEngine:
                     self.last_step_shape = self.runner.step_shape(batch, result)
                 outputs = self._outputs(self.scheduler.update_from_output(batch, result))
         self._refresh_stats(batch.total_tokens)
+        self.threads.after_step()
         if self.check_invariants_every_step:
             self.check_invariants()
         return outputs

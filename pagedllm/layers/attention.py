@@ -5,24 +5,30 @@ and gets the attention output back; it never sees blocks, slots or sequences. Wh
 in ``StepLayout``, built once per step and shared by all layers. A GPU kernel replaces
 ``PagedAttention.attend`` and keeps the same inputs.
 
-CPU formulation: plain matmul / softmax / matmul (the order of operations of HF's eager
-attention), tiled so that its workspace never grows with the batch or the cache:
+Two CPU paths, the same arithmetic (HF eager's order: scale after the dot product, float32
+softmax, probabilities in the activation dtype before @ V):
 
-- decode rows (one new token each) are grouped so that a group gathers at most
-  ``gather_budget`` key slots (rows x longest context, in whole blocks); padding keys are masked;
-- a prefill chunk's queries are cut into tiles of at most ``pairs_budget // (group_size * ctx)``
-  rows; the causal mask of a tile is built on the fly, never for the whole chunk.
+- compiled (``pagedllm.kernels``, the default where a C++ compiler is present): one op per layer
+  writes the step's K/V into the cache and reads every context in place through the block
+  table; work is split over sequences x KV heads x tiles of at most 32 query rows scoring at
+  most ``pairs_budget`` pairs, dealt to threads by cost. Its scratch is per thread and bounded by
+  the budget, or by one context's scores for a single decode row.
+- PyTorch: matmul / softmax / matmul over a gathered copy of each context. Decode rows are
+  grouped so that a group gathers at most ``gather_budget`` key slots (rows x longest context,
+  in whole blocks; padding keys are masked); a prefill chunk's queries are cut into tiles of at
+  most ``pairs_budget // (group_size * ctx)`` rows, each with its causal mask built on the fly.
 
-So the attention workspace is bounded by the budget and by one sequence's context (its gathered
-K/V), which ``pagedllm.memory.footprint`` accounts for term by term.
+``pagedllm.memory.footprint`` accounts for either path's workspace term by term.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 
+from ..kernels import compiled_ops
 from ..sizes import ceil_div
 from .workspace import GATHER_BUDGET, PAIRS_BUDGET
 
@@ -68,21 +74,40 @@ class PrefillChunk:
     blocks: torch.Tensor  # [ceil(context_len / block_size)] block ids
 
 
-@dataclass
 class StepLayout:
     """Where every token of one step reads and writes K/V. Built once, used by every layer.
 
-    Contexts are gathered whole blocks at a time (one copy of block_size x head_dim values per
-    index, not one per token); keys past a context's end are masked, and the cache is
-    zero-initialised, so what they hold is always finite.
+    The compiled kernel reads three small tables: ``query_start`` [S+1] (each sequence's first
+    row in the flat batch), ``context_lens`` [S] and ``block_tables`` [S, max blocks], all int32.
+    The PyTorch path gathers contexts whole blocks at a time (one copy of block_size x head_dim
+    values per index, not one per token); keys past a context's end are masked, and the cache is
+    zero-initialised, so what they hold is always finite. Its structures (``slot_mapping``,
+    ``decode_groups``, ``prefills``) are built on first use only.
     """
 
-    slot_mapping: torch.Tensor  # [T]
-    decode_groups: list[DecodeGroup]
-    prefills: list[PrefillChunk]
-    group_size: int  # query heads per KV head
-    block_size: int
-    pairs_budget: int = PAIRS_BUDGET
+    def __init__(
+        self,
+        seqs: list[SequenceSlice],
+        block_size: int,
+        group_size: int,
+        pairs_budget: int = PAIRS_BUDGET,
+        gather_budget: int = GATHER_BUDGET,
+    ):
+        self.seqs = seqs
+        self.block_size = block_size
+        self.group_size = group_size  # query heads per KV head
+        self.pairs_budget = pairs_budget
+        self.gather_budget = gather_budget
+        starts = [s.query_start for s in seqs]
+        self.query_start = torch.tensor(
+            starts + [seqs[-1].query_start + seqs[-1].query_len if seqs else 0], dtype=torch.int32
+        )
+        self.context_lens = torch.tensor([s.context_len for s in seqs], dtype=torch.int32)
+        widest = max((ceil_div(s.context_len, block_size) for s in seqs), default=1)
+        self.block_tables = torch.tensor(
+            [_padded(s.block_table, ceil_div(s.context_len, block_size), widest) for s in seqs] or [[0]],
+            dtype=torch.int32,
+        )[: len(seqs)]
 
     @classmethod
     def build(
@@ -93,25 +118,47 @@ class StepLayout:
         pairs_budget: int = PAIRS_BUDGET,
         gather_budget: int = GATHER_BUDGET,
     ) -> StepLayout:
-        slot_mapping: list[int] = []
-        decodes, prefills = [], []
-        for s in seqs:
-            n_blocks = ceil_div(s.context_len, block_size)
-            table = s.block_table[:n_blocks]
+        return cls(seqs, block_size, group_size, pairs_budget, gather_budget)
+
+    @functools.cached_property
+    def slot_mapping(self) -> torch.Tensor:
+        """[T] the cache slot of every token of the step."""
+        bs = self.block_size
+        slots: list[int] = []
+        for s in self.seqs:
             for p in range(s.context_len - s.query_len, s.context_len):
-                slot_mapping.append(table[p // block_size] * block_size + p % block_size)
+                slots.append(s.block_table[p // bs] * bs + p % bs)
+        return torch.tensor(slots, dtype=torch.long)
+
+    @functools.cached_property
+    def _torch_path(self) -> tuple[list[DecodeGroup], list[PrefillChunk]]:
+        decodes, prefills = [], []
+        for s in self.seqs:
+            table = s.block_table[: ceil_div(s.context_len, self.block_size)]
             if s.query_len == 1:
                 decodes.append((s.query_start, table, s.context_len))
             else:
                 prefills.append(
                     PrefillChunk(s.query_start, s.query_len, s.context_len, torch.tensor(table, dtype=torch.long))
                 )
-        groups = [_decode_group(g, block_size) for g in _pack_decodes(decodes, gather_budget, block_size)]
-        return cls(torch.tensor(slot_mapping, dtype=torch.long), groups, prefills, group_size, block_size, pairs_budget)
+        packed = _pack_decodes(decodes, self.gather_budget, self.block_size)
+        return [_decode_group(g, self.block_size) for g in packed], prefills
+
+    @property
+    def decode_groups(self) -> list[DecodeGroup]:
+        return self._torch_path[0]
+
+    @property
+    def prefills(self) -> list[PrefillChunk]:
+        return self._torch_path[1]
 
     def query_tile(self, context_len: int) -> int:
         """Rows of a prefill chunk scored at once against ``context_len`` keys."""
         return max(1, self.pairs_budget // (self.group_size * context_len))
+
+
+def _padded(table: list[int], used: int, width: int) -> list[int]:
+    return table[:used] + [0] * (width - used)
 
 
 def _pack_decodes(decodes, max_keys: int, block_size: int):
@@ -146,9 +193,26 @@ class PagedAttention:
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None
     ) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KVH, D] for the step's new tokens. Returns [T, H, D]."""
+        """q: [T, H, D]; k, v: [T, KVH, D] for the step's new tokens (each token's heads
+        contiguous; views of one qkv row are fine). Returns [T, H, D]."""
         lay = self.layout
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]  # [KVH, slots, D]
+        ops = compiled_ops()
+        if ops is not None:
+            return ops.paged_attention(
+                q,
+                k,
+                v,
+                k_cache,
+                v_cache,
+                lay.query_start,
+                lay.context_lens,
+                lay.block_tables,
+                lay.block_size,
+                scale,
+                window or 0,
+                lay.pairs_budget,
+            )
         k_cache.index_copy_(1, lay.slot_mapping, k.transpose(0, 1))
         v_cache.index_copy_(1, lay.slot_mapping, v.transpose(0, 1))
         kv_heads, d = k.shape[1], k.shape[2]

@@ -1,4 +1,5 @@
-"""The SwiGLU feed-forward block of Llama-family decoders."""
+"""The SwiGLU feed-forward block of Llama-family decoders: down(silu(gate(x)) * up(x)), with gate
+and up stacked into one GEMM."""
 
 from __future__ import annotations
 
@@ -7,19 +8,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..kernels import compiled_ops
+from .linear import Linear
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         h, i, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj = nn.Linear(h, i, bias=b)
-        self.up_proj = nn.Linear(h, i, bias=b)
-        self.down_proj = nn.Linear(i, h, bias=b)
+        self.gate_up_proj = Linear(h, [i, i], bias=b)
+        self.down_proj = Linear(i, [h], bias=b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # down(silu(gate(x)) * up(x)), with silu and the product in place: two [T, I] buffers.
-        gate = self.gate_proj(x)
-        F.silu(gate, inplace=True)
-        gate.mul_(self.up_proj(x))
-        return self.down_proj(gate)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] along the last dim, in the activation dtype as HF."""
+    ops = compiled_ops()
+    if ops is not None:
+        return ops.silu_mul(gate_up)
+    inner = gate_up.shape[-1] // 2
+    out = F.silu(gate_up[:, :inner])
+    return out.mul_(gate_up[:, inner:])

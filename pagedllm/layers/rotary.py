@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig, RopeConfig
+from ..kernels import compiled_ops
 
 
 def rope_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
@@ -44,16 +45,23 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin: [T, D] in ``dtype`` (HF computes them in float32, then casts)."""
         freqs = torch.outer(positions.float(), self.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         del freqs
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """In place: x = x * cos + rotate_half(x) * sin. x: [T, heads, D]; cos/sin: [T, 1, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.empty_like(x)
-    torch.neg(x[..., half:], out=rotated[..., :half])
-    rotated[..., half:] = x[..., :half]
-    return x.mul_(cos).add_(rotated.mul_(sin))
+def apply_rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """In place on q [T, H, D] and k [T, KVH, D] (views of one qkv row are fine):
+    x = x * cos + rotate_half(x) * sin."""
+    ops = compiled_ops()
+    if ops is not None:
+        ops.rotary(q, k, cos, sin)
+        return
+    for x in (q, k):
+        half = x.shape[-1] // 2
+        rotated = torch.empty_like(x)
+        torch.neg(x[..., half:], out=rotated[..., :half])
+        rotated[..., half:] = x[..., :half]
+        x.mul_(cos[:, None, :]).add_(rotated.mul_(sin[:, None, :]))

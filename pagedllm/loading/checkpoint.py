@@ -14,6 +14,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..errors import ModelLoadError
+from ..layers.linear import Linear
 from ..models import DecoderLM
 from .safetensors_io import iter_tensors, read_header
 
@@ -47,33 +48,34 @@ def load_decoder(model_dir: Path, dtype: torch.dtype) -> DecoderLM:
     headers = [(f, *read_header(f)) for f in files]  # validate every file before reading any
     with torch.device("meta"):
         model = DecoderLM(cfg)
-    expected = dict(model.named_parameters(remove_duplicate=False))
-    if cfg.tie_word_embeddings:
-        expected.pop("lm_head.weight")
+    slots = model.checkpoint_slots()
     loaded: set[str] = set()
     for path, header, start in headers:
         for name, tensor in iter_tensors(path, header, start, dtype):
             if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
                 continue
-            if name not in expected:
+            if name not in slots:
                 raise ModelLoadError(f"{path}: unexpected tensor {name!r} for {cfg.architecture}")
-            want = tuple(expected[name].shape)
+            module, leaf, part = slots[name]
+            param = getattr(module, leaf)
+            if isinstance(module, Linear) and part is not None:
+                want = (module.parts[part], *param.shape[1:])
+            else:
+                want = tuple(param.shape)
             if tuple(tensor.shape) != want:
                 raise ModelLoadError(
                     f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, config.json implies {want}"
                 )
-            _set_parameter(model, name, tensor)
+            if isinstance(module, Linear) and part is not None:
+                module.load_part(leaf, part, tensor)
+            else:
+                module._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
             loaded.add(name)
-    missing = sorted(set(expected) - loaded)
+    missing = sorted(set(slots) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ModelLoadError(f"{model_dir}: checkpoint lacks {len(missing)} tensor(s): {shown}")
     if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+        model.tie_embeddings()
+    model.pack()
     return model.eval()
-
-
-def _set_parameter(model: nn.Module, name: str, value: torch.Tensor) -> None:
-    owner, _, leaf = name.rpartition(".")
-    module = model.get_submodule(owner)
-    module._parameters[leaf] = nn.Parameter(value, requires_grad=False)

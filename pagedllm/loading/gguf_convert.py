@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import numpy as np
 import torch
 
 from ..errors import ModelLoadError, UnsupportedModelError
+from ..paths import cache_root
 from .safetensors_io import write_streaming
 
 log = logging.getLogger(__name__)
@@ -51,10 +51,6 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("PAGEDLLM_CACHE") or Path.home() / ".cache" / "pagedllm")
 
 
 def converted_dir(gguf_path: Path) -> Path:

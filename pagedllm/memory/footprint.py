@@ -93,25 +93,39 @@ class EngineSettings:
     pairs_budget: int = PAIRS_BUDGET
     gather_budget: int = GATHER_BUDGET
     amx: bool = False  # the CPU has AMX, so oneDNN's bf16 GEMMs take other scratch (gemm_scratch)
+    kernels: str = "compiled"  # "compiled" (pagedllm.kernels) or "torch": the attention and norm workspaces differ
+    threads: int = 1  # torch threads: the compiled attention keeps scratch per thread
+    packed: bool = True  # bf16 weights prepacked for oneDNN (pagedllm.layers.linear): less GEMM scratch
 
     @property
     def kv(self) -> str:
         return self.kv_dtype or self.dtype
 
 
-def gemm_scratch(rows: int, k: int, n: int, dtype: str, amx: bool = False) -> int:
-    """oneDNN's bf16 GEMM scratch for a [rows, k] x [k, n] product (none on fp32), as measured
-    on torch 2.13. Without AMX it depends on rows and k only. With AMX (``amx``: the CPU has
-    amx_bf16), oneDNN picks among kernels by shape, and above 32 rows its scratch has no simple
-    form: there it is bounded by an A-packing term (rows x k) plus a B-packing term (k x n,
-    blocked at 512 x 4096), both fitted over a sweep of k in [32, 2048], n in [64, 49152] and
-    rows in [1, 512] (docs/memory.md)."""
+def gemm_scratch(rows: int, k: int, n: int, dtype: str, amx: bool = False, packed: bool = True) -> int:
+    """oneDNN's bf16 GEMM scratch for a [rows, k] x [k, n] product (none on fp32, which runs on
+    MKL's sgemm), as measured on torch 2.13.
+
+    - ``packed`` (``pagedllm.layers.linear`` prepacks bf16 weights once) with AMX: a few KiB up
+      to 32 rows, then 256 bytes a row; oneDNN sometimes picks a kernel that also packs the
+      input, so the bound adds rows x k x 4 bytes (measured on k in [64, 2048], n in [64, 49152],
+      rows in [1, 512]).
+    - plain weights (``F.linear``, when packing is unavailable) with AMX: oneDNN picks among
+      kernels by shape, and above 32 rows its scratch is bounded by an A-packing term (rows x k)
+      plus a B-packing term (k x n, blocked at 512 x 4096) (docs/memory.md).
+    - without AMX it depends on rows and k only (measured with plain weights)."""
     if dtype_bytes(dtype) == 4 or rows == 0:
         return 0
     if not amx:
         if k < 32:
             return 0
         return 128 * (2 * min(k, 512) + 17 + 4 * (min(rows, 256) - 1)) + (131072 if k > 1024 else 0)
+    if packed:
+        if rows <= 16:
+            return 128 * 45
+        if rows <= 32:
+            return 128 * 77
+        return 128 * 77 + 256 * rows + 4 * rows * k
     if rows == 1:
         return 128 * (2 * k + 77)
     if rows <= 16:
@@ -160,11 +174,24 @@ def _attention_workspace(cfg: ModelConfig, s: EngineSettings, shape: StepShape, 
     return worst
 
 
-def step_buffers(shape: StepShape, block_size: int, windows: AbstractSet[int] = frozenset()) -> int:
-    """Index tensors built for the step: ids, positions, slots, logit rows, the block ids of
-    every context, and the decode masks (padding; one per sliding window shorter than the
+def step_buffers(
+    shape: StepShape, block_size: int, windows: AbstractSet[int] = frozenset(), compiled: bool = True
+) -> int:
+    """Index tensors built for the step: ids, positions, logit rows, and where K/V live: int32
+    tables for the compiled kernels (query starts, context lengths, block tables padded to the
+    longest context), always built; the PyTorch path adds a slot per token, the block ids of
+    every context and the decode masks (padding; one per sliding window shorter than the
     group's context)."""
-    total = INDEX * (3 * shape.tokens + shape.sampled)
+    seqs = sum(rows for rows, _, _ in shape.decode_groups) + len(shape.prefills)
+    widest = max(
+        [keys // block_size for _, keys, _ in shape.decode_groups]
+        + [ceil_div(ctx, block_size) for _, ctx in shape.prefills],
+        default=1,
+    )
+    total = INDEX * (2 * shape.tokens + shape.sampled) + 4 * (2 * seqs + 1) + 4 * seqs * widest
+    if compiled:
+        return total
+    total += INDEX * shape.tokens
     for rows, keys, _ in shape.decode_groups:
         total += INDEX * (rows * (keys // block_size) + 2 * rows) + rows * keys
         total += rows * keys * sum(1 for w in windows if w < keys)
@@ -173,36 +200,54 @@ def step_buffers(shape: StepShape, block_size: int, windows: AbstractSet[int] = 
 
 
 def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[str, int]:
-    """Peak live bytes of each phase of one step, above the weights and the cache."""
+    """Peak live bytes of each phase of one step, above the weights and the cache.
+
+    The step as ``DecoderLM.forward`` runs it: the residual stream h, one normed copy x, q/k/v
+    from one stacked GEMM, gate/up from another; the residual add fused with the next norm.
+    The compiled kernels (norms, rotary, attention) allocate only their outputs as tensors; their
+    per-thread scratch is outside torch's allocator (``kernel_scratch_bytes``, a fixed cost)."""
     e = dtype_bytes(s.dtype)
+    compiled = s.kernels == "compiled"
     t, n = shape.tokens, shape.sampled
     h, i, v, d = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
     dq, dk = cfg.num_heads * d, cfg.num_kv_heads * d
     window_sizes = {w for w in cfg.sliding_windows if w is not None}
-    windows = bool(window_sizes)
-    x = step_buffers(shape, s.block_size, window_sizes) + SCALAR_SLACK
-    base = x + t * h * e + 2 * t * d * e  # buffers, residual stream, rotary tables
-    xn, qkv = t * h * e, t * (dq + 2 * dk) * e
+    x = step_buffers(shape, s.block_size, window_sizes, compiled) + SCALAR_SLACK
+    base = x + t * h * e + 2 * t * d * e  # buffers, residual stream, rotary tables (cos, sin)
+    xn, qkv, th = t * h * e, t * (dq + 2 * dk) * e, t * h * e
+    norm = 0 if compiled else _norm_transient(t, h, e)
+    if compiled:  # the attention kernel's only tensor is its output; rotary works in place
+        attention = rotary = 0
+    else:
+        attention = _attention_workspace(cfg, s, shape, bool(window_sizes))
+        rotary = t * dq * e  # rotate_half's copy of q, then of k
+    if cfg.qk_norm:  # normed q and k are new tensors, alive (beside qkv) through the attention
+        qkv += t * (dq + dk) * e
     phases = {
-        "embedding": x + t * h * e + INDEX * t,
-        "rotary tables": x + t * h * e + 12 * t * d,
-        "attention norm": base + _norm_transient(t, h, e),
-        "q/k/v projections": base + xn + qkv + gemm_scratch(t, h, dq, s.dtype, s.amx),
-        "rotary": base + xn + qkv + t * dq * e,
-        "attention": base + xn + qkv + t * dq * e + _attention_workspace(cfg, s, shape, windows),
-        "output projection": base + xn + t * dq * e + t * h * e + gemm_scratch(t, dq, h, s.dtype, s.amx),
-        "mlp gate/up": base + xn + 2 * t * i * e + gemm_scratch(t, h, i, s.dtype, s.amx),
-        "mlp down": base + xn + t * i * e + t * h * e + gemm_scratch(t, i, h, s.dtype, s.amx),
-        "lm head": base + n * h * e + n * v * e + gemm_scratch(n, h, v, s.dtype, s.amx),
+        "embedding": x + th + INDEX * t,
+        "rotary tables": x + th + 12 * t * d,
+        "attention norm": base + xn + norm,
+        "q/k/v projections": base
+        + xn
+        + t * (dq + 2 * dk) * e
+        + gemm_scratch(t, h, dq + 2 * dk, s.dtype, s.amx, s.packed),
+        "rotary": base + xn + qkv + rotary,
+        "attention": base + xn + qkv + t * dq * e + attention,
+        "output projection": base + xn + t * dq * e + th + gemm_scratch(t, dq, h, s.dtype, s.amx, s.packed),
+        "residual add + norm": base + xn + th + xn + norm,
+        "mlp gate/up": base + xn + 2 * t * i * e + gemm_scratch(t, h, 2 * i, s.dtype, s.amx, s.packed),
+        "silu * up": base + xn + 3 * t * i * e,
+        "mlp down": base + xn + t * i * e + th + gemm_scratch(t, i, h, s.dtype, s.amx, s.packed),
+        "lm head": base + n * h * e + n * v * e + gemm_scratch(n, h, v, s.dtype, s.amx, s.packed),
     }
     if e != 4:
         phases["logits to float32"] = base + n * h * e + n * v * (e + 4)
     if cfg.qk_norm:
-        # q's norm, then k's while q's result is alive; the inputs die after both
+        # q's norm, then k's while q's result is alive (PyTorch: 3-d inputs take its path)
         phases["q/k norm"] = (
             base
             + xn
-            + qkv
+            + t * (dq + 2 * dk) * e
             + max(_norm_transient(t * cfg.num_heads, d, e), t * dq * e + _norm_transient(t * cfg.num_kv_heads, d, e))
         )
     logits = n * v * 4
@@ -210,6 +255,17 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
     penalties = max([40 * length for length in shape.penalized_lengths], default=0)
     phases["sampler"] = logits + sampler + penalties + INDEX * n + SCALAR_SLACK
     return phases
+
+
+def kernel_scratch_bytes(cfg: ModelConfig, s: EngineSettings, threads: int, max_model_len: int) -> int:
+    """What the compiled attention keeps per thread, outside torch's allocator, at most: the
+    scores of one tile (``pairs_budget`` pairs, or one decode row's whole context), and its
+    queries and accumulators (32 query rows of a KV head's query heads)."""
+    if s.kernels != "compiled":
+        return 0
+    g, d = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+    per_thread = 4 * max(s.pairs_budget, g * max_model_len) + 4 * 2 * 32 * g * d + 4 * 16 * d
+    return threads * per_thread
 
 
 def step_transient_bytes(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> int:
@@ -257,4 +313,6 @@ def _whole_blocks(n: int, block_size: int) -> int:
 def activation_peak(
     cfg: ModelConfig, s: EngineSettings, max_batch_tokens: int, max_num_seqs: int, max_model_len: int
 ) -> int:
-    return step_transient_bytes(cfg, s, worst_step(cfg, s, max_batch_tokens, max_num_seqs, max_model_len))
+    """The worst step's tensors, plus the compiled kernels' scratch (outside torch's allocator)."""
+    worst = step_transient_bytes(cfg, s, worst_step(cfg, s, max_batch_tokens, max_num_seqs, max_model_len))
+    return worst + kernel_scratch_bytes(cfg, s, s.threads, max_model_len)

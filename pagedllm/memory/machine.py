@@ -4,6 +4,7 @@ settings that keep a plan true: the allocator returns freed memory, kernel cache
 from __future__ import annotations
 
 import os
+import shutil
 
 
 def cpu_has_amx() -> bool:
@@ -16,6 +17,18 @@ def cpu_has_amx() -> bool:
     except OSError:
         pass
     return False
+
+
+def expected_kernels() -> str:
+    """The kernels an engine started now will run, without building or importing them:
+    'compiled' where a C++ compiler is present (they build on first use), else 'torch'."""
+    if os.environ.get("PAGEDLLM_KERNELS", "").strip().lower() == "torch":
+        return "torch"
+    return "compiled" if shutil.which(os.environ.get("CXX", "c++")) else "torch"
+
+
+def usable_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def resident_bytes() -> tuple[int, int]:

@@ -15,7 +15,7 @@ from ..errors import CacheDoesNotFitError
 from ..sizes import CONVERT_CHUNK_BYTES, ceil_div, dtype_bytes, gib
 from .budget import resolve_budget
 from .footprint import EngineSettings, activation_peak, kv_bytes_per_block, weight_bytes
-from .machine import cpu_has_amx
+from .machine import cpu_has_amx, expected_kernels, usable_cpus
 
 # What the process holds beyond the tensors the footprint itemises, under load: library code
 # paged in by the first steps, the allocator's kept memory, the capped GEMM kernel caches,
@@ -410,6 +410,7 @@ def plan_engine(
     device: str = "cpu",
     baseline_bytes: int | None = None,
     already_loaded: int = 0,
+    kernels: str | None = None,
 ) -> MemoryPlan:
     """The plan an engine starts from: the budget, then ``plan``.
 
@@ -417,7 +418,8 @@ def plan_engine(
     weight is loaded; estimated when not given) included. ``memory_fraction`` is a fraction of
     the memory free now (host or container), which the baseline has already taken, so the
     process may reach ``baseline + fraction x free``. ``already_loaded``: weights the caller
-    holds already, counted as free. With no budget given, a solved cache is capped at what
+    holds already, counted as free. ``kernels``: 'compiled' or 'torch' (default: what
+    ``expected_kernels`` says). With no budget given, a solved cache is capped at what
     ``max_num_seqs`` requests of ``max_model_len`` tokens can use at once, so a small model does
     not reserve the whole host.
     """
@@ -427,7 +429,13 @@ def plan_engine(
     if memory is None:
         budget, source = budget + baseline, f"{source} + the process baseline"
     settings = EngineSettings(
-        dtype=dtype, kv_dtype=kv_cache_dtype, block_size=block_size, max_model_len=max_model_len, amx=cpu_has_amx()
+        dtype=dtype,
+        kv_dtype=kv_cache_dtype,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        amx=cpu_has_amx(),
+        kernels=kernels or expected_kernels(),
+        threads=usable_cpus(),
     )
     seqs = max_num_seqs or AUTO_MAX_NUM_SEQS
     longest = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)

@@ -1,8 +1,9 @@
 """One decoder for Llama, SmolLM, Mistral, Qwen2 and Qwen3.
 
 They differ only in switches that ``ModelConfig`` carries: q/k/v bias (Qwen2), per-head q/k
-RMSNorm (Qwen3), sliding-window layers (Mistral), tied embeddings, rope scaling. Module names
-match HF checkpoints so weights load by name.
+RMSNorm (Qwen3), sliding-window layers (Mistral), tied embeddings, rope scaling. q/k/v and
+gate/up are stacked into one ``Linear`` each (one GEMM instead of three or two);
+``checkpoint_slots`` says where each HF checkpoint tensor goes, so weights load by HF name.
 
 ``forward`` takes one flat batch of tokens from many sequences (no padding), their positions,
 the attention seam for this step, and the rows whose logits are wanted: logits are computed for
@@ -11,12 +12,15 @@ those rows only, never for every prompt token.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..layers.linear import Linear
 from ..layers.mlp import MLP
-from ..layers.norm import RMSNorm
+from ..layers.norm import RMSNorm, add_rms_norm
 from ..layers.rotary import Rotary, apply_rotary_
 
 
@@ -28,25 +32,24 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         self.window = cfg.sliding_windows[layer] if cfg.sliding_windows else None
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_bias)
+        self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+        self.qkv_proj = Linear(h, [self.q_size, self.kv_size, self.kv_size], bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.q_size, [h], bias=cfg.o_bias)
         self.q_norm: RMSNorm | None = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm: RMSNorm | None = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x, cos, sin, attn):
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        t, dq, dk = x.shape[0], self.q_size, self.kv_size
+        qkv = self.qkv_proj(x)
+        q = qkv[:, :dq].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, dq : dq + dk].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, dq + dk :].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        apply_rotary_(q, cos, sin)
-        apply_rotary_(k, cos, sin)
+        apply_rotary_(q, k, cos, sin)
         out = attn.attend(self.layer, q, k, v, self.scale, self.window)
-        del q, k, v
-        return self.o_proj(out.view(t, self.num_heads * self.head_dim))
+        del q, k, v, qkv
+        return self.o_proj(out.view(t, dq))
 
 
 class DecoderLayer(nn.Module):
@@ -56,11 +59,6 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, h, cos, sin, attn):
-        # Residual adds in place: h is this step's own buffer (same values as h + x).
-        h.add_(self.self_attn(self.input_layernorm(h), cos, sin, attn))
-        return h.add_(self.mlp(self.post_attention_layernorm(h)))
 
 
 class DecoderBody(nn.Module):
@@ -75,15 +73,54 @@ class DecoderBody(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg)
 
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return cast(list[DecoderLayer], list(self.layers))
+
 
 class DecoderLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
         self.model = DecoderBody(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], bias=False)
         if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.tie_embeddings()
+
+    def tie_embeddings(self) -> None:
+        self.lm_head.weight = cast(nn.Parameter, self.model.embed_tokens.weight)
+
+    def checkpoint_slots(self) -> dict[str, tuple[nn.Module, str, int | None]]:
+        """HF checkpoint name -> (module, parameter, part): ``part`` is the index of the rows a
+        stacked ``Linear`` keeps for that tensor, None for a parameter of its own."""
+        slots: dict[str, tuple[nn.Module, str, int | None]] = {}
+        stacked: dict[Linear, tuple[str, ...]]
+        for name, module in self.named_modules():
+            if isinstance(module, Linear):
+                continue
+            for leaf, _ in module.named_parameters(recurse=False):
+                slots[f"{name}.{leaf}"] = (module, leaf, None)
+        for i, layer in enumerate(self.model.decoder_layers()):
+            p = f"model.layers.{i}."
+            stacked = {
+                layer.self_attn.qkv_proj: ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                layer.self_attn.o_proj: ("self_attn.o_proj",),
+                layer.mlp.gate_up_proj: ("mlp.gate_proj", "mlp.up_proj"),
+                layer.mlp.down_proj: ("mlp.down_proj",),
+            }
+            for linear, names in stacked.items():
+                for part, hf in enumerate(names):
+                    slots[f"{p}{hf}.weight"] = (linear, "weight", part)
+                    if linear.bias is not None:
+                        slots[f"{p}{hf}.bias"] = (linear, "bias", part)
+        if not self.config.tie_word_embeddings:
+            slots["lm_head.weight"] = (self.lm_head, "weight", 0)
+        return slots
+
+    def pack(self) -> None:
+        """Hands every linear layer's weights to the GEMM library in its own layout, once."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
 
     @torch.inference_mode()
     def forward(
@@ -94,9 +131,16 @@ class DecoderLM(nn.Module):
         Returns float32 logits [S, vocab].
         """
         body = self.model
-        h = body.embed_tokens(input_ids)
+        h = body.embed_tokens(input_ids)  # the residual stream: this step's own buffer, added to in place
         cos, sin = body.rotary.tables(positions, h.dtype)
-        for layer in body.layers:
-            h = layer(h, cos, sin, attn)
-        h = body.norm(h.index_select(0, logits_rows))
+        layers = body.decoder_layers()
+        x = layers[0].input_layernorm(h)
+        for i, layer in enumerate(layers):
+            # each sub-layer's residual add is fused with the norm that follows it
+            x = add_rms_norm(h, layer.self_attn(x, cos, sin, attn), layer.post_attention_layernorm)
+            following = layers[i + 1].input_layernorm if i + 1 < len(layers) else body.norm
+            x = add_rms_norm(h, layer.mlp(x), following)
+        del h
+        h = x.index_select(0, logits_rows)
+        del x
         return self.lm_head(h).float()

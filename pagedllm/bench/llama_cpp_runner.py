@@ -1,0 +1,96 @@
+"""The llama.cpp peer of `pagedllm bench --compare llama.cpp`: every request decoded in parallel
+(one llama.cpp sequence each, batched through its low-level batch API), greedy, ignore_eos.
+Run with the Python of a venv that has llama-cpp-python; needs nothing from pagedllm:
+
+    python pagedllm/bench/llama_cpp_runner.py WORKLOAD.json MODEL.gguf THREADS
+
+Prints BENCH_RESULT json. Prompts are fed in chunks of up to 512 tokens (several sequences per
+chunk), then each step decodes one token of every unfinished sequence.
+"""
+
+import ctypes
+import json
+import resource
+import sys
+import time
+
+import numpy as np
+
+CHUNK = 512
+
+
+def main() -> None:
+    workload_path, gguf, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    workload = json.loads(open(workload_path).read())
+    try:
+        import llama_cpp as L
+    except ImportError as e:
+        print("BENCH_RESULT " + json.dumps({"engine": "llama.cpp", "skipped": f"not installed ({e})"}), flush=True)
+        return
+
+    prompts, max_tokens = workload["prompts"], workload["max_tokens"]
+    n = len(prompts)
+    per_seq = max(len(p) + m for p, m in zip(prompts, max_tokens)) + 1
+    L.llama_backend_init()
+    model = L.llama_model_load_from_file(gguf.encode(), L.llama_model_default_params())
+    cp = L.llama_context_default_params()
+    cp.n_ctx = per_seq * n
+    cp.n_batch = cp.n_ubatch = CHUNK
+    cp.n_seq_max = n
+    cp.n_threads = cp.n_threads_batch = threads
+    ctx = L.llama_init_from_model(model, cp)
+    vocab = L.llama_model_get_vocab(model)
+    n_vocab = L.llama_vocab_n_tokens(vocab)
+    batch = L.llama_batch_init(CHUNK, 0, 1)
+
+    def decode(entries):  # entries: (seq, pos, token, wants_logits); returns rows' argmax per seq
+        out = {}
+        for c0 in range(0, len(entries), CHUNK):
+            chunk = entries[c0 : c0 + CHUNK]
+            for i, (s, pos, tok, want) in enumerate(chunk):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos, 1
+                batch.seq_id[i][0], batch.logits[i] = s, want
+            batch.n_tokens = len(chunk)
+            if L.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+            for i, (s, _, _, want) in enumerate(chunk):
+                if want:
+                    ptr = L.llama_get_logits_ith(ctx, i)
+                    row = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(n_vocab,))
+                    out[s] = int(row.argmax())
+        return out
+
+    def run(prompts, max_tokens):
+        L.llama_memory_clear(L.llama_get_memory(ctx), True)
+        entries = [(s, pos, t, pos == len(p) - 1) for s, p in enumerate(prompts) for pos, t in enumerate(p)]
+        last = decode(entries)
+        produced = {s: 1 for s in last}
+        while True:
+            live = [s for s in last if produced[s] < max_tokens[s]]
+            if not live:
+                return sum(produced.values())
+            last.update(decode([(s, len(prompts[s]) + produced[s] - 1, last[s], True) for s in live]))
+            for s in live:
+                produced[s] += 1
+
+    run(prompts[:2], [2, 2])  # warm-up
+    start = time.perf_counter()
+    produced = run(prompts, max_tokens)
+    elapsed = time.perf_counter() - start
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    prompt_tokens = sum(len(p) for p in prompts)
+    result = {
+        "engine": f"llama.cpp ({n} parallel)" if n > 1 else "llama.cpp",
+        "requests": n,
+        "elapsed_s": elapsed,
+        "requests_per_s": n / elapsed,
+        "output_tokens_per_s": produced / elapsed,
+        "total_tokens_per_s": (produced + prompt_tokens) / elapsed,
+        "output_tokens": produced,
+        "peak_rss_bytes": rss,
+    }
+    print("BENCH_RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

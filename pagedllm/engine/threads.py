@@ -1,0 +1,122 @@
+"""How many threads the step runs on, and where.
+
+Default: one torch thread per physical core the process may use, each pinned to its core (the
+compiled kernels bind them; a thread that stays on its core keeps its caches). A step runs many
+parallel regions, each ending in a barrier, so a single descheduled thread stalls all of them:
+next to another busy process, two threads on two shared cores ran a 24-token request 5-30x
+slower than one thread did. So the engine watches the machine between steps: when other
+processes keep cores busy, it drops to the cores left free and unpins (the scheduler then places
+its threads on whichever cores are idle); when they go quiet, it comes back.
+
+``PAGEDLLM_THREADS=N`` sets the most threads; ``PAGEDLLM_PIN_THREADS=0`` never pins;
+``PAGEDLLM_ADAPT_THREADS=0`` keeps the count fixed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from ..kernels import compiled_ops
+
+log = logging.getLogger(__name__)
+
+CHECK_INTERVAL_S = 0.5  # how often the load of other processes is read
+BUSY_CORE = 0.5  # another process's use of a core, in cores, from which the core counts as taken
+
+
+def allowed_cpus() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+def physical_cores(cpus: list[int]) -> list[int]:
+    """One CPU per physical core among ``cpus`` (hyper-threads of one core share its units)."""
+    seen: set[str] = set()
+    chosen = []
+    for cpu in cpus:
+        siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+        key = siblings.read_text().strip() if siblings.is_file() else str(cpu)
+        if key not in seen:
+            seen.add(key)
+            chosen.append(cpu)
+    return chosen
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    return default if value is None else value.strip() not in ("0", "false", "no", "")
+
+
+class ThreadGovernor:
+    """Sets torch's thread count and affinity at start, then adjusts them between steps."""
+
+    def __init__(self):
+        self.cpus = allowed_cpus()
+        self.cores = physical_cores(self.cpus)
+        self.max_threads = int(os.environ.get("PAGEDLLM_THREADS", 0)) or len(self.cores)
+        self.pin = _env_flag("PAGEDLLM_PIN_THREADS", True)
+        self.adapt = _env_flag("PAGEDLLM_ADAPT_THREADS", True) and _proc_stat() is not None
+        self.threads = 0
+        self.pinned = False
+        self._last: tuple[float, float, float] | None = None
+        self._next_check = 0.0
+        self.apply(self.max_threads, pin=self.pin)
+
+    def apply(self, threads: int, pin: bool) -> None:
+        """``threads`` torch threads; pinned one per physical core, or free to run anywhere."""
+        threads = max(1, min(threads, self.max_threads))
+        if threads != self.threads:
+            torch.set_num_threads(threads)
+            self.threads = threads
+        ops = compiled_ops()
+        if ops is None:  # pinning needs the compiled kernels; the count alone still applies
+            return
+        if pin:
+            ops.pin_threads(torch.tensor(self.cores[:threads], dtype=torch.long), True)
+        else:
+            ops.pin_threads(torch.tensor(self.cpus, dtype=torch.long), False)
+        self.pinned = pin
+
+    def after_step(self) -> None:
+        """Cheap unless CHECK_INTERVAL_S has passed: then one read of /proc/stat."""
+        if not self.adapt:
+            return
+        now = time.monotonic()
+        if now < self._next_check:
+            return
+        self._next_check = now + CHECK_INTERVAL_S
+        sample = _proc_stat()
+        if sample is None:
+            return
+        own = sum(os.times()[:2])
+        busy, total = sample
+        if self._last is not None:
+            d_busy, d_total, d_own = busy - self._last[0], total - self._last[1], own - self._last[2]
+            if d_total > 0:
+                # cores' worth of CPU time others used over the interval (jiffies -> cores)
+                per_core = d_total / len(self.cpus)
+                others = max(0.0, (d_busy - d_own * _HZ) / per_core)
+                taken = int(others + (1 - BUSY_CORE))  # a core counts as taken from BUSY_CORE on
+                want = max(1, len(self.cores) - taken)
+                if want != self.threads:
+                    log.info("other processes use %.1f cores: running on %d thread(s)", others, want)
+                    self.apply(want, pin=self.pin and want >= self.max_threads)
+        self._last = (busy, total, own)
+
+
+_HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _proc_stat() -> tuple[float, float] | None:
+    """(busy, total) jiffies of all CPUs since boot; busy includes steal (time the host took)."""
+    try:
+        fields = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    total = sum(fields[:8])
+    return total - idle, total
