@@ -32,3 +32,16 @@ def default_llm():
     from pagedllm import LLM
 
     return LLM()
+
+
+@pytest.fixture(params=["compiled", "torch"])
+def kernels(request):
+    """Runs a test on the compiled CPU kernels and on the pure-PyTorch path (the fallback
+    without a compiler); 'compiled' fails if the kernels cannot be built here."""
+    from pagedllm.kernels import compiled_ops, select
+
+    previous = select(request.param)
+    if request.param == "compiled":
+        assert compiled_ops() is not None
+    yield request.param
+    select(previous)

@@ -13,6 +13,7 @@ import torch
 
 from pagedllm.engine import LLMEngine
 from pagedllm.kernels import compiled_ops
+from pagedllm.layers.workspace import padded_rows
 from pagedllm.memory.footprint import EngineSettings, gemm_scratch, step_phases
 from pagedllm.memory.machine import cpu_has_amx
 from pagedllm.memory.tracker import track_peak
@@ -95,6 +96,8 @@ def run_grid(loaded, dtype: str, seed: int = 0) -> list[GridPoint]:
 def _largest_gemm_scratch(cfg, s: EngineSettings, shape) -> int:
     h, i, dq = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
     t, n = shape.tokens, shape.sampled
+    if s.packed and s.dtype == "bfloat16":  # prepacked GEMMs run on padded rows
+        t, n = padded_rows(t), padded_rows(n)
     dk = cfg.num_kv_heads * cfg.head_dim
     shapes = [(t, h, dq + 2 * dk), (t, dq, h), (t, h, 2 * i), (t, i, h), (n, h, cfg.vocab_size)]
     return max(gemm_scratch(rows, k, out, s.dtype, s.amx, s.packed) for rows, k, out in shapes)

@@ -19,7 +19,7 @@ def prompts(vocab: int, seed: int = 1) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_logits_equal_transformers_in_fp32(tiny_checkpoints, arch):
+def test_logits_equal_transformers_in_fp32(tiny_checkpoints, arch, kernels):
     directory, hf = tiny_checkpoints[arch]
     loaded = load(directory, "float32")
     batch = prompts(loaded.config.vocab_size)
@@ -45,7 +45,7 @@ def test_logits_equal_transformers_in_fp32(tiny_checkpoints, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_32_tokens_equal_transformers_generate(tiny_checkpoints, arch):
+def test_greedy_32_tokens_equal_transformers_generate(tiny_checkpoints, arch, kernels):
     directory, hf = tiny_checkpoints[arch]
     llm = LLM(directory, block_size=8, num_blocks=128)
     batch = prompts(llm.loaded.config.vocab_size, seed=2)

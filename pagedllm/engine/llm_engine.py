@@ -186,7 +186,8 @@ class LLMEngine:
         outputs = []
         if batch:
             try:
-                result = self.runner.run(batch)
+                with self.threads.running():
+                    result = self.runner.run(batch)
             except (torch.OutOfMemoryError, MemoryError) as e:
                 self.scheduler.recover_from_oom(batch, e)
             else:

@@ -1,7 +1,9 @@
 """How many threads the step runs on, and where.
 
-Default: one torch thread per physical core the process may use, each pinned to its core (the
-compiled kernels bind them; a thread that stays on its core keeps its caches). A step runs many
+Default: one torch thread per physical core the process may use, each pinned to its core (a
+thread that stays on its core keeps its caches). The compiled kernels bind torch's worker
+threads; the caller's own thread, which is torch's thread 0, is bound to the first core only
+while a step runs (``running``), so processes and threads it starts between steps keep every CPU. A step runs many
 parallel regions, each ending in a barrier, so a single descheduled thread stalls all of them:
 next to another busy process, two threads on two shared cores ran a 24-token request 5-30x
 slower than one thread did. So the engine watches the machine between steps: when other
@@ -14,6 +16,7 @@ its threads on whichever cores are idle); when they go quiet, it comes back.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -80,6 +83,18 @@ class ThreadGovernor:
         else:
             ops.pin_threads(torch.tensor(self.cpus, dtype=torch.long), False)
         self.pinned = pin
+
+    @contextlib.contextmanager
+    def running(self):
+        """Binds the calling thread to the first core for the duration of a step, if pinned."""
+        if not self.pinned:
+            yield
+            return
+        os.sched_setaffinity(0, {self.cores[0]})
+        try:
+            yield
+        finally:
+            os.sched_setaffinity(0, self.cpus)
 
     def after_step(self) -> None:
         """Cheap unless CHECK_INTERVAL_S has passed: then one read of /proc/stat."""

@@ -7,7 +7,9 @@ blocked layout, so no call re-lays them out (eager ``F.linear`` in bf16 does, ev
 packing ops are private to torch: if they are missing or refuse, the layer stays on ``F.linear``.
 
 fp32 stays on ``F.linear`` (MKL's sgemm): measured here, oneDNN's prepacked fp32 weights were
-slower at one row and no faster at 64 (docs/benchmarks.md).
+slower at one row and no faster at 64 (docs/benchmarks.md). MKL's sgemm needs no per-shape
+kernel; oneDNN's bf16 kernels are built per input shape, so packed layers pad their rows to a
+few buckets (``padded_rows``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .workspace import padded_rows
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +53,7 @@ class Linear(nn.Module):
         if self.packed or self.weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
             return
         try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, None)
+            packed = _reorder(self.weight.data)
             probe = torch.zeros(1, self.in_features, dtype=torch.bfloat16)
             expected = F.linear(probe, self.weight.data, None if self.bias is None else self.bias.data)
             got = torch.ops.mkldnn._linear_pointwise(probe, packed, self.bias, "none", [], "")
@@ -62,9 +66,19 @@ class Linear(nn.Module):
         self.packed = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        if not self.packed:
+            return F.linear(x, self.weight, self.bias)
+        rows = x.shape[0]
+        padded = padded_rows(rows)
+        if padded != rows:  # one oneDNN kernel per row bucket, not one per row count
+            x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
+        y = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return y[:rows] if padded != rows else y
+
+
+def _reorder(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's blocked layout for ``weight`` (what inductor's freezing emits)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
 
 _warned: set[str] = set()

@@ -9,3 +9,15 @@ PAIRS_BUDGET = 1 << 18
 GATHER_BUDGET = 8192
 # Sampler rows processed at once on the full sampling path.
 SAMPLER_CHUNK_ROWS = 8
+
+
+def padded_rows(rows: int) -> int:
+    """Rows a prepacked bf16 GEMM runs on (``pagedllm.layers.linear``). oneDNN builds (JIT-compiles)
+    a kernel for every new input shape, 2-6 ms each, measured here: a row count that changes
+    every step would pay that every step. Rows are padded to a bucket instead (AMX computes
+    16-row tiles, so padding to 16 costs little): up to 4 as they are, then multiples of 16, and
+    of 64 above 512."""
+    if rows <= 4:
+        return rows
+    step = 16 if rows <= 512 else 64
+    return -(-rows // step) * step

@@ -42,7 +42,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig
-from ..layers.workspace import GATHER_BUDGET, PAIRS_BUDGET, SAMPLER_CHUNK_ROWS
+from ..layers.workspace import GATHER_BUDGET, PAIRS_BUDGET, SAMPLER_CHUNK_ROWS, padded_rows
 from ..sizes import INDEX_BYTES as INDEX
 from ..sizes import ceil_div, dtype_bytes
 
@@ -214,40 +214,46 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
     window_sizes = {w for w in cfg.sliding_windows if w is not None}
     x = step_buffers(shape, s.block_size, window_sizes, compiled) + SCALAR_SLACK
     base = x + t * h * e + 2 * t * d * e  # buffers, residual stream, rotary tables (cos, sin)
-    xn, qkv, th = t * h * e, t * (dq + 2 * dk) * e, t * h * e
+    xn = th = t * h * e
     norm = 0 if compiled else _norm_transient(t, h, e)
     if compiled:  # the attention kernel's only tensor is its output; rotary works in place
         attention = rotary = 0
     else:
         attention = _attention_workspace(cfg, s, shape, bool(window_sizes))
         rotary = t * dq * e  # rotate_half's copy of q, then of k
-    if cfg.qk_norm:  # normed q and k are new tensors, alive (beside qkv) through the attention
-        qkv += t * (dq + dk) * e
+    # Prepacked bf16 GEMMs run on rows padded to a bucket: a padded copy of the input while they
+    # run, and a padded output whose first rows are the result.
+    pad = s.packed and e == 2
+    tp, np_ = (padded_rows(t), padded_rows(n)) if pad else (t, n)
+
+    def gemm(rows: int, padded: int, k: int, out: int) -> int:
+        copy = (2 * padded - rows) * k * e if padded != rows else 0
+        return padded * out * e + copy + gemm_scratch(padded, k, out, s.dtype, s.amx, s.packed)
+
+    qkv_out = tp * (dq + 2 * dk) * e
+    qkv = qkv_out + (t * (dq + dk) * e if cfg.qk_norm else 0)  # normed q and k: new tensors
     phases = {
         "embedding": x + th + INDEX * t,
         "rotary tables": x + th + 12 * t * d,
         "attention norm": base + xn + norm,
-        "q/k/v projections": base
-        + xn
-        + t * (dq + 2 * dk) * e
-        + gemm_scratch(t, h, dq + 2 * dk, s.dtype, s.amx, s.packed),
+        "q/k/v projections": base + xn + gemm(t, tp, h, dq + 2 * dk),
         "rotary": base + xn + qkv + rotary,
         "attention": base + xn + qkv + t * dq * e + attention,
-        "output projection": base + xn + t * dq * e + th + gemm_scratch(t, dq, h, s.dtype, s.amx, s.packed),
-        "residual add + norm": base + xn + th + xn + norm,
-        "mlp gate/up": base + xn + 2 * t * i * e + gemm_scratch(t, h, 2 * i, s.dtype, s.amx, s.packed),
-        "silu * up": base + xn + 3 * t * i * e,
-        "mlp down": base + xn + t * i * e + th + gemm_scratch(t, i, h, s.dtype, s.amx, s.packed),
-        "lm head": base + n * h * e + n * v * e + gemm_scratch(n, h, v, s.dtype, s.amx, s.packed),
+        "output projection": base + xn + t * dq * e + gemm(t, tp, dq, h),
+        "residual add + norm": base + xn + tp * h * e + xn + norm,
+        "mlp gate/up": base + xn + gemm(t, tp, h, 2 * i),
+        "silu * up": base + xn + tp * 2 * i * e + t * i * e,
+        "mlp down": base + xn + t * i * e + gemm(t, tp, i, h),
+        "lm head": base + n * h * e + gemm(n, np_, h, v),
     }
     if e != 4:
-        phases["logits to float32"] = base + n * h * e + n * v * (e + 4)
+        phases["logits to float32"] = base + n * h * e + np_ * v * e + n * v * 4
     if cfg.qk_norm:
         # q's norm, then k's while q's result is alive (PyTorch: 3-d inputs take its path)
         phases["q/k norm"] = (
             base
             + xn
-            + t * (dq + 2 * dk) * e
+            + qkv_out
             + max(_norm_transient(t * cfg.num_heads, d, e), t * dq * e + _norm_transient(t * cfg.num_kv_heads, d, e))
         )
     logits = n * v * 4

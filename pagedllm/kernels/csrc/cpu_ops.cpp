@@ -21,6 +21,9 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <sched.h>
 
 #include <algorithm>
@@ -28,6 +31,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -59,11 +63,66 @@ inline void widen_row(float* __restrict dst, const T* __restrict src, int64_t n)
   for (int64_t i = 0; i < n; ++i) dst[i] = widen(src[i]);
 }
 
+// W elements (n <= W) of T as one vector of floats, and back (bf16 rounded to nearest even).
+inline VF load_w(const float* p, int64_t n = W) { return n == W ? VF::loadu(p) : VF::loadu(p, n); }
+inline void store_w(float* p, const VF& v, int64_t n = W) {
+  if (n == W)
+    v.store(p);
+  else
+    v.store(p, n);
+}
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+inline VF load_w(const c10::BFloat16* p, int64_t n = W) {
+  const __m256i raw = n == W ? _mm256_loadu_si256((const __m256i*)p) : _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), p);
+  return VF(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+}
+inline void store_w(c10::BFloat16* p, const VF& v, int64_t n = W) {
+  const __m256i raw = (__m256i)_mm512_cvtneps_pbh(__m512(v));
+  if (n == W)
+    _mm256_storeu_si256((__m256i*)p, raw);
+  else
+    _mm256_mask_storeu_epi16(p, (__mmask16)((1u << n) - 1), raw);
+}
+#else
+inline VF load_w(const c10::BFloat16* p, int64_t n = W) {
+  alignas(64) float f[W] = {};
+  for (int64_t i = 0; i < n; ++i) f[i] = widen(p[i]);
+  return VF::loadu(f);
+}
+inline void store_w(c10::BFloat16* p, const VF& v, int64_t n = W) {
+  alignas(64) float f[W];
+  v.store(f);
+  for (int64_t i = 0; i < n; ++i) p[i] = narrow<c10::BFloat16>(f[i]);
+}
+#endif
+// v rounded to T and back, as where HF's eager code holds an intermediate in the activation dtype.
+template <typename T>
+inline VF round_w(const VF& v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    alignas(64) T t[W];
+    store_w(t, v);
+    return load_w(t);
+  }
+}
+
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
+}
+
+// Runs f(T{}) for T = float or c10::BFloat16, the dtypes the engine runs.
+template <typename F>
+void dispatch(at::ScalarType dtype, F&& f) {
+  if (dtype == at::kFloat)
+    f(float{});
+  else if (dtype == at::kBFloat16)
+    f(c10::BFloat16{});
+  else
+    TORCH_CHECK(false, "float32 or bfloat16 only, got ", dtype);
 }
 
 // Rows per parallel chunk so that a chunk holds ~16k elements: small batches stay on one thread.
@@ -145,6 +204,104 @@ inline void scores_transposed(const float* Q, int64_t rows, int64_t D, const flo
   }
 }
 
+
+#if defined(CPU_CAPABILITY_AVX512)
+// Sums each of 16 vectors across its lanes: lane c of the result is the sum of a[c].
+inline __m512 reduce16(const __m512* a) {
+  __m512 b[8], c[4];
+  for (int m = 0; m < 8; ++m)
+    b[m] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * m], a[2 * m + 1]), _mm512_unpackhi_ps(a[2 * m], a[2 * m + 1]));
+  for (int q = 0; q < 4; ++q) {
+    const __m512d x = _mm512_castps_pd(b[2 * q]), y = _mm512_castps_pd(b[2 * q + 1]);
+    c[q] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
+}
+
+// Scores of `rows` queries (float, NV vectors each) against n <= 16 keys given as rows of
+// floats: 16 dot products per query run side by side, then one 16-way reduction. For decode
+// tiles, where transposing the keys would cost more than the products.
+template <int NV>
+inline void scores_16(const float* Q, int64_t rows, const float* const* keys, int64_t n, float* out, int64_t stride) {
+  for (int64_t i = 0; i < rows; ++i) {
+    __m512 q[NV];
+    for (int v = 0; v < NV; ++v) q[v] = _mm512_loadu_ps(Q + i * NV * 16 + v * 16);
+    __m512 acc[16];
+    for (int c = 0; c < 16; ++c) {
+      acc[c] = _mm512_setzero_ps();
+      if (c < n)
+        for (int v = 0; v < NV; ++v) acc[c] = _mm512_fmadd_ps(q[v], _mm512_loadu_ps(keys[c] + v * 16), acc[c]);
+    }
+    _mm512_mask_storeu_ps(out + i * stride, (__mmask16)((1u << n) - 1), reduce16(acc));
+  }
+}
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+// scores_16 for bf16 queries and keys read in place: pairs of bf16 products summed in float32
+// by the CPU's dot-product instruction, no widening. NP: D / 32.
+template <int NP>
+inline void scores_16_bf16(const c10::BFloat16* const* queries, int64_t rows, const c10::BFloat16* const* keys,
+                           int64_t n, float* out, int64_t stride) {
+  for (int64_t i = 0; i < rows; ++i) {
+    __m512bh q[NP];
+    for (int v = 0; v < NP; ++v) q[v] = (__m512bh)_mm512_loadu_si512(queries[i] + v * 32);
+    __m512 acc[16];
+    for (int c = 0; c < 16; ++c) {
+      acc[c] = _mm512_setzero_ps();
+      if (c < n)
+        for (int v = 0; v < NP; ++v) acc[c] = _mm512_dpbf16_ps(acc[c], q[v], (__m512bh)_mm512_loadu_si512(keys[c] + v * 32));
+    }
+    _mm512_mask_storeu_ps(out + i * stride, (__mmask16)((1u << n) - 1), reduce16(acc));
+  }
+}
+#endif
+
+// acc[rows][D] += P[rows][keys] @ V[keys][D] for one run of keys, rows in register blocks of R
+// (NV vectors of W floats per row: D = NV * W), the value rows given as float pointers.
+template <int R, int NV>
+inline void pv_block(const float* P, int64_t stride, const float* const* values, int64_t n, float* A) {
+  VF acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = VF::loadu(A + (r * NV + v) * W);
+  for (int64_t c = 0; c < n; ++c) {
+    VF val[NV];
+    for (int v = 0; v < NV; ++v) val[v] = VF::loadu(values[c] + v * W);
+    for (int r = 0; r < R; ++r) {
+      const VF p(P[r * stride + c]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = at::vec::fmadd(p, val[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v].store(A + (r * NV + v) * W);
+}
+
+template <int NV>
+inline void pv_rows(const float* P, int64_t rows, int64_t stride, const float* const* values, int64_t n, float* A) {
+  constexpr int64_t D = NV * W;
+  int64_t i = 0;
+  for (; i + 4 <= rows; i += 4) pv_block<4, NV>(P + i * stride, stride, values, n, A + i * D);
+  switch (rows - i) {
+    case 3: pv_block<3, NV>(P + i * stride, stride, values, n, A + i * D); break;
+    case 2: pv_block<2, NV>(P + i * stride, stride, values, n, A + i * D); break;
+    case 1: pv_block<1, NV>(P + i * stride, stride, values, n, A + i * D); break;
+    default: break;
+  }
+}
+
+// Rows of the cache as float pointers: fp32 rows in place; bf16 rows widened into `buffer`.
+template <typename T>
+inline const float* float_row(const T* src, int64_t D, float* buffer) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    widen_row(buffer, src, D);
+    return buffer;
+  }
+}
+
 template <typename T>
 void attend(const WorkItem& w, const Geometry& g, const T* q, T* out, const T* k_cache, const T* v_cache,
             const int32_t* query_start, const int32_t* context_lens, const int32_t* block_tables, Scratch& s) {
@@ -170,14 +327,43 @@ void attend(const WorkItem& w, const Geometry& g, const T* q, T* out, const T* k
     widen_row(Q + i * D, q + (qstart + r) * g.q_stride + h * D, D);
   }
   // Scores for keys lo..hi: runs of up to W keys that are consecutive in one block.
+  const float* key_rows[16];
   for (int64_t j = lo; j <= hi;) {
     const int64_t n = std::min({W, hi - j + 1, bs - j % bs});
     const T* src = kc + row_of(j);
-    if (rows >= 8) {
+    if (rows >= 8) {  // prefill tiles: keys transposed once, then four query rows at a time
       for (int64_t c = 0; c < n; ++c)
         for (int64_t d = 0; d < D; ++d) kv[d * W + c] = widen(src[c * D + d]);
       scores_transposed(Q, rows, D, kv, n, S + (j - lo), span);
     } else {
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (D == 64 || D == 128) {
+          const T* query_rows[8];
+          const T* bf16_keys[16];
+          for (int64_t i = 0; i < rows; ++i)
+            query_rows[i] = q + (qstart + w.row0 + i / G) * g.q_stride + (w.head * G + i % G) * D;
+          for (int64_t c = 0; c < n; ++c) bf16_keys[c] = src + c * D;
+          if (D == 64)
+            scores_16_bf16<2>(query_rows, rows, bf16_keys, n, S + (j - lo), span);
+          else
+            scores_16_bf16<4>(query_rows, rows, bf16_keys, n, S + (j - lo), span);
+          j += n;
+          continue;
+        }
+      }
+#endif
+#if defined(CPU_CAPABILITY_AVX512)
+      if (W == 16 && (D == 64 || D == 128)) {
+        for (int64_t c = 0; c < n; ++c) key_rows[c] = float_row(src + c * D, D, kv + c * D);
+        if (D == 64)
+          scores_16<4>(Q, rows, key_rows, n, S + (j - lo), span);
+        else
+          scores_16<8>(Q, rows, key_rows, n, S + (j - lo), span);
+        j += n;
+        continue;
+      }
+#endif
       for (int64_t c = 0; c < n; ++c) {
         widen_row(kv, src + c * D, D);
         scores_by_dot(Q, rows, D, kv, S + (j - lo + c), span);
@@ -212,19 +398,28 @@ void attend(const WorkItem& w, const Geometry& g, const T* q, T* out, const T* k
     const float inv = 1.f / sum;
     for (j = 0; j < span; ++j) p[j] = round_to<T>(p[j] * inv);
   }
-  // probs @ V: each value row is widened once and accumulated into every query that sees it.
+  // probs @ V, key run by key run: value rows read in place (fp32) or widened once (bf16), then
+  // accumulated into register blocks of query rows.
   std::fill(A, A + rows * D, 0.f);
-  for (int64_t j = lo; j <= hi; ++j) {
-    widen_row(kv, vc + row_of(j), D);
-    for (int64_t i = 0; i < rows; ++i) {
-      const float p = S[i * span + (j - lo)];
-      if (p == 0.f) continue;
-      float* a = A + i * D;
-      const VF p_v(p);
-      int64_t d = 0;
-      for (; d + W <= D; d += W) at::vec::fmadd(p_v, VF::loadu(kv + d), VF::loadu(a + d)).store(a + d);
-      for (; d < D; ++d) a[d] += p * kv[d];
+  const float* value_rows[16];
+  for (int64_t j = lo; j <= hi;) {
+    const int64_t n = std::min({W, hi - j + 1, bs - j % bs});
+    const T* src = vc + row_of(j);
+    for (int64_t c = 0; c < n; ++c) value_rows[c] = float_row(src + c * D, D, kv + c * D);
+    const float* P = S + (j - lo);
+    if (D == 4 * W) {
+      pv_rows<4>(P, rows, span, value_rows, n, A);
+    } else if (D == 8 * W) {
+      pv_rows<8>(P, rows, span, value_rows, n, A);
+    } else {
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t c = 0; c < n; ++c) {
+          const float p = P[i * span + c];
+          float* a = A + i * D;
+          for (int64_t d = 0; d < D; ++d) a[d] += p * value_rows[c][d];
+        }
     }
+    j += n;
   }
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t r = w.row0 + i / G, h = w.head * G + i % G;
@@ -346,7 +541,8 @@ Tensor paged_attention(const Tensor& q, const Tensor& k, const Tensor& v, Tensor
   Tensor out = at::empty(q.sizes(), q.options());
   const int64_t threads = at::get_num_threads();
   const auto buckets = deal(g, qs, cl, num_seqs, pairs_budget, threads);
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dtype, "paged_attention", [&] {
+  dispatch(dtype, [&](auto tag) {
+    using scalar_t = decltype(tag);
     using T = scalar_t;
     write_cache<T>(g, k.data_ptr<T>(), v.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), qs, cl, bt,
                    num_seqs);
@@ -365,12 +561,19 @@ Tensor paged_attention(const Tensor& q, const Tensor& k, const Tensor& v, Tensor
 
 template <typename T>
 void rms_norm_row(T* __restrict y, const T* __restrict x, const T* __restrict w, float eps, int64_t n) {
-  float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-  for (int64_t i = 0; i < n; ++i) ss += widen(x[i]) * widen(x[i]);
-  const float r = 1.f / std::sqrt(ss / float(n) + eps);
+  VF ss(0.f);
+  for (int64_t i = 0; i < n; i += W) {
+    const int64_t m = std::min(W, n - i);
+    const VF v = load_w(x + i, m);
+    ss = at::vec::fmadd(v, v, ss);
+  }
+  const float sum = at::vec::vec_reduce_all<float>([](VF& a, VF& b) { return a + b; }, ss);
+  const VF r(1.f / std::sqrt(sum / float(n) + eps));
   // HF: (x * rsqrt(var + eps)).to(dtype) * weight, the product in the activation dtype.
-  for (int64_t i = 0; i < n; ++i) y[i] = narrow<T>(round_to<T>(widen(x[i]) * r) * widen(w[i]));
+  for (int64_t i = 0; i < n; i += W) {
+    const int64_t m = std::min(W, n - i);
+    store_w(y + i, round_w<T>(load_w(x + i, m) * r) * load_w(w + i, m), m);
+  }
 }
 
 void check_rows(const Tensor& x, const Tensor& weight) {
@@ -384,7 +587,8 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   check_rows(x, weight);
   Tensor y = at::empty_like(x);
   const int64_t n = x.size(1);
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
     at::parallel_for(0, x.size(0), row_grain(n), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r)
         rms_norm_row(y.data_ptr<scalar_t>() + r * n, x.data_ptr<scalar_t>() + r * n, weight.data_ptr<scalar_t>(),
@@ -402,13 +606,17 @@ Tensor add_rms_norm(Tensor residual, const Tensor& x, const Tensor& weight, doub
               "x must match the residual");
   Tensor y = at::empty_like(x);
   const int64_t n = x.size(1);
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "add_rms_norm", [&] {
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
     using T = scalar_t;
     at::parallel_for(0, x.size(0), row_grain(n), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         T* h = residual.data_ptr<T>() + r * n;
         const T* a = x.data_ptr<T>() + r * n;
-        for (int64_t i = 0; i < n; ++i) h[i] = narrow<T>(widen(h[i]) + widen(a[i]));
+        for (int64_t i = 0; i < n; i += W) {
+          const int64_t m = std::min(W, n - i);
+          store_w(h + i, load_w(h + i, m) + load_w(a + i, m), m);
+        }
         rms_norm_row(y.data_ptr<T>() + r * n, h, weight.data_ptr<T>(), float(eps), n);
       }
     });
@@ -416,20 +624,24 @@ Tensor add_rms_norm(Tensor residual, const Tensor& x, const Tensor& weight, doub
   return y;
 }
 
-// gate_up: [rows, 2I], gate then up (one fused GEMM's output). Returns silu(gate) * up, [rows, I].
+// gate_up: [rows, 2I], gate then up (one fused GEMM's output). Returns silu(gate) * up, [rows, I],
+// rounded to the activation dtype after the silu and after the product, as HF's two ops do.
 Tensor silu_mul(const Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0, "expected [rows, 2I]");
   const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2;
   Tensor out = at::empty({rows, inner}, gate_up.options());
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gate_up.scalar_type(), "silu_mul", [&] {
+  dispatch(gate_up.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
     using T = scalar_t;
     at::parallel_for(0, rows, row_grain(2 * inner), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         const T* gu = gate_up.data_ptr<T>() + r * 2 * inner;
         T* o = out.data_ptr<T>() + r * inner;
-        for (int64_t i = 0; i < inner; ++i) {
-          const float g = widen(gu[i]);
-          o[i] = narrow<T>(round_to<T>(g / (1.f + std::exp(-g))) * widen(gu[inner + i]));
+        for (int64_t i = 0; i < inner; i += W) {
+          const int64_t n = std::min(W, inner - i);
+          const VF g = load_w(gu + i, n);
+          const VF act = round_w<T>(g / (VF(1.f) + g.neg().exp()));
+          store_w(o + i, act * load_w(gu + inner + i, n), n);
         }
       }
     });
@@ -450,17 +662,19 @@ void rotary(Tensor q, Tensor k, const Tensor& cos, const Tensor& sin) {
                   sin.scalar_type() == q.scalar_type(),
               "q, k, cos and sin must share one dtype");
   const int64_t D = q.size(2), half = D / 2;
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "rotary", [&] {
+  dispatch(q.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
     using T = scalar_t;
     auto rotate = [&](T* x, const T* c, const T* s) {
-      float lo[512], hi[512];
-      for (int64_t d = 0; d < half; ++d) lo[d] = widen(x[d]), hi[d] = widen(x[half + d]);
-      for (int64_t d = 0; d < half; ++d) {
-        x[d] = narrow<T>(round_to<T>(lo[d] * widen(c[d])) + round_to<T>(-hi[d] * widen(s[d])));
-        x[half + d] = narrow<T>(round_to<T>(hi[d] * widen(c[half + d])) + round_to<T>(lo[d] * widen(s[half + d])));
+      for (int64_t d = 0; d < half; d += W) {
+        const int64_t n = std::min(W, half - d);
+        const VF lo = load_w(x + d, n), hi = load_w(x + half + d, n);
+        const VF lo_out = round_w<T>(lo * load_w(c + d, n)) + round_w<T>(hi.neg() * load_w(s + d, n));
+        const VF hi_out = round_w<T>(hi * load_w(c + half + d, n)) + round_w<T>(lo * load_w(s + half + d, n));
+        store_w(x + d, lo_out, n);
+        store_w(x + half + d, hi_out, n);
       }
     };
-    TORCH_CHECK(half <= 512, "head_dim above 1024");
     at::parallel_for(0, q.size(0), row_grain((q.size(1) + k.size(1)) * D), [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         const T* c = cos.data_ptr<T>() + t * D;
@@ -474,7 +688,9 @@ void rotary(Tensor q, Tensor k, const Tensor& cos, const Tensor& sin) {
 
 // ---- threads --------------------------------------------------------------------------------
 
-// each: binds intra-op thread i to cpus[i % len]; else lets every thread run on any of cpus.
+// each: binds intra-op worker thread i (i >= 1) to cpus[i % len]; else lets every worker run on
+// any of cpus. Thread 0 is the caller's own thread: the engine binds it around each step only
+// (engine/threads.py), so what the caller starts between steps keeps every CPU.
 // Returns how many threads were bound.
 int64_t pin_threads(const Tensor& cpus, bool each) {
   TORCH_CHECK(cpus.dim() == 1 && cpus.scalar_type() == at::kLong && cpus.numel() > 0, "cpus: a 1-d int64 tensor");
@@ -483,6 +699,7 @@ int64_t pin_threads(const Tensor& cpus, bool each) {
   std::vector<int> ok(threads, 0);
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
+      if (t == 0) continue;
       cpu_set_t set;
       CPU_ZERO(&set);
       if (each)

@@ -1,0 +1,165 @@
+"""The compiled CPU kernels against the pure-PyTorch path they replace: the same cache contents
+and outputs to rounding, on every shape the engine produces (decode rows, prefill chunks over a
+cached context, sliding windows, every GQA ratio, fp32 and bf16), and clear errors for tables
+that point outside the cache."""
+
+import random
+
+import pytest
+import torch
+
+from pagedllm.kernels import compiled_ops, select
+from pagedllm.layers.attention import PagedAttention, SequenceSlice, StepLayout
+from pagedllm.layers.mlp import silu_mul
+from pagedllm.layers.norm import RMSNorm, add_rms_norm
+from pagedllm.layers.rotary import apply_rotary_
+
+
+@pytest.fixture
+def ops():
+    previous = select("compiled")
+    ops = compiled_ops()
+    assert ops is not None, "the CPU kernels must build on this machine"
+    yield ops
+    select(previous)
+
+
+def on_torch_path(fn, *args):
+    previous = select("torch")
+    try:
+        return fn(*args)
+    finally:
+        select(previous)
+
+
+class Cache:
+    def __init__(self, kv_heads, num_blocks, block_size, d, dtype, seed):
+        g = torch.Generator().manual_seed(seed)
+        slots = num_blocks * block_size
+        self.k = [torch.randn(kv_heads, slots, d, generator=g).to(dtype)]
+        self.v = [torch.randn(kv_heads, slots, d, generator=g).to(dtype)]
+
+    def clone(self):
+        other = object.__new__(Cache)
+        other.k, other.v = [t.clone() for t in self.k], [t.clone() for t in self.v]
+        return other
+
+
+# (query rows, context) per sequence: decodes, prefill chunks starting at 0, chunks over a
+# cached context (prefix hit or chunked prefill), one context longer than a query tile.
+STEP = [(1, 37), (1, 1), (20, 20), (7, 50), (1, 100), (33, 140), (1, 16), (40, 300)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (8, 8), (8, 1), (4, 2)])
+@pytest.mark.parametrize("window", [None, 5, 40])
+def test_paged_attention_matches_the_torch_path(ops, dtype, heads, kv_heads, window):
+    d, bs, num_blocks = 64, 16, 64
+    cache = Cache(kv_heads, num_blocks, bs, d, dtype, seed=heads * 10 + kv_heads)
+    free = list(range(num_blocks))
+    random.Random(0).shuffle(free)  # block tables out of order, as after frees
+    slices, t = [], 0
+    for q_len, ctx in STEP:
+        slices.append(SequenceSlice(t, q_len, ctx, [free.pop() for _ in range(-(-ctx // bs))]))
+        t += q_len
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g).to(dtype)  # views, as the model passes them
+    q = qkv[:, : heads * d].view(t, heads, d)
+    k = qkv[:, heads * d : (heads + kv_heads) * d].view(t, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d)
+    layout = StepLayout.build(slices, bs, heads // kv_heads)
+    expected_cache = cache.clone()
+    expected = on_torch_path(PagedAttention(expected_cache, layout).attend, 0, q, k, v, d**-0.5, window)
+    got = PagedAttention(cache, layout).attend(0, q, k, v, d**-0.5, window)
+    assert torch.equal(cache.k[0], expected_cache.k[0]) and torch.equal(cache.v[0], expected_cache.v[0])
+    tolerance = 2e-6 if dtype == torch.float32 else 2e-2  # bf16: one rounding of the output
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+def test_paged_attention_rejects_tables_outside_the_cache(ops):
+    cache = Cache(2, 4, 16, 32, torch.float32, seed=0)
+    q, k = torch.randn(1, 4, 32), torch.randn(1, 2, 32)
+    args = (torch.tensor([0, 1], dtype=torch.int32), torch.tensor([20], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="not in the cache"):
+        ops.paged_attention(
+            q, k, k, cache.k[0], cache.v[0], *args, torch.tensor([[0, 9]], dtype=torch.int32), 16, 1.0, 0, 1 << 18
+        )
+    with pytest.raises(RuntimeError, match="block table too short"):
+        ops.paged_attention(
+            q, k, k, cache.k[0], cache.v[0], *args, torch.tensor([[0]], dtype=torch.int32), 16, 1.0, 0, 1 << 18
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pointwise_kernels_match_the_torch_path(ops, dtype):
+    g = torch.Generator().manual_seed(0)
+    rows, h = 37, 576
+    x = torch.randn(rows, h, generator=g).to(dtype)
+    residual = torch.randn(rows, h, generator=g).to(dtype)
+    norm = RMSNorm(h, 1e-5)
+    norm.weight.data = torch.rand(h, generator=g).to(dtype) + 0.5
+    exact = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=0, rtol=2**-7)
+
+    torch.testing.assert_close(norm(x), on_torch_path(norm, x), **exact)
+
+    r1, r2 = residual.clone(), residual.clone()
+    torch.testing.assert_close(add_rms_norm(r1, x, norm), on_torch_path(add_rms_norm, r2, x, norm), **exact)
+    assert torch.equal(r1, r2)
+
+    gate_up = torch.randn(rows, 2 * 96, generator=g).to(dtype)
+    torch.testing.assert_close(silu_mul(gate_up), on_torch_path(silu_mul, gate_up), **exact)
+
+    qkv1 = torch.randn(rows, (4 + 2 * 2) * 32, generator=g).to(dtype)
+    qkv2 = qkv1.clone()
+    cos, sin = torch.randn(rows, 32, generator=g).to(dtype), torch.randn(rows, 32, generator=g).to(dtype)
+    for qkv, rotate in ((qkv1, apply_rotary_), (qkv2, lambda *a: on_torch_path(apply_rotary_, *a))):
+        rotate(qkv[:, :128].view(rows, 4, 32), qkv[:, 128:192].view(rows, 2, 32), cos, sin)
+    torch.testing.assert_close(qkv1, qkv2, **exact)
+
+
+def test_bf16_weights_are_packed_once_not_per_call():
+    """oneDNN logs every reorder it runs (ONEDNN_VERBOSE): a packed layer runs none per call."""
+    import subprocess
+    import sys
+
+    code = """
+import torch
+from pagedllm.layers.linear import Linear
+layer = Linear(576, [1536], bias=False)
+layer.weight.data = torch.randn(1536, 576).to(torch.bfloat16)
+layer.pack()
+assert layer.packed
+x = torch.randn(8, 576).to(torch.bfloat16)
+layer(x)
+print("---calls---", flush=True)
+for _ in range(3):
+    layer(x)
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, "ONEDNN_VERBOSE": "1"},
+    )
+    assert out.returncode == 0, out.stderr
+    calls = out.stdout.split("---calls---", 1)[1]
+    assert "matmul" in calls or "inner_product" in calls, calls[:500]  # oneDNN ran the layer
+    assert "reorder" not in calls, calls[:2000]
+
+
+def test_linear_falls_back_to_f_linear_without_the_packing_ops(monkeypatch):
+    from pagedllm.layers import linear as linear_module
+
+    def missing(*args, **kwargs):
+        raise AttributeError("_reorder_linear_weight is not in this torch")
+
+    layer = linear_module.Linear(64, [32, 16], bias=True)
+    g = torch.Generator().manual_seed(0)
+    layer.weight.data = torch.randn(48, 64, generator=g).to(torch.bfloat16)
+    layer.bias.data = torch.randn(48, generator=g).to(torch.bfloat16)
+    monkeypatch.setattr(linear_module, "_reorder", missing)
+    layer.pack()
+    assert not layer.packed
+    x = torch.randn(3, 64, generator=g).to(torch.bfloat16)
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
