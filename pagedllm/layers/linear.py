@@ -39,14 +39,20 @@ class Linear(nn.Module):
         start = sum(self.parts[:index])
         return slice(start, start + self.parts[index])
 
-    def load_part(self, name: str, index: int, tensor: torch.Tensor) -> None:
-        """Writes one checkpoint tensor (``name``: 'weight' or 'bias') into its rows; the stacked
-        tensor is allocated on the first write, in that tensor's dtype."""
+    def part_view(self, name: str, index: int, dtype: torch.dtype) -> torch.Tensor:
+        """The rows of ``name`` ('weight' or 'bias') that checkpoint tensor ``index`` fills; the
+        stacked tensor is allocated on first use, in ``dtype``."""
         param = getattr(self, name)
         if param.is_meta:
-            param = nn.Parameter(torch.empty(param.shape, dtype=tensor.dtype), requires_grad=False)
+            param = nn.Parameter(torch.empty(param.shape, dtype=dtype), requires_grad=False)
             setattr(self, name, param)
-        param.data[self.part_rows(index)] = tensor
+        return param.data[self.part_rows(index)]
+
+    def load_part(self, name: str, index: int, tensor: torch.Tensor) -> None:
+        """Writes one checkpoint tensor into its rows (nothing to do if it was read there)."""
+        rows = self.part_view(name, index, tensor.dtype)
+        if rows.data_ptr() != tensor.data_ptr():
+            rows.copy_(tensor)
 
     def pack(self) -> None:
         """Re-lays bf16 weights out for oneDNN, once. A no-op for other dtypes."""

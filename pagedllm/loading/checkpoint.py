@@ -15,6 +15,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..errors import ModelLoadError
 from ..layers.linear import Linear
+from ..memory.machine import return_freed_heap
 from ..models import DecoderLM
 from .safetensors_io import iter_tensors, read_header
 
@@ -50,8 +51,16 @@ def load_decoder(model_dir: Path, dtype: torch.dtype) -> DecoderLM:
         model = DecoderLM(cfg)
     slots = model.checkpoint_slots()
     loaded: set[str] = set()
+
+    def destination(name: str) -> torch.Tensor | None:
+        """Stacked layers' rows, so their tensors are read in place."""
+        module, leaf, part = slots.get(name, (None, "", None))
+        if isinstance(module, Linear) and part is not None:
+            return module.part_view(leaf, part, dtype)
+        return None
+
     for path, header, start in headers:
-        for name, tensor in iter_tensors(path, header, start, dtype):
+        for name, tensor in iter_tensors(path, header, start, dtype, destination):
             if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
                 continue
             if name not in slots:
@@ -78,4 +87,5 @@ def load_decoder(model_dir: Path, dtype: torch.dtype) -> DecoderLM:
     if cfg.tie_word_embeddings:
         model.tie_embeddings()
     model.pack()
+    return_freed_heap()  # the plain copies packing replaced
     return model.eval()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -74,9 +74,15 @@ def read_header(path: Path) -> tuple[dict, int]:
 
 
 def iter_tensors(
-    path: Path, header: dict, data_start: int, dtype: torch.dtype | None = None
+    path: Path,
+    header: dict,
+    data_start: int,
+    dtype: torch.dtype | None = None,
+    destination: Callable[[str], torch.Tensor | None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (name, tensor) in file order, each in a fresh buffer of ``dtype`` (default: as stored).
+    """Yields (name, tensor) in file order, each in a fresh buffer of ``dtype`` (default: as stored),
+    or read straight into ``destination(name)`` when that gives a contiguous tensor (the rows a
+    stacked layer keeps for it): no buffer that is copied and freed.
 
     A tensor stored as ``dtype`` is read straight into its buffer. One stored in another dtype is
     read ``CONVERT_CHUNK_BYTES`` at a time into one reused buffer and converted from there into
@@ -87,20 +93,24 @@ def iter_tensors(
         for name, e in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             begin, end = e["data_offsets"]
             stored = DTYPES[e["dtype"]]
+            target = dtype or stored
             f.seek(data_start + begin)
-            if dtype is None or dtype == stored:
-                tensor = torch.empty(end - begin, dtype=torch.uint8)
-                _read_into(f, tensor, path, name)
-                yield name, tensor.view(stored).reshape(e["shape"])
+            given = destination(name) if destination is not None else None
+            if given is not None and (tuple(given.shape) != tuple(e["shape"]) or given.dtype != target):
+                given = None  # a mismatch is the loader's to report, with the names
+            out = given if given is not None else torch.empty(e["shape"], dtype=target)
+            if target == stored:
+                _read_into(f, out.reshape(-1).view(torch.uint8), path, name)
+                yield name, out
                 continue
-            out = torch.empty(e["shape"], dtype=dtype).reshape(-1)
+            flat = out.reshape(-1)
             step = CONVERT_CHUNK_BYTES // stored.itemsize
-            for first in range(0, out.numel(), step):
-                count = min(step, out.numel() - first)
+            for first in range(0, flat.numel(), step):
+                count = min(step, flat.numel() - first)
                 piece = scratch[: count * stored.itemsize]
                 _read_into(f, piece, path, name)
-                out[first : first + count].copy_(piece.view(stored))
-            yield name, out.reshape(e["shape"])
+                flat[first : first + count].copy_(piece.view(stored))
+            yield name, out
 
 
 def _read_into(f, buffer: torch.Tensor, path: Path, name: str) -> None:

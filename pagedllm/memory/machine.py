@@ -69,6 +69,18 @@ def bound_allocator_slack() -> bool:
     return bool(ok)
 
 
+def return_freed_heap() -> None:
+    """Gives the C heap's free memory back to the system (glibc's malloc_trim); a no-op elsewhere.
+    After a burst of large frees (weights replaced by their packed copies) glibc would keep it."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 KERNEL_CACHE_ENTRIES = 16
 
 
