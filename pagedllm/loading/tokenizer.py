@@ -34,6 +34,8 @@ from typing import Any
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as RustTokenizer
 
+from ..memory.machine import return_freed_heap
+
 # transformers' named special tokens; any other ``*_token`` string in the config joins them.
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -67,7 +69,7 @@ class Tokenizer:
         templates = _template_files(model_dir)
         if templates:  # files take priority over the config's entry, as in transformers
             tokenizer.chat_template = templates["default"] if list(templates) == ["default"] else templates
-        _return_freed_heap()
+        return_freed_heap()  # parsing tokenizer.json freed about as much heap as the tokenizer keeps
         return tokenizer
 
     # ---- special tokens -------------------------------------------------------------------------
@@ -237,20 +239,6 @@ def _add_missing_tokens(
         to_add.append(token)
     if to_add:
         backend.add_tokens(to_add)
-
-
-def _return_freed_heap() -> None:
-    """Parsing ``tokenizer.json`` (a few MB of JSON, in Rust) frees about as much heap as the
-    tokenizer keeps (~16 MiB for a 49k vocabulary), and glibc holds freed heap resident. pagedllm
-    measures its baseline right after loading the tokenizer, so hand that memory back first.
-    Does nothing where the C library is not glibc."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _as_templates(value: Any) -> str | dict[str, str] | None:

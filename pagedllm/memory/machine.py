@@ -55,12 +55,8 @@ def bound_allocator_slack() -> bool:
     of 256 KiB or more is its own mapping, unmapped when freed; heaps are trimmed beyond 1 MiB
     of free top; two arenas. Process-wide, set once when a budget is given; returns False
     where the C library is not glibc (nothing is changed there)."""
-    import ctypes
-    import ctypes.util
-
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = _libc().mallopt
     except (OSError, AttributeError):
         return False
     ok = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
@@ -69,14 +65,20 @@ def bound_allocator_slack() -> bool:
     return bool(ok)
 
 
+def _libc():
+    """The C library already loaded in this process. Not ``ctypes.util.find_library``: that runs
+    ``ldconfig`` in a forked child, which counts the whole parent as its resident memory."""
+    import ctypes
+
+    return ctypes.CDLL(None)
+
+
 def return_freed_heap() -> None:
     """Gives the C heap's free memory back to the system (glibc's malloc_trim); a no-op elsewhere.
-    After a burst of large frees (weights replaced by their packed copies) glibc would keep it."""
-    import ctypes
-    import ctypes.util
-
+    After a burst of large frees (a parsed tokenizer.json, weights replaced by their packed
+    copies) glibc would keep it."""
     try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+        _libc().malloc_trim(0)
     except (OSError, AttributeError):
         pass
 
