@@ -96,11 +96,13 @@ def run_grid(loaded, dtype: str, seed: int = 0) -> list[GridPoint]:
 def _largest_gemm_scratch(cfg, s: EngineSettings, shape) -> int:
     h, i, dq = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
     t, n = shape.tokens, shape.sampled
+    packed_head = s.packed and not cfg.tie_word_embeddings  # a tied lm_head stays plain
     if s.packed and s.dtype == "bfloat16":  # prepacked GEMMs run on padded rows
-        t, n = padded_rows(t), padded_rows(n)
+        t, n = padded_rows(t), padded_rows(n) if packed_head else n
     dk = cfg.num_kv_heads * cfg.head_dim
-    shapes = [(t, h, dq + 2 * dk), (t, dq, h), (t, h, 2 * i), (t, i, h), (n, h, cfg.vocab_size)]
-    return max(gemm_scratch(rows, k, out, s.dtype, s.amx, s.packed) for rows, k, out in shapes)
+    shapes = [(t, h, dq + 2 * dk), (t, dq, h), (t, h, 2 * i), (t, i, h)]
+    layers = max(gemm_scratch(rows, k, out, s.dtype, s.amx, s.packed) for rows, k, out in shapes)
+    return max(layers, gemm_scratch(n, h, cfg.vocab_size, s.dtype, s.amx, packed_head))
 
 
 def main() -> None:

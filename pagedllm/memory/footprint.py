@@ -226,9 +226,12 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
     pad = s.packed and e == 2
     tp, np_ = (padded_rows(t), padded_rows(n)) if pad else (t, n)
 
-    def gemm(rows: int, padded: int, k: int, out: int) -> int:
+    def gemm(rows: int, padded: int, k: int, out: int, packed: bool = s.packed) -> int:
         copy = (2 * padded - rows) * k * e if padded != rows else 0
-        return padded * out * e + copy + gemm_scratch(padded, k, out, s.dtype, s.amx, s.packed)
+        return padded * out * e + copy + gemm_scratch(padded, k, out, s.dtype, s.amx, packed)
+
+    if cfg.tie_word_embeddings:  # a tied lm_head stays plain (DecoderLM.pack): no padding
+        np_ = n
 
     qkv_out = tp * (dq + 2 * dk) * e
     qkv = qkv_out + (t * (dq + dk) * e if cfg.qk_norm else 0)  # normed q and k: new tensors
@@ -244,7 +247,7 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
         "mlp gate/up": base + xn + gemm(t, tp, h, 2 * i),
         "silu * up": base + xn + tp * 2 * i * e + t * i * e,
         "mlp down": base + xn + t * i * e + gemm(t, tp, i, h),
-        "lm head": base + n * h * e + gemm(n, np_, h, v),
+        "lm head": base + n * h * e + gemm(n, np_, h, v, s.packed and not cfg.tie_word_embeddings),
     }
     if e != 4:
         phases["logits to float32"] = base + n * h * e + np_ * v * e + n * v * 4
