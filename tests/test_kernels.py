@@ -67,7 +67,7 @@ def test_paged_attention_matches_the_torch_path(ops, dtype, heads, kv_heads, win
     q = qkv[:, : heads * d].view(t, heads, d)
     k = qkv[:, heads * d : (heads + kv_heads) * d].view(t, kv_heads, d)
     v = qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d)
-    layout = StepLayout.build(slices, bs, heads // kv_heads)
+    layout = StepLayout(slices, bs, heads // kv_heads)
     expected_cache = cache.clone()
     expected = on_torch_path(PagedAttention(expected_cache, layout).attend, 0, q, k, v, d**-0.5, window)
     got = PagedAttention(cache, layout).attend(0, q, k, v, d**-0.5, window)

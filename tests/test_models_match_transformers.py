@@ -32,7 +32,7 @@ def test_logits_equal_transformers_in_fp32(tiny_checkpoints, arch, kernels):
         block += n_blocks
         ids += p
         positions += range(len(p))
-    layout = StepLayout.build(slices, 8, loaded.config.num_heads // loaded.config.num_kv_heads)
+    layout = StepLayout(slices, 8, loaded.config.num_heads // loaded.config.num_kv_heads)
     logits = loaded.model(
         torch.tensor(ids), torch.tensor(positions), PagedAttention(cache, layout), torch.arange(len(ids))
     )
@@ -59,7 +59,7 @@ def test_logits_are_computed_only_for_sampled_rows(tiny_checkpoints):
     directory, _ = tiny_checkpoints["llama"]
     loaded = load(directory)
     cache = KVCache(loaded.config, num_blocks=8, block_size=8, dtype=torch.float32)
-    layout = StepLayout.build([SequenceSlice(0, 20, 20, [0, 1, 2])], 8, 2)
+    layout = StepLayout([SequenceSlice(0, 20, 20, [0, 1, 2])], 8, 2)
     rows = torch.tensor([19])
     logits = loaded.model(torch.arange(1, 21), torch.arange(20), PagedAttention(cache, layout), rows)
     assert logits.shape == (1, loaded.config.vocab_size)

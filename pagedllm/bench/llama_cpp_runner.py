@@ -15,6 +15,7 @@ import sys
 import time
 
 import numpy as np
+from bench_result import print_result, throughput
 
 CHUNK = 512
 
@@ -25,7 +26,7 @@ def main() -> None:
     try:
         import llama_cpp as L
     except ImportError as e:
-        print("BENCH_RESULT " + json.dumps({"engine": "llama.cpp", "skipped": f"not installed ({e})"}), flush=True)
+        print_result({"engine": "llama.cpp", "skipped": f"not installed ({e})"})
         return
 
     prompts, max_tokens = workload["prompts"], workload["max_tokens"]
@@ -78,18 +79,8 @@ def main() -> None:
     produced = run(prompts, max_tokens)
     elapsed = time.perf_counter() - start
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    prompt_tokens = sum(len(p) for p in prompts)
-    result = {
-        "engine": f"llama.cpp ({n} parallel)" if n > 1 else "llama.cpp",
-        "requests": n,
-        "elapsed_s": elapsed,
-        "requests_per_s": n / elapsed,
-        "output_tokens_per_s": produced / elapsed,
-        "total_tokens_per_s": (produced + prompt_tokens) / elapsed,
-        "output_tokens": produced,
-        "peak_rss_bytes": rss,
-    }
-    print("BENCH_RESULT " + json.dumps(result), flush=True)
+    engine = f"llama.cpp ({n} parallel)" if n > 1 else "llama.cpp"
+    print_result(throughput(engine, prompts, elapsed, produced, rss))
 
 
 if __name__ == "__main__":

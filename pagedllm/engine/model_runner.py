@@ -63,7 +63,7 @@ class ModelRunner:
                 logits_rows.append(len(input_ids) - 1)
                 rows_of.append(i)
         cfg = self.model.config
-        layout = StepLayout.build(
+        layout = StepLayout(
             slices, self.kv_cache.block_size, cfg.num_heads // cfg.num_kv_heads, self.pairs_budget, self.gather_budget
         )
         logits = self.model(

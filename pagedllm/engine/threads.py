@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -85,7 +86,7 @@ class ThreadGovernor:
         self.pinned = pin
 
     @contextlib.contextmanager
-    def running(self):
+    def running(self) -> Iterator[None]:
         """Binds the calling thread to the first core for the duration of a step, if pinned."""
         if not self.pinned:
             yield

@@ -109,17 +109,6 @@ class StepLayout:
             dtype=torch.int32,
         )[: len(seqs)]
 
-    @classmethod
-    def build(
-        cls,
-        seqs: list[SequenceSlice],
-        block_size: int,
-        group_size: int,
-        pairs_budget: int = PAIRS_BUDGET,
-        gather_budget: int = GATHER_BUDGET,
-    ) -> StepLayout:
-        return cls(seqs, block_size, group_size, pairs_budget, gather_budget)
-
     @functools.cached_property
     def slot_mapping(self) -> torch.Tensor:
         """[T] the cache slot of every token of the step."""

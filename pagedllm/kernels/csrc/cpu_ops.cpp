@@ -107,13 +107,6 @@ inline VF round_w(const VF& v) {
   }
 }
 
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
 // Runs f(T{}) for T = float or c10::BFloat16, the dtypes the engine runs.
 template <typename F>
 void dispatch(at::ScalarType dtype, F&& f) {
