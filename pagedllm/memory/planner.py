@@ -377,7 +377,7 @@ class _Failure:
                     f"({best_n * s.block_size} tokens)"
                 )
             fits_len = c.longest_context(budget, m, max_len)
-            if fits_len < max_len:
+            if 0 < fits_len < max_len:  # 0: no context fits at this step budget
                 suggestions["max_model_len"] = fits_len
                 lines.append(f"  longest max_model_len whose request fits with max_batch_tokens={m}: {fits_len}")
         lines.append(
