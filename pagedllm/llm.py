@@ -36,6 +36,7 @@ class LLM:
         *,
         dtype: str | torch.dtype = "float32",
         kv_cache_dtype: str | None = None,
+        quantization: str | None = None,
         block_size: int = 16,
         num_blocks: int | None = None,
         max_batch_tokens: int | None = None,
@@ -48,8 +49,10 @@ class LLM:
         """``memory="6GiB"`` bounds the whole process's peak resident memory (what it holds
         before this call included); ``memory_fraction=0.9`` lets the engine take that fraction of
         what is free now. Whatever of num_blocks / max_batch_tokens / max_model_len is left unset
-        is solved for. The plan is checked from config.json before any weight is loaded:
-        CacheDoesNotFitError if it cannot fit. With a budget, the KV cache is committed at once.
+        is solved for. ``quantization``: None runs a checkpoint's weights as stored (a GGUF's stay
+        quantized), 'int8' / 'int4' quantize float weights at load, 'none' dequantizes all;
+        ``kv_cache_dtype``: 'int8' or 'fp8' keep the cache in 8 bits. The plan is checked from
+        config.json before any weight is loaded: CacheDoesNotFitError if it cannot fit. With a budget, the KV cache is committed at once.
         """
         model_dir, name = loading.resolve_model_dir(model)  # a GGUF file is converted in a child process
         tokenizer = loading.load_tokenizer(model_dir)  # before measuring: it belongs to the baseline
@@ -73,8 +76,10 @@ class LLM:
             memory_fraction=memory_fraction,
             baseline_bytes=resident_bytes()[0],
             kernels=kernels,
+            quantization=quantization,
+            weights_bytes=loading.checkpoint_weight_bytes(model_dir, dtype_name(dtype), quantization),
         )
-        self.loaded = loading.load_dir(model_dir, name, dtype, tokenizer=tokenizer)
+        self.loaded = loading.load_dir(model_dir, name, dtype, tokenizer=tokenizer, quantization=quantization)
         self.tokenizer = self.loaded.tokenizer
         self.engine = LLMEngine(
             self.loaded, plan=self.memory_plan, enable_prefix_caching=enable_prefix_caching, resident_cache=budgeted

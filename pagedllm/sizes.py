@@ -15,6 +15,37 @@ CONVERT_CHUNK_BYTES = 8 * 1024 * 1024
 # Every accepted spelling -> (canonical name, bytes per element).
 _DTYPES = {"float32": ("float32", 4), "fp32": ("float32", 4), "bfloat16": ("bfloat16", 2), "bf16": ("bfloat16", 2)}
 SUPPORTED_DTYPES = ("float32", "bfloat16")
+# Weights: None keeps a checkpoint's tensors as stored (a converted GGUF's stay quantized),
+# "none" dequantizes everything, "int8"/"int4" quantize float linear weights at load.
+QUANTIZATIONS = ("none", "int8", "int4")
+# KV cache: the activation dtypes, or 8-bit values with one float32 scale per token and KV head.
+KV_CACHE_DTYPES = ("float32", "bfloat16", "int8", "fp8")
+_KV_BYTES = {"int8": 1, "fp8": 1}
+KV_SCALE_BYTES = 4
+
+
+def kv_dtype_name(dtype) -> str:
+    """A KV cache dtype's canonical name ('fp8' is e4m3); ValueError for one not supported."""
+    name = str(dtype).removeprefix("torch.")
+    name = {"float8_e4m3fn": "fp8", "fp8_e4m3": "fp8"}.get(name, name)
+    if name in _KV_BYTES:
+        return name
+    try:
+        return dtype_name(name)
+    except ValueError:
+        raise ValueError(
+            f"kv_cache_dtype {dtype!r} is not supported; use one of {', '.join(KV_CACHE_DTYPES)}"
+        ) from None
+
+
+def kv_element_bytes(dtype) -> int:
+    """Bytes per cached K or V value, a quantized cache's scales included (per head_dim values)."""
+    name = kv_dtype_name(dtype)
+    return _KV_BYTES.get(name) or dtype_bytes(name)
+
+
+def kv_is_quantized(dtype) -> bool:
+    return kv_dtype_name(dtype) in _KV_BYTES
 
 
 def dtype_name(dtype) -> str:

@@ -72,7 +72,7 @@ class LLMEngine:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         if plan is None:  # the model is loaded already: the baseline is what the process holds besides it
-            weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+            weights = loaded.model.weight_bytes()
             plan = plan_engine(
                 cfg,
                 model_name=loaded.name,
@@ -80,6 +80,7 @@ class LLMEngine:
                 already_loaded=weights,
                 baseline_bytes=max(0, resident_bytes()[0] - weights),
                 kernels="compiled" if compiled_ops() is not None else "torch",
+                weights_bytes=weights,
                 **sizes,
             )
         self.memory_plan = plan

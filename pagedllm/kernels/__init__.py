@@ -1,4 +1,4 @@
-"""pagedllm's compiled CPU kernels (``csrc/cpu_ops.cpp``), built on first use into the cache.
+"""pagedllm's compiled CPU kernels (``csrc/``), built on first use into the cache.
 
 The layers ask ``compiled_ops()`` for them and run their pure-PyTorch code when it returns None.
 ``PAGEDLLM_KERNELS`` chooses: ``auto`` (default: build or load the kernels; without a compiler,

@@ -1,4 +1,4 @@
-"""Builds ``csrc/cpu_ops.cpp`` with torch's C++ extension tooling and loads it as ``torch.ops.pagedllm``.
+"""Builds ``csrc/*.cpp`` with torch's C++ extension tooling and loads it as ``torch.ops.pagedllm``.
 
 The library lands in ``$PAGEDLLM_CACHE/kernels/<key>``, the key hashing the source, the torch
 version and the CPU's vector capability, so a second start loads it in milliseconds and a torch
@@ -25,7 +25,7 @@ from ..paths import cache_root
 log = logging.getLogger(__name__)
 
 MODES = ("auto", "compiled", "torch")
-SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
+CSRC = Path(__file__).with_name("csrc")
 _NAME = "pagedllm_cpu_ops"
 
 _state: dict[str, Any] = {"mode": None, "ops": None, "loaded": False}
@@ -89,9 +89,14 @@ def build_dir() -> Path:
 
     capability = _capability()
     key = hashlib.sha256(
-        SOURCE.read_bytes() + f"|{torch.__version__}|{capability}|{platform.machine()}".encode()
+        b"".join(p.read_bytes() for p in _sources_and_headers())
+        + f"|{torch.__version__}|{capability}|{platform.machine()}".encode()
     ).hexdigest()[:16]
     return cache_root() / "kernels" / f"cpu_ops-{key}"
+
+
+def _sources_and_headers() -> list[Path]:
+    return sorted(CSRC.glob("*.cpp")) + sorted(CSRC.glob("*.h"))
 
 
 def _load():
@@ -134,7 +139,7 @@ def _compile(target: Path) -> None:
 
     cpp_extension.load(
         name=_NAME,
-        sources=[str(SOURCE)],
+        sources=[str(p) for p in sorted(CSRC.glob("*.cpp"))],
         extra_cflags=_flags(_capability()),
         extra_ldflags=["-fopenmp"],
         build_directory=str(target),

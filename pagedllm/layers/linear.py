@@ -25,19 +25,33 @@ from .workspace import padded_rows
 log = logging.getLogger(__name__)
 
 
-class Linear(nn.Module):
-    def __init__(self, in_features: int, parts: list[int], bias: bool):
+class StackedRows(nn.Module):
+    """A layer whose weight rows are several checkpoint tensors ("parts") one after another."""
+
+    def __init__(self, in_features: int, parts: list[int]):
         super().__init__()
         self.in_features = in_features
         self.parts = list(parts)  # rows of each checkpoint tensor, in order
-        rows = sum(parts)
-        self.weight = nn.Parameter(torch.empty(rows, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(rows), requires_grad=False) if bias else None
-        self.packed = False
 
     def part_rows(self, index: int) -> slice:
         start = sum(self.parts[:index])
         return slice(start, start + self.parts[index])
+
+    def part_shape(self, name: str, index: int) -> tuple[int, ...]:
+        """The shape checkpoint tensor ``index`` of ``name`` ('weight' or 'bias') must have."""
+        return (self.parts[index], self.in_features) if name == "weight" else (self.parts[index],)
+
+    def load_part(self, name: str, index: int, tensor: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class Linear(StackedRows):
+    def __init__(self, in_features: int, parts: list[int], bias: bool):
+        super().__init__(in_features, parts)
+        rows = sum(parts)
+        self.weight = nn.Parameter(torch.empty(rows, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(rows), requires_grad=False) if bias else None
+        self.packed = False
 
     def part_view(self, name: str, index: int, dtype: torch.dtype) -> torch.Tensor:
         """The rows of ``name`` ('weight' or 'bias') that checkpoint tensor ``index`` fills; the

@@ -17,6 +17,7 @@ from ..config import ModelConfig
 from ..errors import ModelLoadError
 from ..models import DecoderLM
 from ..sizes import torch_dtype
+from .checkpoint import checkpoint_weight_bytes as checkpoint_weight_bytes
 from .checkpoint import load_decoder
 from .default_model import DEFAULT_MODEL_NAME, default_gguf_path
 from .gguf_convert import converted_dir
@@ -54,14 +55,23 @@ def resolve_model_dir(model: str | Path | None) -> tuple[Path, str]:
     raise ModelLoadError(f"{path}: not a model directory or a .gguf file")
 
 
-def load(model: str | Path | None = None, dtype: str | torch.dtype = "float32") -> LoadedModel:
+def load(
+    model: str | Path | None = None, dtype: str | torch.dtype = "float32", quantization: str | None = None
+) -> LoadedModel:
     model_dir, name = resolve_model_dir(model)
-    return load_dir(model_dir, name, dtype)
+    return load_dir(model_dir, name, dtype, quantization=quantization)
 
 
-def load_dir(model_dir: Path, name: str, dtype: str | torch.dtype = "float32", tokenizer: Any = None) -> LoadedModel:
-    """Weights (and the tokenizer, unless the caller loaded it already) of an HF-style directory."""
-    decoder = load_decoder(model_dir, torch_dtype(dtype))
+def load_dir(
+    model_dir: Path,
+    name: str,
+    dtype: str | torch.dtype = "float32",
+    tokenizer: Any = None,
+    quantization: str | None = None,
+) -> LoadedModel:
+    """Weights (and the tokenizer, unless the caller loaded it already) of an HF-style directory;
+    ``quantization`` as ``checkpoint.load_decoder`` takes it."""
+    decoder = load_decoder(model_dir, torch_dtype(dtype), quantization)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
     return LoadedModel(decoder, decoder.config, tokenizer, model_dir, name)
 

@@ -2,6 +2,11 @@
 
 The model is built on the meta device, then each tensor is read from disk straight into its own
 parameter (converted to ``dtype`` if needed), so peak RAM is the weights plus one tensor.
+
+``quantization`` says what becomes of the weights: None keeps each as stored (a quantized tensor,
+``<name>.qweight`` / ``.scale`` / ``.zero`` as a converted GGUF has them, runs quantized; a float
+one runs in ``dtype``); "int8" / "int4" quantize the float linear weights tensor by tensor as they
+are read (embeddings and lm_head in int8); "none" dequantizes everything to ``dtype``.
 """
 
 from __future__ import annotations
@@ -14,10 +19,14 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..errors import ModelLoadError
-from ..layers.linear import Linear
+from ..layers.linear import Linear, StackedRows
+from ..layers.quantized import SCHEMES, QuantizedEmbedding, QuantizedLinear, QuantizedWeight, dequantize
 from ..memory.machine import return_freed_heap
 from ..models import DecoderLM
+from .gguf_convert import QWEIGHT, SCALE, ZERO
 from .safetensors_io import iter_tensors, read_header
+
+QUANTIZATIONS = ("none", *SCHEMES)
 
 # Buffers some checkpoints carry that we recompute.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -43,42 +52,61 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_decoder(model_dir: Path, dtype: torch.dtype) -> DecoderLM:
+def load_decoder(model_dir: Path, dtype: torch.dtype, quantization: str | None = None) -> DecoderLM:
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        choices = ", ".join(QUANTIZATIONS)
+        raise ValueError(f"quantization {quantization!r}: choose one of {choices} (or None: as stored)")
     cfg = ModelConfig.from_file(model_dir)
     files = safetensors_files(model_dir)
     headers = [(f, *read_header(f)) for f in files]  # validate every file before reading any
+    stored = _stored_quantized(headers)
     with torch.device("meta"):
         model = DecoderLM(cfg)
+    _choose_quantized(model, stored, quantization, dtype)
     slots = model.checkpoint_slots()
     loaded: set[str] = set()
+    pieces: dict[str, dict[str, torch.Tensor]] = {}  # a quantized tensor's parts read so far
 
     def destination(name: str) -> torch.Tensor | None:
-        """Stacked layers' rows, so their tensors are read in place."""
+        """Float stacked layers' rows, so their tensors are read in place."""
         module, leaf, part = slots.get(name, (None, "", None))
         if isinstance(module, Linear) and part is not None:
             return module.part_view(leaf, part, dtype)
         return None
 
+    def keep_dtype(name: str) -> bool:
+        return name.endswith((QWEIGHT, SCALE, ZERO))
+
     for path, header, start in headers:
-        for name, tensor in iter_tensors(path, header, start, dtype, destination):
+        for name, tensor in iter_tensors(path, header, start, dtype, destination, keep_dtype):
+            value: torch.Tensor | QuantizedWeight = tensor
+            if keep_dtype(name):
+                base, _, field = name.rpartition(".")
+                pieces.setdefault(base, {})[field] = tensor
+                if set(pieces[base]) != stored[base]:
+                    continue
+                name, value = base, _quantized_weight(path, base, pieces.pop(base))
             if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
                 continue
             if name not in slots:
                 raise ModelLoadError(f"{path}: unexpected tensor {name!r} for {cfg.architecture}")
             module, leaf, part = slots[name]
-            param = getattr(module, leaf)
-            if isinstance(module, Linear) and part is not None:
-                want = (module.parts[part], *param.shape[1:])
-            else:
-                want = tuple(param.shape)
-            if tuple(tensor.shape) != want:
+            stacked = module if isinstance(module, StackedRows) else None
+            want = stacked.part_shape(leaf, part or 0) if stacked is not None else tuple(getattr(module, leaf).shape)
+            if tuple(value.shape) != tuple(want):
                 raise ModelLoadError(
-                    f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, config.json implies {want}"
+                    f"{path}: tensor {name!r} has shape {tuple(value.shape)}, config.json implies {want}"
                 )
-            if isinstance(module, Linear) and part is not None:
-                module.load_part(leaf, part, tensor)
+            if isinstance(value, QuantizedWeight):
+                if isinstance(module, (QuantizedLinear, QuantizedEmbedding)) and leaf == "weight":
+                    module.load_quantized_part(part or 0, value)
+                    loaded.add(name)
+                    continue
+                value = dequantize(value, dtype)  # a float layer: "none", or a stack not all quantized
+            if stacked is not None:
+                stacked.load_part(leaf, part or 0, value)
             else:
-                module._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+                module._parameters[leaf] = nn.Parameter(value.to(dtype), requires_grad=False)
             loaded.add(name)
     missing = sorted(set(slots) - loaded)
     if missing:
@@ -89,3 +117,81 @@ def load_decoder(model_dir: Path, dtype: torch.dtype) -> DecoderLM:
     model.pack()
     return_freed_heap()  # the plain copies packing replaced
     return model.eval()
+
+
+def checkpoint_weight_bytes(model_dir: Path, dtype: str, quantization: str | None) -> int:
+    """The loaded weights' bytes, from the checkpoint's headers alone (the planner's figure when
+    the checkpoint is at hand: exact for tensors kept as stored, whatever their format)."""
+    from ..memory.footprint import weight_bytes
+    from ..sizes import dtype_bytes
+
+    cfg = ModelConfig.from_file(model_dir)
+    headers = [(f, *read_header(f)) for f in safetensors_files(model_dir)]
+    stored = _stored_quantized(headers)
+    if quantization is not None or not stored:
+        return weight_bytes(cfg, dtype, quantization)
+    total = 0
+    for _, header, _ in headers:
+        for name, e in header.items():
+            if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            begin, end = e["data_offsets"]
+            if name.endswith((QWEIGHT, SCALE, ZERO)):
+                total += end - begin
+            else:
+                count = 1
+                for d in e["shape"]:
+                    count *= int(d)
+                total += count * dtype_bytes(dtype)
+    return total
+
+
+def _stored_quantized(headers) -> dict[str, set[str]]:
+    """Names of the tensors stored quantized -> the fields stored for each ('qweight', 'scale', 'zero')."""
+    out: dict[str, set[str]] = {}
+    for _, header, _ in headers:
+        for name in header:
+            if name.endswith((QWEIGHT, SCALE, ZERO)):
+                base, _, field = name.rpartition(".")
+                out.setdefault(base, set()).add(field)
+    return out
+
+
+def _quantized_weight(path: Path, name: str, fields: dict[str, torch.Tensor]) -> QuantizedWeight:
+    q, scale, zero = fields.get("qweight"), fields.get("scale"), fields.get("zero")
+    if q is None or scale is None or q.dim() != 2 or scale.dim() != 2 or scale.dtype != torch.float32:
+        raise ModelLoadError(f"{path}: quantized tensor {name!r} lacks a 2-D qweight or float32 scale")
+    bits = 4 if q.dtype == torch.uint8 else 8
+    cols = q.shape[1] * (2 if bits == 4 else 1)
+    if q.dtype not in (torch.uint8, torch.int8) or scale.shape[0] != q.shape[0] or cols % max(1, scale.shape[1]):
+        raise ModelLoadError(f"{path}: quantized tensor {name!r} has inconsistent qweight/scale shapes")
+    if zero is not None and zero.shape != scale.shape:
+        raise ModelLoadError(f"{path}: quantized tensor {name!r}: zero and scale shapes differ")
+    return QuantizedWeight(q, scale, zero, bits, cols // scale.shape[1])
+
+
+def _choose_quantized(model: DecoderLM, stored: dict[str, set[str]], quantization: str | None, dtype) -> None:
+    """Which layers run quantized, and how their float tensors get so (see the module docstring)."""
+    if quantization == "none":
+        return
+    by_module: dict[str, list[str]] = {}
+    modules = {id(m): name for name, m in model.named_modules()}
+    for hf, (module, leaf, _) in model.checkpoint_slots().items():
+        if leaf == "weight":
+            by_module.setdefault(modules[id(module)], []).append(hf.removesuffix(".weight"))
+    schemes: dict[str, str | None] = {}
+    for name in model.linear_layers():
+        if name == "lm_head" and model.config.tie_word_embeddings:
+            continue
+        parts = by_module.get(name, [])
+        if quantization is not None:
+            schemes[name] = "int8" if name == "lm_head" else quantization
+        elif parts and all(f"{p}.weight" in stored for p in parts):
+            schemes[name] = None
+    embed = "model.embed_tokens.weight"
+    embedding: str | None | bool = False
+    if quantization is not None:
+        embedding = "int8"
+    elif embed in stored:
+        embedding = None
+    model.use_quantized(schemes, embedding, dtype)

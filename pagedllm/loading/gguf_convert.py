@@ -1,11 +1,16 @@
-"""Converts a GGUF file once into an HF-style directory in the user cache, so later starts load
-plain safetensors in seconds instead of dequantizing again.
+"""Converts a GGUF file once into an HF-style directory in the user cache, so later starts read
+plain safetensors in seconds instead of parsing GGUF blocks again.
 
-The directory holds config.json, model.safetensors (float32: dequantized values are kept exactly)
-and the tokenizer (built by transformers from the GGUF metadata, chat template included). Its name
-includes a key over the file's path, size and mtime, so a changed file is converted afresh. It is
-written to a temporary folder and renamed into place, so an interrupted conversion leaves nothing
-half-written behind.
+The directory holds config.json, model.safetensors and the tokenizer (built by transformers from
+the GGUF metadata, chat template included). Float tensors are stored as float32. Quantized ones
+stay quantized: each supported type (``gguf_quants.SUPPORTED``) is unpacked, every value kept,
+into ``<name>.qweight`` / ``<name>.scale`` / ``<name>.zero``, the layout the CPU kernels read
+(``layers/quantized.py``); the loader decides whether to run them so or dequantize them. A type
+not supported fails the conversion with an error naming it.
+
+The folder's name includes a key over the file's path, size and mtime, so a changed file is
+converted afresh. It is written to a temporary folder and renamed into place, so an interrupted
+conversion leaves nothing half-written behind.
 """
 
 from __future__ import annotations
@@ -24,11 +29,12 @@ import torch
 
 from ..errors import ModelLoadError, UnsupportedModelError
 from ..paths import cache_root
+from . import gguf_quants
 from .safetensors_io import write_streaming
 
 log = logging.getLogger(__name__)
 
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -130,22 +136,52 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
         raise ModelLoadError(f"{gguf_path}: GGUF file has no token_embd.weight tensor")
     config = _hf_config(meta, arch, tie="output.weight" not in tensors, path=gguf_path)
     config["vocab_size"] = int(tensors["token_embd.weight"].shape[1])
-    specs, sources = [], {}
+    specs: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+    sources = {}
     for name, t in tensors.items():
         hf = _hf_name(name)
         if hf is None:
             raise UnsupportedModelError(f"{gguf_path}: unexpected tensor {name!r} for {arch}")
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        specs.append((hf, torch.float32, shape))
+        kind = t.tensor_type.name
+        if kind in _FLOAT_TYPES:
+            specs.append((hf, torch.float32, shape))
+        elif kind in gguf_quants.SUPPORTED and len(shape) == 2:
+            rows, cols = shape
+            bits, group = _QUANT_FORMATS[kind]
+            specs.append((f"{hf}{QWEIGHT}", torch.uint8 if bits == 4 else torch.int8, (rows, cols * bits // 8)))
+            specs.append((f"{hf}{SCALE}", torch.float32, (rows, cols // group)))
+            if kind not in _NO_ZERO:
+                specs.append((f"{hf}{ZERO}", torch.float32, (rows, cols // group)))
+        else:
+            raise UnsupportedModelError(
+                f"{gguf_path}: tensor {name!r} is of GGUF type {kind}, which pagedllm does not load; supported: "
+                f"{', '.join(sorted(_FLOAT_TYPES | gguf_quants.SUPPORTED))}"
+            )
         sources[hf] = t
     permute = arch == "llama"  # llama.cpp's converter permutes q/k rows for its rope layout
+    unpacked: dict[str, gguf_quants.QuantizedTensor] = {}  # the one quantized tensor being written
 
-    def produce(hf_name: str) -> torch.Tensor:
-        return _dequantize(sources[hf_name], hf_name, config, permute, gguf_path)
+    def produce(spec_name: str) -> torch.Tensor:
+        for suffix, field in ((QWEIGHT, "qweight"), (SCALE, "scale"), (ZERO, "zero")):
+            if spec_name.endswith(suffix):
+                hf_name = spec_name.removesuffix(suffix)
+                if hf_name not in unpacked:
+                    unpacked.clear()
+                    unpacked[hf_name] = _unpack(sources[hf_name], hf_name, config, permute, gguf_path)
+                return torch.from_numpy(np.ascontiguousarray(getattr(unpacked[hf_name], field)))
+        return _dequantize(sources[spec_name], spec_name, config, permute, gguf_path)
 
     write_streaming(out_dir / "model.safetensors", specs, produce, {"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     _save_tokenizer(gguf_path, out_dir)
+
+
+# Suffixes of a quantized weight's tensors in the converted checkpoint (layers/quantized.py reads them).
+QWEIGHT, SCALE, ZERO = ".qweight", ".scale", ".zero"
+_FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
+_QUANT_FORMATS = {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q4_K": (4, 32), "Q8_0": (8, 32), "Q5_K": (8, 32), "Q6_K": (8, 16)}
+_NO_ZERO = frozenset({"Q8_0", "Q6_K"})
 
 
 def _metadata(reader) -> dict:
@@ -201,18 +237,33 @@ def _hf_name(name: str) -> str | None:
 
 
 def _dequantize(t, hf_name: str, config: dict, permute: bool, path: Path) -> torch.Tensor:
+    """A float GGUF tensor as float32, in HF's row order."""
     from gguf import quants
 
-    try:
-        data = quants.dequantize(t.data, t.tensor_type)
-    except Exception as e:
-        raise ModelLoadError(f"{path}: cannot dequantize {t.name} ({t.tensor_type.name}): {e}") from None
-    w = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
+    w = torch.from_numpy(np.array(quants.dequantize(t.data, t.tensor_type), dtype=np.float32))  # a writable copy
     w = w.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
-    if permute and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-        heads = config["num_attention_heads"] if "q_proj" in hf_name else config["num_key_value_heads"]
-        w = _unpermute_rope_rows(w, heads)
-    return w
+    order = _rope_row_order(hf_name, w.shape[0], config, permute)
+    return w if order is None else w[torch.from_numpy(order)]
+
+
+def _unpack(t, hf_name: str, config: dict, permute: bool, path: Path) -> gguf_quants.QuantizedTensor:
+    """A quantized GGUF tensor in the kernels' layout, every value kept, in HF's row order."""
+    rows, cols = (int(d) for d in reversed(t.shape.tolist()))
+    try:
+        qt = gguf_quants.unpack(t.tensor_type.name, t.data, rows, cols)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: tensor {t.name}: {e}") from None
+    order = _rope_row_order(hf_name, rows, config, permute)
+    return qt if order is None else gguf_quants.permute_rows(qt, order)
+
+
+def _rope_row_order(hf_name: str, rows: int, config: dict, permute: bool) -> np.ndarray | None:
+    """Where each HF q/k row is in llama.cpp's order (it interleaves each head's rotary pairs;
+    HF keeps halves); None for every other tensor."""
+    if not (permute and hf_name.endswith(("q_proj.weight", "k_proj.weight"))):
+        return None
+    heads = config["num_attention_heads"] if "q_proj" in hf_name else config["num_key_value_heads"]
+    return _unpermute_rope_rows(torch.arange(rows), heads).numpy()
 
 
 def _unpermute_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:

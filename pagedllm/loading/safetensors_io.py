@@ -79,6 +79,7 @@ def iter_tensors(
     data_start: int,
     dtype: torch.dtype | None = None,
     destination: Callable[[str], torch.Tensor | None] | None = None,
+    keep_dtype: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (name, tensor) in file order, each in a fresh buffer of ``dtype`` (default: as stored),
     or read straight into ``destination(name)`` when that gives a contiguous tensor (the rows a
@@ -87,13 +88,14 @@ def iter_tensors(
     A tensor stored as ``dtype`` is read straight into its buffer. One stored in another dtype is
     read ``CONVERT_CHUNK_BYTES`` at a time into one reused buffer and converted from there into
     its final one: a float32 checkpoint loads as bfloat16 without a float32 copy of any tensor.
+    Tensors for which ``keep_dtype(name)`` is true (a quantized weight's parts) stay as stored.
     """
     scratch = torch.empty(CONVERT_CHUNK_BYTES, dtype=torch.uint8)
     with open(path, "rb") as f:
         for name, e in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             begin, end = e["data_offsets"]
             stored = DTYPES[e["dtype"]]
-            target = dtype or stored
+            target = stored if dtype is None or (keep_dtype is not None and keep_dtype(name)) else dtype
             f.seek(data_start + begin)
             given = destination(name) if destination is not None else None
             if given is not None and (tuple(given.shape) != tuple(e["shape"]) or given.dtype != target):

@@ -10,9 +10,13 @@ With N = KV-cache blocks, M = ``max_batch_tokens``, S = ``max_num_seqs``, L = ``
 
     footprint(N, M, S) = weights + kv_block · N + activations(M, S, L) + buffers(M, S, L) + fixed
 
-- ``weights``: every parameter times the weight dtype's size (tied embeddings counted once).
-- ``kv_block = 2 · layers · block_size · kv_heads · head_dim · kv_dtype_size``: K and V of one
-  block in every layer. The cache is allocated once, so this term is exact.
+- ``weights``: every parameter times the weight dtype's size (tied embeddings counted once); with
+  ``quantization``, linear weights at 1 byte + a float32 scale per row (int8) or half a byte + a
+  float32 scale and offset per 32 (int4), embeddings and lm_head in int8. A checkpoint stored
+  quantized (a converted GGUF) is counted from its header instead (``EngineSettings.weights_bytes``).
+- ``kv_block = 2 · layers · block_size · kv_heads · (head_dim · kv_dtype_size + scale)``: K and V
+  of one block in every layer (an 8-bit cache keeps a float32 scale per token and head). The
+  cache is allocated once, so this term is exact.
 - ``activations``: the peak of live tensors during one step, above the weights and the cache.
   It is the largest of the step's phases (embedding, rotary tables, each sub-layer of a decoder
   layer, the final norm and logits, the sampler), each a sum of tensors whose sizes are products
@@ -44,7 +48,7 @@ from dataclasses import dataclass, field
 from ..config import ModelConfig
 from ..layers.workspace import GATHER_BUDGET, PAIRS_BUDGET, SAMPLER_CHUNK_ROWS, padded_rows
 from ..sizes import INDEX_BYTES as INDEX
-from ..sizes import ceil_div, dtype_bytes
+from ..sizes import KV_SCALE_BYTES, ceil_div, dtype_bytes, kv_element_bytes, kv_is_quantized
 
 SAMPLER_BYTES_PER_LOGIT = 25  # full sampling path: float32 copies, int64 sort order, masks
 SCALAR_SLACK = 256  # one-element temporaries (eps, scale factors) that ops create on the way
@@ -52,7 +56,8 @@ SCALAR_SLACK = 256  # one-element temporaries (eps, scale factors) that ops crea
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_dtype) -> int:
     """Bytes one block costs across all layers, K and V. The only place this is computed."""
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype_bytes(kv_dtype)
+    per_head = cfg.head_dim * kv_element_bytes(kv_dtype) + (KV_SCALE_BYTES if kv_is_quantized(kv_dtype) else 0)
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * per_head
 
 
 def parameter_count(cfg: ModelConfig) -> int:
@@ -65,8 +70,27 @@ def parameter_count(cfg: ModelConfig) -> int:
     return embeddings + cfg.num_layers * per_layer + h
 
 
-def weight_bytes(cfg: ModelConfig, dtype) -> int:
-    return parameter_count(cfg) * dtype_bytes(dtype)
+def linear_shapes(cfg: ModelConfig) -> tuple[int, int]:
+    """(weights, rows) of every decoder layer's linear layers together (embeddings, lm_head aside)."""
+    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    dq, dk = cfg.num_heads * d, cfg.num_kv_heads * d
+    per_layer = h * (dq + 2 * dk) + dq * h + 3 * h * i
+    rows = (dq + 2 * dk) + h + 2 * i + h
+    return cfg.num_layers * per_layer, cfg.num_layers * rows
+
+
+def weight_bytes(cfg: ModelConfig, dtype, quantization: str | None = None) -> int:
+    if quantization in (None, "none"):
+        return parameter_count(cfg) * dtype_bytes(dtype)
+    linear, rows = linear_shapes(cfg)
+    tables = 1 if cfg.tie_word_embeddings else 2
+    embeddings = tables * cfg.vocab_size * (cfg.hidden_size + 4)  # int8, a float32 scale per row
+    rest = (parameter_count(cfg) - linear - tables * cfg.vocab_size * cfg.hidden_size) * dtype_bytes(dtype)
+    if quantization == "int8":
+        return linear + 4 * rows + embeddings + rest
+    if quantization == "int4":
+        return linear // 2 + 8 * (linear // 32) + embeddings + rest
+    raise ValueError(f"quantization {quantization!r}: choose one of none, int8, int4")
 
 
 # ---- one step -------------------------------------------------------------------------------
@@ -96,6 +120,8 @@ class EngineSettings:
     kernels: str = "compiled"  # "compiled" (pagedllm.kernels) or "torch": the attention and norm workspaces differ
     threads: int = 1  # torch threads: the compiled attention keeps scratch per thread
     packed: bool = True  # bf16 weights prepacked for oneDNN (pagedllm.layers.linear): less GEMM scratch
+    quantization: str | None = None  # as load_decoder takes it
+    weights_bytes: int | None = None  # exact, from the checkpoint's header, when it is at hand
 
     @property
     def kv(self) -> str:
@@ -157,7 +183,9 @@ def _per_head(rows: int, keys: int, g: int, d: int, e: int, query_copy: bool) ->
 
 def _attention_workspace(cfg: ModelConfig, s: EngineSettings, shape: StepShape, windowed: bool) -> int:
     """Largest live workspace of one attention call (one decode group or one prefill tile)."""
-    e, kv_e = dtype_bytes(s.dtype), dtype_bytes(s.kv)
+    e = dtype_bytes(s.dtype)
+    # an 8-bit cache is gathered as stored, then dequantized into the activation dtype
+    kv_e = e + 1 if kv_is_quantized(s.kv) else kv_element_bytes(s.kv)
     g, d = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
     dq, dk = cfg.num_heads * d, cfg.num_kv_heads * d
     worst = 0

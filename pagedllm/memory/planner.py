@@ -12,7 +12,7 @@ from typing import NoReturn
 
 from ..config import ModelConfig
 from ..errors import CacheDoesNotFitError
-from ..sizes import CONVERT_CHUNK_BYTES, ceil_div, dtype_bytes, gib
+from ..sizes import CONVERT_CHUNK_BYTES, ceil_div, dtype_bytes, gib, kv_dtype_name, kv_element_bytes
 from .budget import resolve_budget
 from .footprint import EngineSettings, activation_peak, kv_bytes_per_block, weight_bytes
 from .machine import cpu_has_amx, expected_kernels, usable_cpus
@@ -136,7 +136,9 @@ class _Costs:
 
     @property
     def weights(self) -> int:
-        return weight_bytes(self.cfg, self.s.dtype)
+        if self.s.weights_bytes is not None:
+            return self.s.weights_bytes
+        return weight_bytes(self.cfg, self.s.dtype, self.s.quantization)
 
     @property
     def per_block(self) -> int:
@@ -384,8 +386,10 @@ class _Failure:
             f"  smallest memory that fits (num_blocks={n}, max_batch_tokens={m}, max_model_len={max_len}): {gib(need)}"
         )
         levers = []
-        if dtype_bytes(s.kv) == 4:
-            levers.append("a bfloat16 KV cache (kv_cache_dtype='bfloat16') halves the cache")
+        if kv_element_bytes(s.kv) > 1:
+            levers.append("an 8-bit KV cache (kv_cache_dtype='fp8' or 'int8') holds 2-4x the tokens")
+        if s.quantization in (None, "none") and s.weights_bytes is None:
+            levers.append("quantization='int8' or 'int4' shrinks the weights 2-8x")
         if dtype_bytes(s.dtype) == 4:
             levers.append("dtype='bfloat16' halves the weights")
         levers.append("a smaller max_model_len shrinks the smallest cache and the gather buffers")
@@ -411,6 +415,8 @@ def plan_engine(
     baseline_bytes: int | None = None,
     already_loaded: int = 0,
     kernels: str | None = None,
+    quantization: str | None = None,
+    weights_bytes: int | None = None,
 ) -> MemoryPlan:
     """The plan an engine starts from: the budget, then ``plan``.
 
@@ -419,9 +425,10 @@ def plan_engine(
     the memory free now (host or container), which the baseline has already taken, so the
     process may reach ``baseline + fraction x free``. ``already_loaded``: weights the caller
     holds already, counted as free. ``kernels``: 'compiled' or 'torch' (default: what
-    ``expected_kernels`` says). With no budget given, a solved cache is capped at what
-    ``max_num_seqs`` requests of ``max_model_len`` tokens can use at once, so a small model does
-    not reserve the whole host.
+    ``expected_kernels`` says). ``quantization`` as the loader takes it; ``weights_bytes``: the
+    weights' exact size when the checkpoint is at hand (else computed from the config). With no
+    budget given, a solved cache is capped at what ``max_num_seqs`` requests of ``max_model_len``
+    tokens can use at once, so a small model does not reserve the whole host.
     """
     measured = baseline_bytes is not None
     baseline = baseline_bytes if baseline_bytes is not None else ESTIMATED_BASELINE_BYTES
@@ -430,12 +437,14 @@ def plan_engine(
         budget, source = budget + baseline, f"{source} + the process baseline"
     settings = EngineSettings(
         dtype=dtype,
-        kv_dtype=kv_cache_dtype,
+        kv_dtype=kv_dtype_name(kv_cache_dtype) if kv_cache_dtype else None,
         block_size=block_size,
         max_model_len=max_model_len,
         amx=cpu_has_amx(),
         kernels=kernels or expected_kernels(),
         threads=usable_cpus(),
+        quantization=quantization,
+        weights_bytes=weights_bytes,
     )
     seqs = max_num_seqs or AUTO_MAX_NUM_SEQS
     longest = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)

@@ -5,6 +5,10 @@ RMSNorm (Qwen3), sliding-window layers (Mistral), tied embeddings, rope scaling.
 gate/up are stacked into one ``Linear`` each (one GEMM instead of three or two);
 ``checkpoint_slots`` says where each HF checkpoint tensor goes, so weights load by HF name.
 
+Weights may be kept quantized (``use_quantized``): chosen linear layers become
+``QuantizedLinear`` and the embeddings ``QuantizedEmbedding`` (a tied lm_head then multiplies by
+the same quantized matrix).
+
 ``forward`` takes one flat batch of tokens from many sequences (no padding), their positions,
 the attention seam for this step, and the rows whose logits are wanted: logits are computed for
 those rows only, never for every prompt token.
@@ -21,6 +25,7 @@ from ..config import ModelConfig
 from ..layers.linear import Linear
 from ..layers.mlp import MLP
 from ..layers.norm import RMSNorm, add_rms_norm
+from ..layers.quantized import QuantizedEmbedding, QuantizedLinear
 from ..layers.rotary import Rotary, apply_rotary_
 
 
@@ -87,7 +92,45 @@ class DecoderLM(nn.Module):
             self.tie_embeddings()
 
     def tie_embeddings(self) -> None:
-        self.lm_head.weight = cast(nn.Parameter, self.model.embed_tokens.weight)
+        embed = self.model.embed_tokens
+        if isinstance(embed, QuantizedEmbedding):
+            assert embed.weight_q is not None, "tie after loading"
+            head = QuantizedLinear(self.config.hidden_size, [self.config.vocab_size], bias=False, scheme=None)
+            head.segments, head.packed = [embed.weight_q], True
+            self.lm_head = head  # type: ignore[assignment]
+        else:
+            self.lm_head.weight = cast(nn.Parameter, embed.weight)
+
+    def linear_layers(self) -> dict[str, nn.Module]:
+        """Every linear layer by module name (``model.layers.3.mlp.down_proj``, ``lm_head``)."""
+        return {name: m for name, m in self.named_modules() if isinstance(m, (Linear, QuantizedLinear))}
+
+    def use_quantized(self, schemes: dict[str, str | None], embedding: str | None | bool, dtype: torch.dtype) -> None:
+        """Makes the named linear layers quantized before loading: ``schemes`` maps a module name
+        to how its float checkpoint tensors are quantized ('int8', 'int4'), or None when they come
+        quantized. ``embedding``: the same for the token embeddings (False: keep them float)."""
+        for name, scheme in schemes.items():
+            parent_name, _, leaf = name.rpartition(".")
+            parent = self.get_submodule(parent_name) if parent_name else self
+            old = getattr(parent, leaf)
+            setattr(parent, leaf, QuantizedLinear(old.in_features, old.parts, old.bias is not None, scheme))
+        if embedding is None or isinstance(embedding, str):
+            cfg = self.config
+            self.model.embed_tokens = QuantizedEmbedding(cfg.vocab_size, cfg.hidden_size, embedding, dtype)  # type: ignore[assignment]
+
+    def weight_bytes(self) -> int:
+        """Bytes of every weight, quantized ones included (they are not ``parameters()``)."""
+        seen: set[int] = set()  # ids: packed oneDNN weights have no data pointer
+        total = 0
+        for p in self.parameters():  # each once: a tied lm_head is the embeddings' parameter
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+        for m in self.modules():
+            for w in getattr(m, "quantized_weights", lambda: [])():
+                if id(w) not in seen:
+                    seen.add(id(w))
+                    total += w.nbytes()
+        return total
 
     def checkpoint_slots(self) -> dict[str, tuple[nn.Module, str, int | None]]:
         """HF checkpoint name -> (module, parameter, part): ``part`` is the index of the rows a
@@ -95,7 +138,7 @@ class DecoderLM(nn.Module):
         slots: dict[str, tuple[nn.Module, str, int | None]] = {}
         stacked: dict[Linear, tuple[str, ...]]
         for name, module in self.named_modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, QuantizedLinear)):
                 continue
             for leaf, _ in module.named_parameters(recurse=False):
                 slots[f"{name}.{leaf}"] = (module, leaf, None)
@@ -114,6 +157,8 @@ class DecoderLM(nn.Module):
                         slots[f"{p}{hf}.bias"] = (linear, "bias", part)
         if not self.config.tie_word_embeddings:
             slots["lm_head.weight"] = (self.lm_head, "weight", 0)
+        if isinstance(self.model.embed_tokens, QuantizedEmbedding):
+            slots["model.embed_tokens.weight"] = (self.model.embed_tokens, "weight", 0)
         return slots
 
     def pack(self) -> None:
@@ -121,7 +166,9 @@ class DecoderLM(nn.Module):
         tied lm_head stays as it is: packing it would keep a second copy of the embeddings
         (57 MB for the default model in bf16), which the lookup needs in plain rows."""
         for name, module in self.named_modules():
-            if isinstance(module, Linear) and not (name == "lm_head" and self.config.tie_word_embeddings):
+            if isinstance(module, QuantizedLinear):
+                module.pack()
+            elif isinstance(module, Linear) and not (name == "lm_head" and self.config.tie_word_embeddings):
                 module.pack()
 
     @torch.inference_mode()

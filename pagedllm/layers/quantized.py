@@ -1,0 +1,209 @@
+"""Weights kept quantized: int8 and int4 matrices, and the linear and embedding layers that read them.
+
+A ``QuantizedWeight`` is one matrix in the layout the CPU kernels read (``kernels/csrc/quant_ops.cpp``):
+``value[n, k] = q[n, k] * scale[n, k // group] + zero[n, k // group]``. GGUF's Q4_0/Q4_1/Q4_K
+map onto 4-bit q and Q8_0/Q5_K/Q6_K onto 8-bit q exactly (``loading/gguf_quants.py``);
+``quantize`` makes the same from a float checkpoint tensor (int8: one scale per row, symmetric;
+int4: groups of 32 with scale and offset).
+
+A ``QuantizedLinear`` multiplies in one of two ways per call, by row count: few rows (a decode
+step of a few requests) run the kernel that reads each packed weight once, so a step costs the
+bytes of the 4- or 8-bit weights; many rows dequantize the layer into a transient float buffer
+and run the float GEMM (the dequantize is paid once for all rows). No float copy is kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels import compiled_ops
+from .linear import StackedRows
+
+SCHEMES = ("int8", "int4")
+INT4_GROUP = 32
+# Up to this many rows the quantized kernel beats dequantize + GEMM (measured, docs/quantization.md).
+KERNEL_MAX_ROWS = 4
+# A layer is dequantized for the GEMM path at most this many weights at a time (32 MiB in fp32).
+DEQUANT_CHUNK_ELEMENTS = 8 * 1024 * 1024
+
+
+@dataclass
+class QuantizedWeight:
+    qweight: torch.Tensor  # 4-bit: uint8 [N, K // 2], two per byte; 8-bit: int8 [N, K]
+    scale: torch.Tensor  # float32 [N, K // group]
+    zero: torch.Tensor | None  # float32 like scale, or None for 0
+    bits: int
+    group: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        rows, width = self.qweight.shape
+        return rows, width * 2 if self.bits == 4 else width
+
+    @property
+    def format(self) -> tuple[int, int, bool]:
+        """What must agree for two weights to stack into one."""
+        return self.bits, self.group, self.zero is not None
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scale, self.zero) if t is not None)
+
+    def rows(self, start: int, stop: int) -> QuantizedWeight:
+        zero = None if self.zero is None else self.zero[start:stop]
+        return QuantizedWeight(self.qweight[start:stop], self.scale[start:stop], zero, self.bits, self.group)
+
+    @staticmethod
+    def stack(parts: list[QuantizedWeight]) -> QuantizedWeight:
+        if len(parts) == 1:
+            return parts[0]
+        first = parts[0]
+        zero = None if first.zero is None else torch.cat([p.zero for p in parts if p.zero is not None])
+        return QuantizedWeight(
+            torch.cat([p.qweight for p in parts]), torch.cat([p.scale for p in parts]), zero, first.bits, first.group
+        )
+
+
+def quantize(weight: torch.Tensor, scheme: str) -> QuantizedWeight:
+    """A float matrix [N, K] in ``scheme`` ('int8': per-row symmetric; 'int4': groups of 32 with
+    scale and offset, the layout of GGUF's Q4_1)."""
+    w = weight.detach().float()
+    n, k = w.shape
+    if scheme == "int8":
+        if k % 16:
+            raise ValueError(f"int8 needs a multiple of 16 columns, this matrix has {k}")
+        scale = (w.abs().amax(dim=1, keepdim=True) / 127).clamp_min(1e-12)
+        q = torch.round(w / scale).clamp_(-127, 127).to(torch.int8)
+        return QuantizedWeight(q, scale, None, 8, k)
+    if scheme == "int4":
+        if k % INT4_GROUP:
+            raise ValueError(f"int4 needs a multiple of {INT4_GROUP} columns, this matrix has {k}")
+        groups = w.view(n, k // INT4_GROUP, INT4_GROUP)
+        low, high = groups.amin(dim=2), groups.amax(dim=2)
+        scale = ((high - low) / 15).clamp_min(1e-12)
+        q = torch.round((groups - low[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
+        q = q.view(n, k // INT4_GROUP, 2, 16)  # per group: columns 0-15 low nibbles, 16-31 high
+        packed = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2)
+        return QuantizedWeight(packed.contiguous(), scale.contiguous(), low.contiguous(), 4, INT4_GROUP)
+    raise ValueError(f"quantization {scheme!r}: choose one of {', '.join(SCHEMES)}")
+
+
+def dequantize(w: QuantizedWeight, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The float values of ``w`` (or of its ``rows``), in ``dtype``."""
+    ops = compiled_ops()
+    if ops is not None:
+        return ops.dequantize(w.qweight, w.scale, w.zero, w.bits, w.group, rows, dtype)
+    if rows is not None:
+        zero = None if w.zero is None else w.zero[rows]
+        w = QuantizedWeight(w.qweight[rows], w.scale[rows], zero, w.bits, w.group)
+    n, k = w.shape
+    if w.bits == 4:
+        packed = w.qweight.view(n, k // 32, 1, 16)
+        q = torch.cat([packed & 15, packed >> 4], dim=2).view(n, k).float()
+    else:
+        q = w.qweight.float()
+    values = q.view(n, k // w.group, w.group) * w.scale[..., None]
+    if w.zero is not None:
+        values += w.zero[..., None]
+    return values.view(n, k).to(dtype)
+
+
+def quantized_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """x [M, K] @ w^T, in x's dtype: the packed kernel for few rows, else dequantize + GEMM."""
+    ops = compiled_ops()
+    if ops is not None and x.shape[0] <= KERNEL_MAX_ROWS:
+        return ops.quant_linear(x.contiguous(), w.qweight, w.scale, w.zero, w.bits, w.group)
+    n, k = w.shape
+    chunk = max(1, DEQUANT_CHUNK_ELEMENTS // k)
+    if n <= chunk:
+        return F.linear(x, dequantize(w, x.dtype))
+    out = x.new_empty(x.shape[0], n)
+    for start in range(0, n, chunk):
+        stop = min(n, start + chunk)
+        out[:, start:stop] = F.linear(x, dequantize(w.rows(start, stop), x.dtype))
+    return out
+
+
+class QuantizedLinear(StackedRows):
+    """A linear layer on quantized weights, stacked by rows like ``Linear`` (q/k/v, gate/up).
+
+    Checkpoint tensors arrive one by one (``load_part``: a float tensor is quantized,
+    ``load_quantized_part``: one stored quantized is kept as it is); ``pack`` stacks them, by
+    runs of parts that share a format (a GGUF file may store v in 6 bits next to q and k in 4).
+    """
+
+    def __init__(self, in_features: int, parts: list[int], bias: bool, scheme: str | None):
+        super().__init__(in_features, parts)
+        self.scheme = scheme  # how float tensors are quantized; None: parts must come quantized
+        self.bias = nn.Parameter(torch.empty(sum(parts)), requires_grad=False) if bias else None
+        self.pending: dict[int, QuantizedWeight] = {}
+        self.segments: list[QuantizedWeight] = []
+        self.packed = False
+
+    def load_part(self, name: str, index: int, tensor: torch.Tensor) -> None:
+        if name == "bias":
+            if self.bias is None or self.bias.is_meta:
+                self.bias = nn.Parameter(torch.empty(sum(self.parts), dtype=tensor.dtype), requires_grad=False)
+            self.bias.data[self.part_rows(index)].copy_(tensor)
+            return
+        if self.scheme is None:
+            raise ValueError("this layer's weights must come quantized")
+        self.load_quantized_part(index, quantize(tensor, self.scheme))
+
+    def load_quantized_part(self, index: int, weight: QuantizedWeight) -> None:
+        self.pending[index] = weight
+
+    def loaded_parts(self) -> set[int]:
+        return set(self.pending) if not self.packed else set(range(len(self.parts)))
+
+    def pack(self) -> None:
+        if self.packed:
+            return
+        parts = [self.pending.pop(i) for i in range(len(self.parts))]
+        runs: list[list[QuantizedWeight]] = []
+        for part in parts:
+            if runs and runs[-1][0].format == part.format:
+                runs[-1].append(part)
+            else:
+                runs.append([part])
+        self.segments = [QuantizedWeight.stack(run) for run in runs]
+        self.packed = True
+
+    def quantized_weights(self) -> list[QuantizedWeight]:
+        return [*self.segments, *self.pending.values()]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [quantized_matmul(x, s) for s in self.segments]
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        if self.bias is not None:
+            y += self.bias
+        return y
+
+
+class QuantizedEmbedding(StackedRows):
+    """Token embeddings kept quantized: a lookup dequantizes only the rows it reads. A tied
+    lm_head multiplies by the same weight (``DecoderLM.tie_embeddings``)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, scheme: str | None, dtype: torch.dtype):
+        super().__init__(embedding_dim, [num_embeddings])
+        self.scheme = scheme  # how a float checkpoint tensor is quantized; None: it comes quantized
+        self.dtype = dtype  # of the activations a lookup returns
+        self.weight_q: QuantizedWeight | None = None
+
+    def load_part(self, name: str, index: int, tensor: torch.Tensor) -> None:
+        if self.scheme is None:
+            raise ValueError("these embeddings must come quantized")
+        self.load_quantized_part(index, quantize(tensor, self.scheme))
+
+    def load_quantized_part(self, index: int, weight: QuantizedWeight) -> None:
+        self.weight_q = weight
+
+    def quantized_weights(self) -> list[QuantizedWeight]:
+        return [] if self.weight_q is None else [self.weight_q]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        assert self.weight_q is not None, "embeddings not loaded"
+        return dequantize(self.weight_q, self.dtype, rows=ids)

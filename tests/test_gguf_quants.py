@@ -1,0 +1,152 @@
+"""Quantized GGUF tensors unpack into our group-wise formats without changing a single value:
+gguf's own dequantize is the oracle."""
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from pagedllm.loading.gguf_quants import SUPPORTED, QuantizedTensor, dequantize, permute_rows, unpack
+
+# Byte offsets of each type's f16 fields (d, and dmin or m) inside its block.
+_F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+# bits, group, qweight dtype, qweight columns per weight column, has a zero
+_FORMAT = {
+    "Q4_0": (4, 32, np.uint8, 0.5, True),
+    "Q4_1": (4, 32, np.uint8, 0.5, True),
+    "Q8_0": (8, 32, np.int8, 1, False),
+    "Q4_K": (4, 32, np.uint8, 0.5, True),
+    "Q5_K": (8, 32, np.int8, 1, True),
+    "Q6_K": (8, 16, np.int8, 1, False),
+}
+
+
+def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Every bit pattern of the quantized fields, with finite f16 scales (signs, zeros and
+    subnormals included)."""
+    rng = np.random.default_rng(seed)
+    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    raw = rng.integers(0, 256, (rows, cols // block * type_size), dtype=np.uint8)
+    blocks = raw.reshape(rows, cols // block, type_size)
+    for offset in _F16_FIELDS[type_name]:
+        d = (rng.standard_normal(blocks.shape[:2]) * 10.0 ** rng.integers(-7, 1, blocks.shape[:2])).astype(np.float16)
+        d[0, 0] = 0.0
+        blocks[..., offset : offset + 2] = d[..., None].view(np.uint8)
+    return raw
+
+
+def assert_exact(type_name: str, ours: np.ndarray, raw: np.ndarray) -> None:
+    expected = gguf_dequantize(raw, GGMLQuantizationType[type_name])
+    assert ours.dtype == np.float32 and ours.shape == expected.shape
+    if type_name == "Q4_0":  # equal as numbers; +0 may stand where gguf has -0 (module docstring)
+        ours, expected = ours + np.float32(0), expected + np.float32(0)
+    np.testing.assert_array_equal(ours.view(np.uint32), expected.view(np.uint32))
+
+
+@pytest.mark.parametrize("type_name", sorted(SUPPORTED))
+def test_every_supported_type_unpacks_to_gguf_values_bit_for_bit(type_name):
+    rows, cols = 5, 512
+    raw = random_blocks(type_name, rows, cols)
+    qt = unpack(type_name, raw, rows, cols)
+    assert_exact(type_name, dequantize(qt), raw)
+
+    bits, group, dtype, per_col, has_zero = _FORMAT[type_name]
+    assert (qt.bits, qt.group, qt.shape) == (bits, group, (rows, cols))
+    assert qt.qweight.dtype == dtype and qt.qweight.shape == (rows, int(cols * per_col))
+    assert qt.scale.dtype == np.float32 and qt.scale.shape == (rows, cols // group)
+    assert (qt.zero is not None) == has_zero
+    if qt.zero is not None:
+        assert qt.zero.dtype == np.float32 and qt.zero.shape == qt.scale.shape
+    assert all(a.flags.c_contiguous for a in (qt.qweight, qt.scale, qt.zero) if a is not None)
+
+
+@pytest.mark.parametrize("type_name", sorted(SUPPORTED))
+def test_q_stays_in_its_range(type_name):
+    qt = unpack(type_name, random_blocks(type_name, 3, 256), 3, 256)
+    lo, hi = {
+        "Q4_0": (0, 15),
+        "Q4_1": (0, 15),
+        "Q4_K": (0, 15),
+        "Q8_0": (-128, 127),
+        "Q5_K": (0, 31),
+        "Q6_K": (-32, 31),
+    }[type_name]
+    q = qt.qweight
+    if qt.bits == 4:
+        q = np.concatenate([q & 0x0F, q >> 4])
+    assert q.min() == lo and q.max() == hi
+
+
+@pytest.mark.parametrize("type_name", sorted(SUPPORTED & {"Q4_0", "Q4_1", "Q8_0"}))
+def test_weights_quantized_by_gguf_unpack_exactly(type_name):
+    weights = np.random.default_rng(1).standard_normal((4, 96)).astype(np.float32)
+    raw = gguf_quantize(weights, GGMLQuantizationType[type_name])
+    assert_exact(type_name, dequantize(unpack(type_name, raw, 4, 96)), raw)
+
+
+def test_int4_nibble_order_low_is_element_j_high_is_element_j_plus_16():
+    # One Q4_1 block, d = 1, m = 0.5: byte j holds j in its low nibble and 15 - j in its high one.
+    qs = np.array([j | ((15 - j) << 4) for j in range(16)], dtype=np.uint8)
+    header = np.array([1.0, 0.5], dtype=np.float16).view(np.uint8)
+    raw = np.concatenate([header, qs])[None, :]
+    qt = unpack("Q4_1", raw, 1, 32)
+    np.testing.assert_array_equal(qt.qweight[0], qs)
+    expected = [j + 0.5 for j in range(16)] + [15 - j + 0.5 for j in range(16)]
+    np.testing.assert_array_equal(dequantize(qt)[0], np.array(expected, dtype=np.float32))
+
+
+def test_q4_k_is_repacked_into_the_q4_0_nibble_order():
+    # A Q4_K super-block with d = 1, dmin = 0, every scale 1: element k of the 256 is k % 16.
+    # Q4_K keeps elements c*64 + j (low) and c*64 + 32 + j (high) in byte c*32 + j.
+    q = np.arange(256) % 16
+    qs = (q.reshape(4, 2, 32)[:, 0] | (q.reshape(4, 2, 32)[:, 1] << 4)).astype(np.uint8).reshape(-1)
+    scales = np.array([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1], dtype=np.uint8)
+    raw = np.concatenate([np.array([1.0, 0.0], dtype=np.float16).view(np.uint8), scales, qs])[None, :]
+    qt = unpack("Q4_K", raw, 1, 256)
+    np.testing.assert_array_equal(qt.qweight[0], np.tile(np.arange(16) | (np.arange(16) << 4), 8))
+    np.testing.assert_array_equal(dequantize(qt)[0], q.astype(np.float32))
+    assert_exact("Q4_K", dequantize(qt), raw)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
+def test_permute_rows_moves_every_array_with_its_row(type_name):
+    rows, cols = 6, 64
+    qt = unpack(type_name, random_blocks(type_name, rows, cols), rows, cols)
+    order = np.array([3, 0, 5, 1, 4, 2])
+    moved = permute_rows(qt, order)
+    assert isinstance(moved, QuantizedTensor) and (moved.bits, moved.group) == (qt.bits, qt.group)
+    np.testing.assert_array_equal(dequantize(moved), dequantize(qt)[order])
+    with pytest.raises(ValueError, match="permutation"):
+        permute_rows(qt, np.array([0, 0, 1, 2, 3, 4]))
+
+
+@pytest.mark.parametrize("type_name", ["Q2_K", "IQ4_NL", "F16", "Q5_0"])
+def test_an_unsupported_type_is_refused_by_name(type_name):
+    with pytest.raises(ValueError, match=type_name):
+        unpack(type_name, np.zeros((1, 256), dtype=np.uint8), 1, 256)
+
+
+def test_a_size_that_does_not_match_the_type_is_refused():
+    with pytest.raises(ValueError, match="block size 256"):
+        unpack("Q4_K", np.zeros((1, 144), dtype=np.uint8), 1, 128)
+    with pytest.raises(ValueError, match="needs 36 bytes"):
+        unpack("Q4_0", np.zeros((1, 40), dtype=np.uint8), 1, 64)
+
+
+@pytest.mark.slow  # reading the file's metadata takes ~3 s
+def test_the_default_model_tensors_unpack_exactly():
+    from pagedllm.errors import ModelLoadError
+    from pagedllm.loading.default_model import default_gguf_path
+
+    try:
+        path = default_gguf_path()
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    for name in ["token_embd.weight", "blk.0.attn_q.weight"]:  # Q8_0 and Q4_1
+        tensor = tensors[name]
+        raw = tensor.data[:8192]  # all of attn_q; enough of the 49152 embedding rows
+        type_name = tensor.tensor_type.name
+        assert type_name in SUPPORTED
+        assert_exact(type_name, dequantize(unpack(type_name, raw, raw.shape[0], int(tensor.shape[0]))), raw)
