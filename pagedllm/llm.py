@@ -52,7 +52,8 @@ class LLM:
         is solved for. ``quantization``: None runs a checkpoint's weights as stored (a GGUF's stay
         quantized), 'int8' / 'int4' quantize float weights at load, 'none' dequantizes all;
         ``kv_cache_dtype``: 'int8' or 'fp8' keep the cache in 8 bits. The plan is checked from
-        config.json before any weight is loaded: CacheDoesNotFitError if it cannot fit. With a budget, the KV cache is committed at once.
+        config.json before any weight is loaded: CacheDoesNotFitError if it cannot fit. With a
+        budget, the KV cache is committed at once.
         """
         model_dir, name = loading.resolve_model_dir(model)  # a GGUF file is converted in a child process
         tokenizer = loading.load_tokenizer(model_dir)  # before measuring: it belongs to the baseline
