@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench import workloads
@@ -119,7 +120,9 @@ def hf_model():
 
 def float_copy() -> Path:
     """The default model as an HF directory of float32 safetensors, built once: transformers'
-    weights of the GGUF, the tokenizer files of pagedllm's converted directory."""
+    weights of the GGUF, the config and tokenizer of pagedllm's converted directory.
+    (transformers' ``save_pretrained`` refuses a model read from a GGUF, so the state dict is
+    written directly; a tied lm_head is the embeddings and is left out.)"""
     converted = converted_dir(default_gguf_path())
     target = Path(tempfile.gettempdir()) / "pagedllm-quality" / f"{converted.name}-float32"
     if (target / "config.json").is_file():
@@ -127,9 +130,13 @@ def float_copy() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
     try:
-        hf_model().save_pretrained(tmp, safe_serialization=True)
+        model = hf_model()
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            del state["lm_head.weight"]
+        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
         for f in converted.iterdir():
-            if f.name not in ("config.json", "model.safetensors"):
+            if f.name != "model.safetensors":
                 shutil.copy(f, tmp / f.name)
         tmp.rename(target)
     finally:

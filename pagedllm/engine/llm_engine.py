@@ -25,7 +25,7 @@ from ..memory.machine import resident_bytes
 from ..memory.planner import MemoryPlan, plan_engine
 from ..outputs import RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
-from ..sizes import dtype_name, torch_dtype
+from ..sizes import dtype_name
 from .block_manager import BlockManager
 from .detokenizer import Detokenizer
 from .model_runner import ModelRunner
@@ -92,9 +92,7 @@ class LLMEngine:
         self.detokenizer = Detokenizer(self.tokenizer, self.eos_token_ids, plan.max_model_len)
         self.blocks = BlockManager(plan.num_blocks, plan.block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, plan.max_batch_tokens, plan.max_num_seqs, self.detokenizer.check_stop)
-        self.kv_cache = KVCache(
-            cfg, plan.num_blocks, plan.block_size, torch_dtype(plan.kv_dtype), resident=resident_cache
-        )
+        self.kv_cache = KVCache(cfg, plan.num_blocks, plan.block_size, plan.kv_dtype, resident=resident_cache)
         self.runner = ModelRunner(loaded.model, self.kv_cache, Sampler(self.eos_token_ids))
         self.threads = ThreadGovernor()
         # Debug mode (the test suite runs with it): verify every step's bookkeeping.

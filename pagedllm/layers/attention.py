@@ -184,16 +184,16 @@ class PagedAttention:
     ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] for the step's new tokens (each token's heads
         contiguous; views of one qkv row are fine). Returns [T, H, D]."""
-        lay = self.layout
-        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]  # [KVH, slots, D]
+        lay, cache = self.layout, self.cache
         ops = compiled_ops()
         if ops is not None:
+            eight_bit = cache.quantized
             return ops.paged_attention(
                 q,
                 k,
                 v,
-                k_cache,
-                v_cache,
+                cache.k[layer],  # [KVH, slots, D]
+                cache.v[layer],
                 lay.query_start,
                 lay.context_lens,
                 lay.block_tables,
@@ -201,18 +201,18 @@ class PagedAttention:
                 scale,
                 window or 0,
                 lay.pairs_budget,
+                cache.k_scale[layer] if eight_bit else None,
+                cache.v_scale[layer] if eight_bit else None,
             )
-        k_cache.index_copy_(1, lay.slot_mapping, k.transpose(0, 1))
-        v_cache.index_copy_(1, lay.slot_mapping, v.transpose(0, 1))
+        cache.write(layer, lay.slot_mapping, k, v)
         kv_heads, d = k.shape[1], k.shape[2]
-        k_blocks = k_cache.view(kv_heads, -1, lay.block_size, d)
-        v_blocks = v_cache.view(kv_heads, -1, lay.block_size, d)
         out = torch.empty_like(q)
         group = q.shape[1] // kv_heads
         for g in lay.decode_groups:
             b = g.blocks.shape[0]
-            keys = k_blocks[:, g.blocks].view(kv_heads, b, g.keys, d)  # [KVH, B, L, D]
-            values = v_blocks[:, g.blocks].view(kv_heads, b, g.keys, d)
+            keys, values = cache.gather(layer, g.blocks, q.dtype)
+            keys = keys.view(kv_heads, b, g.keys, d)  # [KVH, B, L, D]
+            values = values.view(kv_heads, b, g.keys, d)
             queries = q.index_select(0, g.rows)  # [B, H, D]
             mask = g.mask(window)
             for h in range(kv_heads):
@@ -225,8 +225,9 @@ class PagedAttention:
             del keys, values, queries
         for p in lay.prefills:
             n = p.blocks.shape[0] * lay.block_size
-            keys = k_blocks[:, p.blocks].view(kv_heads, n, d)[:, : p.context_len]  # [KVH, ctx, D]
-            values = v_blocks[:, p.blocks].view(kv_heads, n, d)[:, : p.context_len]
+            keys, values = cache.gather(layer, p.blocks, q.dtype)
+            keys = keys.view(kv_heads, n, d)[:, : p.context_len]  # [KVH, ctx, D]
+            values = values.view(kv_heads, n, d)[:, : p.context_len]
             tile = lay.query_tile(p.context_len)
             first_pos = p.context_len - p.length
             for t0 in range(0, p.length, tile):

@@ -9,6 +9,11 @@
 A token's K/V lives at *slot* ``block_id * block_size + offset``; a sequence's block table maps
 its token positions to blocks. The tensors are allocated once at start-up and never grow: the
 block manager hands blocks out and takes them back, the attention seam reads and writes slots.
+
+An 8-bit cache (``int8``, or ``fp8``: float8 e4m3) stores each token's head_dim values in one
+byte each with one float32 scale per token and head (absmax over the values mapped to the type's
+largest): twice the tokens of bf16 per byte, four times fp32's. The compiled attention kernel
+reads it in place; the PyTorch path dequantizes what it gathers.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ import mmap
 import torch
 
 from ..config import ModelConfig
+
+# 8-bit cache dtypes: the torch dtype they are stored in, and the largest value a scale maps to.
+EIGHT_BIT = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
 
 
 class KVCache:
@@ -33,7 +41,7 @@ class KVCache:
         cfg: ModelConfig,
         num_blocks: int,
         block_size: int,
-        dtype: torch.dtype,
+        dtype: torch.dtype | str,
         device: torch.device | str = "cpu",
         resident: bool = False,
     ):
@@ -44,17 +52,54 @@ class KVCache:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.dtype = dtype
+        self.quantized = isinstance(dtype, str) and dtype in EIGHT_BIT
+        if isinstance(dtype, str) and not self.quantized:
+            dtype = getattr(torch, dtype)
+        self.dtype: torch.dtype = EIGHT_BIT[dtype][0] if isinstance(dtype, str) else dtype
+        self.top = EIGHT_BIT[dtype][1] if isinstance(dtype, str) else 0.0
         shape = (cfg.num_kv_heads, num_blocks * block_size, cfg.head_dim)
-        self.k = [_zeros(shape, dtype, device, resident) for _ in range(cfg.num_layers)]
-        self.v = [_zeros(shape, dtype, device, resident) for _ in range(cfg.num_layers)]
+        self.k = [_zeros(shape, self.dtype, device, resident) for _ in range(cfg.num_layers)]
+        self.v = [_zeros(shape, self.dtype, device, resident) for _ in range(cfg.num_layers)]
+        layers = range(cfg.num_layers) if self.quantized else range(0)
+        self.k_scale = [_zeros(shape[:2], torch.float32, device, resident) for _ in layers]
+        self.v_scale = [_zeros(shape[:2], torch.float32, device, resident) for _ in layers]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The step's K/V ([T, KVH, D]) into their slots (the PyTorch path; the kernel does its own)."""
+        if not self.quantized:
+            self.k[layer].index_copy_(1, slots, k.transpose(0, 1))
+            self.v[layer].index_copy_(1, slots, v.transpose(0, 1))
+            return
+        for new, cache, scales in ((k, self.k[layer], self.k_scale[layer]), (v, self.v[layer], self.v_scale[layer])):
+            heads_first = new.transpose(0, 1).float()
+            amax = heads_first.abs().amax(dim=-1)  # [KVH, T]
+            q = heads_first * torch.where(amax > 0, self.top / amax, 0.0)[..., None]
+            q = q.round_().to(self.dtype) if self.dtype == torch.int8 else q.to(self.dtype)
+            cache.view(torch.uint8).index_copy_(1, slots, q.view(torch.uint8))  # CPU indexing lacks fp8
+            scales.index_copy_(1, slots, amax / self.top)
+
+    def gather(self, layer: int, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``blocks`` (any shape of block ids) as [KVH, *blocks.shape, block_size, D] in ``dtype``."""
+        out = []
+        for i, cache in enumerate((self.k[layer], self.v[layer])):
+            kv_heads, _, d = cache.shape
+            if self.quantized:  # indexed as bytes: CPU indexing lacks fp8
+                values = cache.view(torch.uint8).view(kv_heads, -1, self.block_size, d)[:, blocks].view(self.dtype)
+            else:
+                values = cache.view(kv_heads, -1, self.block_size, d)[:, blocks]
+            if self.quantized:
+                scales = (self.k_scale, self.v_scale)[i][layer]
+                scale = scales.view(kv_heads, -1, self.block_size)[:, blocks]
+                values = (values.float() * scale[..., None]).to(dtype)
+            out.append(values)
+        return out[0], out[1]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copies every layer's K/V of block ``src`` into block ``dst`` (copy-on-write of a
         shared block). Block by block and in place: no temporary larger than one block."""
         bs = self.block_size
         for src, dst in pairs:
-            for cache in (*self.k, *self.v):
+            for cache in self._tensors():
                 cache[:, dst * bs : (dst + 1) * bs].copy_(cache[:, src * bs : (src + 1) * bs])
 
     def zero_blocks(self, blocks: list[int]) -> None:
@@ -62,8 +107,11 @@ class KVCache:
         next owner, and a masked NaN still poisons ``probs @ V`` (0 x NaN is NaN)."""
         bs = self.block_size
         for block in blocks:
-            for cache in (*self.k, *self.v):
+            for cache in self._tensors():
                 cache[:, block * bs : (block + 1) * bs].zero_()
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [*self.k, *self.v, *self.k_scale, *self.v_scale]
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device, resident: bool) -> torch.Tensor:

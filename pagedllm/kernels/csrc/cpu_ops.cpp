@@ -13,6 +13,8 @@
 
 #include <sched.h>
 
+#include <c10/util/Float8_e4m3fn.h>
+
 #include "common.h"
 
 namespace {
@@ -185,19 +187,59 @@ inline void pv_rows(const float* P, int64_t rows, int64_t stride, const float* c
   }
 }
 
-// Rows of the cache as float pointers: fp32 rows in place; bf16 rows widened into `buffer`.
-template <typename T>
-inline const float* float_row(const T* src, int64_t D, float* buffer) {
-  if constexpr (std::is_same_v<T, float>) {
-    return src;
+// One KV head's cache, read a row (a token's head_dim values) at a time as floats: fp32 rows in
+// place; bf16 rows widened into a buffer; 8-bit rows (int8, or fp8 e4m3) times their scale.
+template <typename C>
+struct CacheRows {
+  const C* values;      // [slots, D] of this head
+  const float* scales;  // [slots] of this head (8-bit caches only)
+  int64_t D;
+  const float* row(int64_t slot, float* buffer) const {
+    const C* src = values + slot * D;
+    if constexpr (std::is_same_v<C, float>) {
+      return src;
+    } else if constexpr (std::is_same_v<C, c10::BFloat16>) {
+      widen_row(buffer, src, D);
+      return buffer;
+    } else {
+      const float s = scales[slot];
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) buffer[d] = float(src[d]) * s;
+      return buffer;
+    }
+  }
+  float at(int64_t slot, int64_t d) const {
+    if constexpr (std::is_same_v<C, float> || std::is_same_v<C, c10::BFloat16>)
+      return widen(values[slot * D + d]);
+    else
+      return float(values[slot * D + d]) * scales[slot];
+  }
+};
+
+// A token's head_dim values into the cache: as they are, or in 8 bits with one scale (absmax
+// over the row mapped to the type's largest value).
+template <typename T, typename C>
+inline void store_row(C* dst, float* scale, const T* src, int64_t D) {
+  if constexpr (std::is_same_v<C, T>) {
+    std::memcpy(dst, src, D * sizeof(T));
   } else {
-    widen_row(buffer, src, D);
-    return buffer;
+    float amax = 0.f;
+    for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(widen(src[d])));
+    constexpr float top = std::is_same_v<C, int8_t> ? 127.f : 448.f;  // e4m3's largest finite value
+    const float s = amax / top, inv = amax > 0.f ? top / amax : 0.f;
+    *scale = s;
+    for (int64_t d = 0; d < D; ++d) {
+      if constexpr (std::is_same_v<C, int8_t>)
+        dst[d] = int8_t(std::nearbyint(widen(src[d]) * inv));
+      else
+        dst[d] = C(widen(src[d]) * inv);
+    }
   }
 }
 
-template <typename T>
-void attend(const WorkItem& w, const Geometry& g, const T* q, T* out, const T* k_cache, const T* v_cache,
+template <typename T, typename C>
+void attend(const WorkItem& w, const Geometry& g, const T* q, T* out, const C* k_cache, const C* v_cache,
+            const float* k_scales, const float* v_scales,
             const int32_t* query_start, const int32_t* context_lens, const int32_t* block_tables, Scratch& s) {
   const int64_t D = g.dim, G = g.group, bs = g.block_size;
   const int64_t qstart = query_start[w.seq];
@@ -212,9 +254,10 @@ void attend(const WorkItem& w, const Geometry& g, const T* q, T* out, const T* k
   float* S = s.scores.data();
   float* A = s.acc.data();
   float* kv = s.keys.data();
-  const T* kc = k_cache + w.head * g.slots * D;
-  const T* vc = v_cache + w.head * g.slots * D;
-  auto row_of = [&](int64_t j) { return (int64_t(table[j / bs]) * bs + j % bs) * D; };
+  const int64_t head_slots = w.head * g.slots;
+  const CacheRows<C> keys{k_cache + head_slots * D, k_scales ? k_scales + head_slots : nullptr, D};
+  const CacheRows<C> vals{v_cache + head_slots * D, v_scales ? v_scales + head_slots : nullptr, D};
+  auto slot_of = [&](int64_t j) { return int64_t(table[j / bs]) * bs + j % bs; };
 
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t r = w.row0 + i / G, h = w.head * G + i % G;
@@ -224,14 +267,15 @@ void attend(const WorkItem& w, const Geometry& g, const T* q, T* out, const T* k
   const float* key_rows[16];
   for (int64_t j = lo; j <= hi;) {
     const int64_t n = std::min({W, hi - j + 1, bs - j % bs});
-    const T* src = kc + row_of(j);
+    const int64_t slot = slot_of(j);
+    const C* src = keys.values + slot * D;
     if (rows >= 8) {  // prefill tiles: keys transposed once, then four query rows at a time
       for (int64_t c = 0; c < n; ++c)
-        for (int64_t d = 0; d < D; ++d) kv[d * W + c] = widen(src[c * D + d]);
+        for (int64_t d = 0; d < D; ++d) kv[d * W + c] = keys.at(slot + c, d);
       scores_transposed(Q, rows, D, kv, n, S + (j - lo), span);
     } else {
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, T>) {
         if (D == 64 || D == 128) {
           const T* query_rows[8];
           const T* bf16_keys[16];
@@ -249,7 +293,7 @@ void attend(const WorkItem& w, const Geometry& g, const T* q, T* out, const T* k
 #endif
 #if defined(CPU_CAPABILITY_AVX512)
       if (W == 16 && (D == 64 || D == 128)) {
-        for (int64_t c = 0; c < n; ++c) key_rows[c] = float_row(src + c * D, D, kv + c * D);
+        for (int64_t c = 0; c < n; ++c) key_rows[c] = keys.row(slot + c, kv + c * D);
         if (D == 64)
           scores_16<4>(Q, rows, key_rows, n, S + (j - lo), span);
         else
@@ -258,10 +302,7 @@ void attend(const WorkItem& w, const Geometry& g, const T* q, T* out, const T* k
         continue;
       }
 #endif
-      for (int64_t c = 0; c < n; ++c) {
-        widen_row(kv, src + c * D, D);
-        scores_by_dot(Q, rows, D, kv, S + (j - lo + c), span);
-      }
+      for (int64_t c = 0; c < n; ++c) scores_by_dot(Q, rows, D, keys.row(slot + c, kv), S + (j - lo + c), span);
     }
     j += n;
   }
@@ -298,8 +339,8 @@ void attend(const WorkItem& w, const Geometry& g, const T* q, T* out, const T* k
   const float* value_rows[16];
   for (int64_t j = lo; j <= hi;) {
     const int64_t n = std::min({W, hi - j + 1, bs - j % bs});
-    const T* src = vc + row_of(j);
-    for (int64_t c = 0; c < n; ++c) value_rows[c] = float_row(src + c * D, D, kv + c * D);
+    const int64_t slot = slot_of(j);
+    for (int64_t c = 0; c < n; ++c) value_rows[c] = vals.row(slot + c, kv + c * D);
     const float* P = S + (j - lo);
     if (D == 4 * W) {
       pv_rows<4>(P, rows, span, value_rows, n, A);
@@ -352,10 +393,12 @@ std::vector<std::vector<WorkItem>> deal(const Geometry& g, const int32_t* query_
   return buckets;
 }
 
-template <typename T>
-void write_cache(const Geometry& g, const T* k, const T* v, T* k_cache, T* v_cache, const int32_t* query_start,
-                 const int32_t* context_lens, const int32_t* block_tables, int64_t num_seqs) {
+template <typename T, typename C>
+void write_cache(const Geometry& g, const T* k, const T* v, C* k_cache, C* v_cache, float* k_scales, float* v_scales,
+                 const int32_t* query_start, const int32_t* context_lens, const int32_t* block_tables,
+                 int64_t num_seqs) {
   const int64_t tokens = query_start[num_seqs];
+  float unused = 0.f;
   at::parallel_for(0, num_seqs, std::max<int64_t>(1, num_seqs * 256 / std::max<int64_t>(1, tokens)),
                    [&](int64_t s0, int64_t s1) {
                      for (int64_t s = s0; s < s1; ++s) {
@@ -366,9 +409,11 @@ void write_cache(const Geometry& g, const T* k, const T* v, T* k_cache, T* v_cac
                          const int64_t pos = first_pos + r;
                          const int64_t slot = int64_t(table[pos / g.block_size]) * g.block_size + pos % g.block_size;
                          for (int64_t h = 0; h < g.kv_heads; ++h) {
-                           const int64_t dst = (h * g.slots + slot) * g.dim;
-                           std::memcpy(k_cache + dst, k + (qstart + r) * g.k_stride + h * g.dim, g.dim * sizeof(T));
-                           std::memcpy(v_cache + dst, v + (qstart + r) * g.v_stride + h * g.dim, g.dim * sizeof(T));
+                           const int64_t at = h * g.slots + slot;
+                           store_row<T, C>(k_cache + at * g.dim, k_scales ? k_scales + at : &unused,
+                                           k + (qstart + r) * g.k_stride + h * g.dim, g.dim);
+                           store_row<T, C>(v_cache + at * g.dim, v_scales ? v_scales + at : &unused,
+                                           v + (qstart + r) * g.v_stride + h * g.dim, g.dim);
                          }
                        }
                      }
@@ -394,21 +439,24 @@ void check_metadata(const Geometry& g, int64_t tokens, const int32_t* query_star
 
 Tensor paged_attention(const Tensor& q, const Tensor& k, const Tensor& v, Tensor k_cache, Tensor v_cache,
                        const Tensor& query_start, const Tensor& context_lens, const Tensor& block_tables,
-                       int64_t block_size, double scale, int64_t window, int64_t pairs_budget) {
+                       int64_t block_size, double scale, int64_t window, int64_t pairs_budget,
+                       const c10::optional<Tensor>& k_scales, const c10::optional<Tensor>& v_scales) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [tokens, heads, head_dim]");
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes(), "caches must be [kv_heads, slots, head_dim]");
   for (const Tensor* t : {&q, &k, &v})
     TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == t->size(2), "q, k, v: each token's heads must be contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
-  const auto dtype = k_cache.scalar_type();
-  TORCH_CHECK(q.scalar_type() == dtype && k.scalar_type() == dtype && v.scalar_type() == dtype &&
-                  v_cache.scalar_type() == dtype,
-              "q, k, v and the caches must share one dtype");
+  const auto dtype = q.scalar_type(), cache_dtype = k_cache.scalar_type();
+  TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype && v_cache.scalar_type() == cache_dtype,
+              "q, k and v share one dtype, and the two caches another");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "paged_attention supports float32 and bfloat16");
-  TORCH_CHECK(query_start.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt &&
-                  block_tables.scalar_type() == at::kInt && query_start.is_contiguous() &&
-                  context_lens.is_contiguous() && block_tables.is_contiguous() && block_tables.dim() == 2,
-              "query_start, context_lens and block_tables must be contiguous int32");
+  const bool eight_bit = cache_dtype == at::kChar || cache_dtype == at::kFloat8_e4m3fn;
+  TORCH_CHECK(cache_dtype == dtype || eight_bit, "the cache is in q's dtype, int8 or float8_e4m3fn");
+  if (eight_bit)
+    for (const auto* t : {&k_scales, &v_scales})
+      TORCH_CHECK(t->has_value() && (*t)->scalar_type() == at::kFloat && (*t)->is_contiguous() &&
+                      (*t)->dim() == 2 && (*t)->size(0) == k_cache.size(0) && (*t)->size(1) == k_cache.size(1),
+                  "an 8-bit cache needs float32 scales [kv_heads, slots]");
   Geometry g;
   g.heads = q.size(1);
   g.kv_heads = k.size(1);
@@ -435,18 +483,28 @@ Tensor paged_attention(const Tensor& q, const Tensor& k, const Tensor& v, Tensor
   Tensor out = at::empty(q.sizes(), q.options());
   const int64_t threads = at::get_num_threads();
   const auto buckets = deal(g, qs, cl, num_seqs, pairs_budget, threads);
+  float* ks = eight_bit ? k_scales->data_ptr<float>() : nullptr;
+  float* vs = eight_bit ? v_scales->data_ptr<float>() : nullptr;
   dispatch(dtype, [&](auto tag) {
-    using scalar_t = decltype(tag);
-    using T = scalar_t;
-    write_cache<T>(g, k.data_ptr<T>(), v.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), qs, cl, bt,
-                   num_seqs);
-    at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-      static thread_local Scratch scratch;
-      for (int64_t t = t0; t < t1; ++t)
-        for (const auto& item : buckets[t])
-          attend<T>(item, g, q.data_ptr<T>(), out.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), qs, cl,
-                    bt, scratch);
-    });
+    using T = decltype(tag);
+    auto run = [&](auto cache_tag) {
+      using C = decltype(cache_tag);
+      C* kc = reinterpret_cast<C*>(k_cache.data_ptr());
+      C* vc = reinterpret_cast<C*>(v_cache.data_ptr());
+      write_cache<T, C>(g, k.data_ptr<T>(), v.data_ptr<T>(), kc, vc, ks, vs, qs, cl, bt, num_seqs);
+      at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+        static thread_local Scratch scratch;
+        for (int64_t t = t0; t < t1; ++t)
+          for (const auto& item : buckets[t])
+            attend<T, C>(item, g, q.data_ptr<T>(), out.data_ptr<T>(), kc, vc, ks, vs, qs, cl, bt, scratch);
+      });
+    };
+    if (cache_dtype == at::kChar)
+      run(int8_t{});
+    else if (cache_dtype == at::kFloat8_e4m3fn)
+      run(c10::Float8_e4m3fn{});
+    else
+      run(T{});
   });
   return out;
 }
@@ -613,7 +671,8 @@ int64_t pin_threads(const Tensor& cpus, bool each) {
 TORCH_LIBRARY(pagedllm, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor query_start, "
-      "Tensor context_lens, Tensor block_tables, int block_size, float scale, int window, int pairs_budget) -> Tensor");
+      "Tensor context_lens, Tensor block_tables, int block_size, float scale, int window, int pairs_budget, "
+      "Tensor(c!)? k_scales=None, Tensor(d!)? v_scales=None) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
