@@ -12,6 +12,7 @@ import time
 from dataclasses import asdict
 
 from .errors import PagedLLMError
+from .sizes import KV_CACHE_DTYPES, QUANTIZATIONS
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
@@ -29,7 +30,17 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step")
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output")
     g.add_argument(
-        "--kv-cache-dtype", default=None, choices=["float32", "bfloat16"], help="KV cache dtype (default: as --dtype)"
+        "--kv-cache-dtype",
+        default=None,
+        choices=list(KV_CACHE_DTYPES),
+        help="KV cache dtype (default: as --dtype); int8 and fp8 (e4m3) keep one float32 scale per token and head",
+    )
+    g.add_argument(
+        "--quantization",
+        default=None,
+        choices=list(QUANTIZATIONS),
+        help="weights: int8 / int4 quantize a float checkpoint at load; none dequantizes a GGUF's "
+        "(default: as stored: a GGUF's quantized tensors run quantized)",
     )
     g.add_argument(
         "--no-prefix-caching",
@@ -88,6 +99,7 @@ def _engine_kwargs(args) -> dict:
         enable_prefix_caching=args.enable_prefix_caching,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         max_batch_tokens=args.max_batch_tokens,
@@ -141,17 +153,20 @@ def cmd_plan(args) -> int:
     from .memory.planner import plan_engine
 
     path = Path(args.model) if args.model else None
+    kwargs = _engine_kwargs(args)
+    kwargs.pop("enable_prefix_caching")
     if path is not None and path.is_file() and path.suffix == ".json":
         cfg, name = ModelConfig.from_file(path), (path.parent.name if path.name == "config.json" else path.stem)
     elif path is not None and (path / "config.json").is_file():
         cfg, name = ModelConfig.from_file(path), path.name
     else:  # the default model, or a GGUF file: converted once (needs torch), then read
-        from .loading import resolve_model_dir
+        from .loading import checkpoint_weights, resolve_model_dir
 
         model_dir, name = resolve_model_dir(args.model)
         cfg = ModelConfig.from_file(model_dir)
-    kwargs = _engine_kwargs(args)
-    kwargs.pop("enable_prefix_caching")
+        kwargs["weights_bytes"], kwargs["quantized_weights"] = checkpoint_weights(
+            model_dir, args.dtype, args.quantization
+        )
     try:
         result = plan_engine(cfg, model_name=name, **kwargs)
     except CacheDoesNotFitError as e:

@@ -63,6 +63,7 @@ class LLM:
             bound_allocator_slack()
             bound_kernel_caches()
             release_library_pages()
+        weights_bytes, quantized = loading.checkpoint_weights(model_dir, dtype_name(dtype), quantization)
         self.memory_plan = plan_engine(
             ModelConfig.from_file(model_dir),
             model_name=name,
@@ -78,7 +79,8 @@ class LLM:
             baseline_bytes=resident_bytes()[0],
             kernels=kernels,
             quantization=quantization,
-            weights_bytes=loading.checkpoint_weight_bytes(model_dir, dtype_name(dtype), quantization),
+            weights_bytes=weights_bytes,
+            quantized_weights=quantized,
         )
         self.loaded = loading.load_dir(model_dir, name, dtype, tokenizer=tokenizer, quantization=quantization)
         self.tokenizer = self.loaded.tokenizer

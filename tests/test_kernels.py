@@ -1,15 +1,17 @@
 """The compiled CPU kernels against the pure-PyTorch path they replace: the same cache contents
 and outputs to rounding, on every shape the engine produces (decode rows, prefill chunks over a
-cached context, sliding windows, every GQA ratio, fp32 and bf16), and clear errors for tables
-that point outside the cache."""
+cached context, sliding windows, every GQA ratio, fp32 and bf16, 8-bit caches), and clear errors
+for tables that point outside the cache."""
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from pagedllm.kernels import compiled_ops, select
 from pagedllm.layers.attention import PagedAttention, SequenceSlice, StepLayout
+from pagedllm.layers.kv_cache import KVCache
 from pagedllm.layers.mlp import silu_mul
 from pagedllm.layers.norm import RMSNorm, add_rms_norm
 from pagedllm.layers.rotary import apply_rotary_
@@ -32,17 +34,27 @@ def on_torch_path(fn, *args):
         select(previous)
 
 
-class Cache:
-    def __init__(self, kv_heads, num_blocks, block_size, d, dtype, seed):
-        g = torch.Generator().manual_seed(seed)
-        slots = num_blocks * block_size
-        self.k = [torch.randn(kv_heads, slots, d, generator=g).to(dtype)]
-        self.v = [torch.randn(kv_heads, slots, d, generator=g).to(dtype)]
+def random_cache(kv_heads, num_blocks, block_size, d, dtype, seed):
+    """A one-layer KV cache full of random (finite) values, as stale blocks would be."""
+    cfg = SimpleNamespace(num_kv_heads=kv_heads, head_dim=d, num_layers=1)
+    cache = KVCache(cfg, num_blocks, block_size, dtype)
+    g = torch.Generator().manual_seed(seed)
+    for values, scales in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)):
+        fresh = torch.randn(values[0].shape, generator=g)
+        if cache.quantized:
+            values[0].view(torch.uint8).copy_((fresh * 40).clamp(-127, 127).to(cache.dtype).view(torch.uint8))
+            scales[0].copy_(torch.rand(scales[0].shape, generator=g) / 40)
+        else:
+            values[0].copy_(fresh.to(cache.dtype))
+    return cache
 
-    def clone(self):
-        other = object.__new__(Cache)
-        other.k, other.v = [t.clone() for t in self.k], [t.clone() for t in self.v]
-        return other
+
+def clone(cache):
+    other = object.__new__(KVCache)
+    other.__dict__.update(cache.__dict__)
+    for name in ("k", "v", "k_scale", "v_scale"):
+        setattr(other, name, [t.clone() for t in getattr(cache, name)])
+    return other
 
 
 # (query rows, context) per sequence: decodes, prefill chunks starting at 0, chunks over a
@@ -50,12 +62,10 @@ class Cache:
 STEP = [(1, 37), (1, 1), (20, 20), (7, 50), (1, 100), (33, 140), (1, 16), (40, 300)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (8, 8), (8, 1), (4, 2)])
-@pytest.mark.parametrize("window", [None, 5, 40])
-def test_paged_attention_matches_the_torch_path(ops, dtype, heads, kv_heads, window):
+def run_both_paths(dtype, cache_dtype, heads, kv_heads, window):
+    """(compiled output, torch output, compiled cache, torch cache) for the step STEP."""
     d, bs, num_blocks = 64, 16, 64
-    cache = Cache(kv_heads, num_blocks, bs, d, dtype, seed=heads * 10 + kv_heads)
+    cache = random_cache(kv_heads, num_blocks, bs, d, cache_dtype, seed=heads * 10 + kv_heads)
     free = list(range(num_blocks))
     random.Random(0).shuffle(free)  # block tables out of order, as after frees
     slices, t = [], 0
@@ -68,16 +78,43 @@ def test_paged_attention_matches_the_torch_path(ops, dtype, heads, kv_heads, win
     k = qkv[:, heads * d : (heads + kv_heads) * d].view(t, kv_heads, d)
     v = qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d)
     layout = StepLayout(slices, bs, heads // kv_heads)
-    expected_cache = cache.clone()
+    expected_cache = clone(cache)
     expected = on_torch_path(PagedAttention(expected_cache, layout).attend, 0, q, k, v, d**-0.5, window)
     got = PagedAttention(cache, layout).attend(0, q, k, v, d**-0.5, window)
+    return got, expected, cache, expected_cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (8, 8), (8, 1), (4, 2)])
+@pytest.mark.parametrize("window", [None, 5, 40])
+def test_paged_attention_matches_the_torch_path(ops, dtype, heads, kv_heads, window):
+    got, expected, cache, expected_cache = run_both_paths(dtype, dtype, heads, kv_heads, window)
     assert torch.equal(cache.k[0], expected_cache.k[0]) and torch.equal(cache.v[0], expected_cache.v[0])
     tolerance = 2e-6 if dtype == torch.float32 else 2e-2  # bf16: one rounding of the output
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("cache_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, window", [(9, 3, None), (8, 1, 40)])
+def test_8bit_cache_matches_the_torch_path(ops, cache_dtype, dtype, heads, kv_heads, window):
+    """Both paths store the same bytes and scales (quantizing in the same order) and attend to
+    the same dequantized values."""
+    got, expected, cache, expected_cache = run_both_paths(dtype, cache_dtype, heads, kv_heads, window)
+    for name in ("k", "v", "k_scale", "v_scale"):
+        mine, theirs = getattr(cache, name)[0], getattr(expected_cache, name)[0]
+        changed = (
+            (mine.view(torch.uint8) != theirs.view(torch.uint8)) if mine.dtype != torch.float32 else mine != theirs
+        )
+        # a value on a rounding boundary may round either way (the kernel multiplies by 1/scale in fp32 too)
+        assert changed.float().mean() < 1e-3, name
+    # bf16: the PyTorch path rounds dequantized K/V to bf16, the kernel keeps them in fp32
+    tolerance = 1e-4 if dtype == torch.float32 else 6e-2
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
 def test_paged_attention_rejects_tables_outside_the_cache(ops):
-    cache = Cache(2, 4, 16, 32, torch.float32, seed=0)
+    cache = random_cache(2, 4, 16, 32, torch.float32, seed=0)
     q, k = torch.randn(1, 4, 32), torch.randn(1, 2, 32)
     args = (torch.tensor([0, 1], dtype=torch.int32), torch.tensor([20], dtype=torch.int32))
     with pytest.raises(RuntimeError, match="not in the cache"):

@@ -81,6 +81,7 @@ class LLMEngine:
                 baseline_bytes=max(0, resident_bytes()[0] - weights),
                 kernels="compiled" if compiled_ops() is not None else "torch",
                 weights_bytes=weights,
+                quantized_weights=loaded.model.quantized(),
                 **sizes,
             )
         self.memory_plan = plan

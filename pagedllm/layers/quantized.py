@@ -22,13 +22,11 @@ from torch import nn
 
 from ..kernels import compiled_ops
 from .linear import StackedRows
+from .workspace import DEQUANT_CHUNK_ELEMENTS
+from .workspace import QUANT_KERNEL_MAX_ROWS as KERNEL_MAX_ROWS
 
 SCHEMES = ("int8", "int4")
 INT4_GROUP = 32
-# Up to this many rows the quantized kernel beats dequantize + GEMM (measured, docs/quantization.md).
-KERNEL_MAX_ROWS = 4
-# A layer is dequantized for the GEMM path at most this many weights at a time (32 MiB in fp32).
-DEQUANT_CHUNK_ELEMENTS = 8 * 1024 * 1024
 
 
 @dataclass

@@ -9,6 +9,11 @@ PAIRS_BUDGET = 1 << 18
 GATHER_BUDGET = 8192
 # Sampler rows processed at once on the full sampling path.
 SAMPLER_CHUNK_ROWS = 8
+# Quantized linear layers (layers/quantized.py): up to this many rows the packed-weight kernel
+# beats dequantize + GEMM (measured, docs/quantization.md); above, a layer is dequantized at most
+# this many weights at a time (32 MiB in fp32).
+QUANT_KERNEL_MAX_ROWS = 4
+DEQUANT_CHUNK_ELEMENTS = 8 * 1024 * 1024
 
 
 def padded_rows(rows: int) -> int:

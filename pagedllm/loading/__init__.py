@@ -17,7 +17,7 @@ from ..config import ModelConfig
 from ..errors import ModelLoadError
 from ..models import DecoderLM
 from ..sizes import torch_dtype
-from .checkpoint import checkpoint_weight_bytes as checkpoint_weight_bytes
+from .checkpoint import checkpoint_weights as checkpoint_weights
 from .checkpoint import load_decoder
 from .default_model import DEFAULT_MODEL_NAME, default_gguf_path
 from .gguf_convert import converted_dir

@@ -119,9 +119,10 @@ def load_decoder(model_dir: Path, dtype: torch.dtype, quantization: str | None =
     return model.eval()
 
 
-def checkpoint_weight_bytes(model_dir: Path, dtype: str, quantization: str | None) -> int:
-    """The loaded weights' bytes, from the checkpoint's headers alone (the planner's figure when
-    the checkpoint is at hand: exact for tensors kept as stored, whatever their format)."""
+def checkpoint_weights(model_dir: Path, dtype: str, quantization: str | None) -> tuple[int, bool]:
+    """(bytes, whether they run quantized) of the loaded weights, from the checkpoint's headers
+    alone: the planner's figures when the checkpoint is at hand (exact for tensors kept as
+    stored, whatever their format)."""
     from ..memory.footprint import weight_bytes
     from ..sizes import dtype_bytes
 
@@ -129,7 +130,7 @@ def checkpoint_weight_bytes(model_dir: Path, dtype: str, quantization: str | Non
     headers = [(f, *read_header(f)) for f in safetensors_files(model_dir)]
     stored = _stored_quantized(headers)
     if quantization is not None or not stored:
-        return weight_bytes(cfg, dtype, quantization)
+        return weight_bytes(cfg, dtype, quantization), quantization in SCHEMES
     total = 0
     for _, header, _ in headers:
         for name, e in header.items():
@@ -143,7 +144,7 @@ def checkpoint_weight_bytes(model_dir: Path, dtype: str, quantization: str | Non
                 for d in e["shape"]:
                     count *= int(d)
                 total += count * dtype_bytes(dtype)
-    return total
+    return total, True
 
 
 def _stored_quantized(headers) -> dict[str, set[str]]:

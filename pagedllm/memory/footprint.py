@@ -46,7 +46,14 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig
-from ..layers.workspace import GATHER_BUDGET, PAIRS_BUDGET, SAMPLER_CHUNK_ROWS, padded_rows
+from ..layers.workspace import (
+    DEQUANT_CHUNK_ELEMENTS,
+    GATHER_BUDGET,
+    PAIRS_BUDGET,
+    QUANT_KERNEL_MAX_ROWS,
+    SAMPLER_CHUNK_ROWS,
+    padded_rows,
+)
 from ..sizes import INDEX_BYTES as INDEX
 from ..sizes import KV_SCALE_BYTES, ceil_div, dtype_bytes, kv_element_bytes, kv_is_quantized
 
@@ -122,6 +129,7 @@ class EngineSettings:
     packed: bool = True  # bf16 weights prepacked for oneDNN (pagedllm.layers.linear): less GEMM scratch
     quantization: str | None = None  # as load_decoder takes it
     weights_bytes: int | None = None  # exact, from the checkpoint's header, when it is at hand
+    quantized_weights: bool = False  # the linear layers run on quantized weights (layers/quantized.py)
 
     @property
     def kv(self) -> str:
@@ -251,10 +259,16 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
         rotary = t * dq * e  # rotate_half's copy of q, then of k
     # Prepacked bf16 GEMMs run on rows padded to a bucket: a padded copy of the input while they
     # run, and a padded output whose first rows are the result.
-    pad = s.packed and e == 2
+    pad = s.packed and e == 2 and not s.quantized_weights
     tp, np_ = (padded_rows(t), padded_rows(n)) if pad else (t, n)
 
     def gemm(rows: int, padded: int, k: int, out: int, packed: bool = s.packed) -> int:
+        if s.quantized_weights:
+            if rows <= QUANT_KERNEL_MAX_ROWS:  # float32 input copy and output, 8-bit rows of x
+                return rows * out * (e + 4) + rows * k * 6
+            chunk = min(out, DEQUANT_CHUNK_ELEMENTS // k)  # one dequantized chunk, a plain GEMM
+            slices = 2 * rows * out * e if chunk < out else rows * out * e
+            return slices + chunk * k * e + gemm_scratch(rows, k, chunk, s.dtype, s.amx, packed=False)
         copy = (2 * padded - rows) * k * e if padded != rows else 0
         return padded * out * e + copy + gemm_scratch(padded, k, out, s.dtype, s.amx, packed)
 

@@ -56,6 +56,7 @@ class MemoryPlan:
     activation_bytes: int
     overhead_bytes: int
     loader_bytes: int  # what loading holds above the weights, freed before the cache exists
+    weights_format: str = ""  # e.g. "int4 weights, bfloat16 activations"; empty: plain dtype
 
     @property
     def total_bytes(self) -> int:
@@ -99,7 +100,7 @@ class MemoryPlan:
                 "process baseline",
                 f"{gib(self.baseline_bytes, 8)}  ({self.baseline_source}: Python, libraries, tokenizer)",
             ),
-            ("weights", f"{gib(self.weights_bytes, 8)}  ({self.dtype})"),
+            ("weights", f"{gib(self.weights_bytes, 8)}  ({self.weights_format or self.dtype})"),
             (
                 "KV cache",
                 f"{gib(self.kv_cache_bytes, 8)}  ({self.num_blocks} blocks x {self.block_size} tokens = "
@@ -270,7 +271,15 @@ def plan(
         activation_peak(cfg, s, m, costs.seqs, max_len),
         OVERHEAD_BYTES,
         costs.loader,
+        _weights_format(s),
     )
+
+
+def _weights_format(s: EngineSettings) -> str:
+    if not s.quantized_weights:
+        return ""
+    kind = s.quantization if s.quantization in ("int8", "int4") else "quantized as stored"
+    return f"{kind} weights, {s.dtype} activations"
 
 
 def _solve(
@@ -417,6 +426,7 @@ def plan_engine(
     kernels: str | None = None,
     quantization: str | None = None,
     weights_bytes: int | None = None,
+    quantized_weights: bool | None = None,
 ) -> MemoryPlan:
     """The plan an engine starts from: the budget, then ``plan``.
 
@@ -426,7 +436,8 @@ def plan_engine(
     process may reach ``baseline + fraction x free``. ``already_loaded``: weights the caller
     holds already, counted as free. ``kernels``: 'compiled' or 'torch' (default: what
     ``expected_kernels`` says). ``quantization`` as the loader takes it; ``weights_bytes``: the
-    weights' exact size when the checkpoint is at hand (else computed from the config). With no
+    weights' exact size when the checkpoint is at hand (else computed from the config);
+    ``quantized_weights``: whether they run quantized (default: when ``quantization`` says so). With no
     budget given, a solved cache is capped at what ``max_num_seqs`` requests of ``max_model_len``
     tokens can use at once, so a small model does not reserve the whole host.
     """
@@ -445,6 +456,7 @@ def plan_engine(
         threads=usable_cpus(),
         quantization=quantization,
         weights_bytes=weights_bytes,
+        quantized_weights=quantization in ("int8", "int4") if quantized_weights is None else quantized_weights,
     )
     seqs = max_num_seqs or AUTO_MAX_NUM_SEQS
     longest = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)

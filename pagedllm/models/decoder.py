@@ -118,6 +118,10 @@ class DecoderLM(nn.Module):
             cfg = self.config
             self.model.embed_tokens = QuantizedEmbedding(cfg.vocab_size, cfg.hidden_size, embedding, dtype)  # type: ignore[assignment]
 
+    def quantized(self) -> bool:
+        """Whether its linear layers run on quantized weights."""
+        return any(isinstance(m, QuantizedLinear) for m in self.modules())
+
     def weight_bytes(self) -> int:
         """Bytes of every weight, quantized ones included (they are not ``parameters()``)."""
         seen: set[int] = set()  # ids: packed oneDNN weights have no data pointer
