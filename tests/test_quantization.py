@@ -1,0 +1,219 @@
+"""Weights kept quantized: the kernels against dequantize + GEMM, GGUF files of every supported
+type loaded quantized (and dequantized: the same model), float checkpoints quantized at load,
+the planner's count of quantized weights, and a clear error for a type we do not load."""
+
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from pagedllm.errors import UnsupportedModelError
+from pagedllm.kernels import compiled_ops, select
+from pagedllm.layers import quantized as Q
+from pagedllm.loading import gguf_convert
+from pagedllm.loading.checkpoint import checkpoint_weights, load_decoder
+from pagedllm.memory.footprint import weight_bytes
+
+
+@pytest.fixture
+def ops():
+    previous = select("compiled")
+    assert compiled_ops() is not None, "the CPU kernels must build on this machine"
+    yield compiled_ops()
+    select(previous)
+
+
+def torch_path(fn, *args):
+    previous = select("torch")
+    try:
+        return fn(*args)
+    finally:
+        select(previous)
+
+
+@pytest.mark.parametrize("scheme", Q.SCHEMES)
+def test_quantize_keeps_every_weight_within_half_a_step(scheme):
+    w = torch.randn(48, 256) * torch.linspace(0.01, 3, 48)[:, None]  # rows of very different scales
+    qw = Q.quantize(w, scheme)
+    step = qw.scale.repeat_interleave(qw.group, dim=1)
+    assert (Q.dequantize(qw, torch.float32) - w).abs().le(step / 2 + 1e-6).all()
+    assert qw.nbytes() < w.numel() * (1.26 if scheme == "int8" else 0.76)
+
+
+# (bits, group, with offsets): our int8/int4 and the layouts GGUF types unpack to (Q8_0, Q6_K, Q5_K)
+FORMATS = [(8, 256, False), (4, 32, True), (8, 32, False), (8, 16, False), (8, 32, True)]
+
+
+def random_quantized(rows, cols, bits, group, zero, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if bits == 4:
+        q = torch.randint(0, 256, (rows, cols // 2), generator=g, dtype=torch.uint8)
+    else:
+        q = torch.randint(-128, 128, (rows, cols), generator=g, dtype=torch.int8)
+    scale = torch.rand(rows, cols // group, generator=g) / 50
+    offset = torch.randn(rows, cols // group, generator=g) / 10 if zero else None
+    return Q.QuantizedWeight(q, scale, offset, bits, group)
+
+
+@pytest.mark.parametrize("bits, group, zero", FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17])
+def test_quantized_matmul_equals_dequantize_then_gemm(ops, bits, group, zero, rows):
+    """fp32 activations: the kernel computes with the exact weight values. bf16 ones on 4-bit
+    weights also quantize each row of x to 8 bits per 32 columns (integer dot products): within
+    1% of the exact product."""
+    w = random_quantized(36, 512, bits, group, zero)
+    x = torch.randn(rows, 512)
+    exact = x @ torch_path(Q.dequantize, w, torch.float32).T
+    torch.testing.assert_close(Q.quantized_matmul(x, w), exact, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch_path(Q.quantized_matmul, x, w), exact, rtol=1e-4, atol=1e-4)
+    got = Q.quantized_matmul(x.bfloat16(), w).float()
+    assert got.dtype == torch.float32 and (got - exact).norm() < 0.01 * exact.norm()
+
+
+def test_dequantize_kernel_equals_the_torch_path_and_picks_rows(ops):
+    for bits, group, zero in FORMATS:
+        w = random_quantized(40, 256, bits, group, zero)
+        full = torch_path(Q.dequantize, w, torch.float32)
+        torch.testing.assert_close(Q.dequantize(w, torch.float32), full, rtol=1e-6, atol=1e-7)
+        rows = torch.tensor([39, 0, 7, 7])
+        torch.testing.assert_close(Q.dequantize(w, torch.bfloat16, rows=rows), full[rows].bfloat16())
+    with pytest.raises(RuntimeError, match="out of range"):
+        Q.dequantize(w, torch.float32, rows=torch.tensor([40]))
+
+
+# ---- GGUF files ---------------------------------------------------------------------------
+
+H, FF, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 512, 2, 4, 2, 96
+# A type per tensor, so one file covers every supported type, stacked layers mixing formats
+# (q/k/v of three types: three segments), and float tensors beside them.
+TYPES = {
+    "attn_q": "Q4_0",
+    "attn_k": "Q8_0",
+    "attn_v": "Q6_K",
+    "attn_output": "Q4_K",
+    "ffn_gate": "Q4_1",
+    "ffn_up": "Q4_1",
+    "ffn_down": "Q5_K",
+    "token_embd": "Q8_0",
+    "output": "F32",
+}
+
+
+def gguf_blocks(type_name, rows, cols, rng):
+    """Random blocks of ``type_name`` with small finite scales, as a trained model has."""
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    fields = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+    for offset in fields.get(type_name, []):  # a type we do not load: any bytes will do
+        d = (rng.random(raw.shape[:2]) * 0.004 + 0.001).astype(np.float16)
+        raw[..., offset : offset + 2] = d[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def write_llama_gguf(path, types, rng):
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(LAYERS)
+    writer.add_embedding_length(H)
+    writer.add_feed_forward_length(FF)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_context_length(256)
+    shapes = {"attn_q": (H, H), "attn_k": (H // 2, H), "attn_v": (H // 2, H), "attn_output": (H, H)}
+    shapes.update(ffn_gate=(FF, H), ffn_up=(FF, H), ffn_down=(H, FF))
+
+    def add(name, kind, rows, cols):
+        if kind == "F32":
+            writer.add_tensor(name, (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32))
+        else:
+            writer.add_tensor(name, gguf_blocks(kind, rows, cols, rng), raw_dtype=GGMLQuantizationType[kind])
+
+    add("token_embd.weight", types["token_embd"], VOCAB, H)
+    add("output.weight", types["output"], VOCAB, H)
+    writer.add_tensor("output_norm.weight", np.ones(H, dtype=np.float32))
+    for i in range(LAYERS):
+        for name, shape in shapes.items():
+            add(f"blk.{i}.{name}.weight", types[name], *shape)
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{i}.{norm}.weight", np.ones(H, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture
+def converted(tmp_path, monkeypatch):
+    """GGUF files converted in this process (the tokenizer step skipped: they carry none)."""
+    monkeypatch.setattr(gguf_convert, "_save_tokenizer", lambda *a: None)
+
+    def convert(types):
+        path, out = tmp_path / "tiny.gguf", tmp_path / "converted"
+        write_llama_gguf(path, types, np.random.default_rng(0))
+        out.mkdir()
+        gguf_convert.convert(path, out)
+        return out
+
+    return convert
+
+
+def logits_of(model, ids):
+    from pagedllm.layers.attention import PagedAttention, SequenceSlice, StepLayout
+    from pagedllm.layers.kv_cache import KVCache
+
+    cache = KVCache(model.config, num_blocks=4, block_size=16, dtype=torch.float32)
+    layout = StepLayout([SequenceSlice(0, len(ids), len(ids), [0, 1, 2, 3][: -(-len(ids) // 16)])], 16, 2)
+    rows = torch.arange(len(ids))
+    return model(torch.tensor(ids), rows, PagedAttention(cache, layout), rows)
+
+
+def test_every_supported_gguf_type_runs_quantized_as_the_dequantized_model(converted, kernels):
+    """One file with all six types (q/k/v of three types stacked): kept quantized, its logits
+    equal those of the same file dequantized to float32, on both kernel paths, for rows that
+    take the kernel (1) and the dequantize + GEMM path (20)."""
+    model_dir = converted(TYPES)
+    quantized = load_decoder(model_dir, torch.float32, None)
+    plain = load_decoder(model_dir, torch.float32, "none")
+    assert quantized.quantized() and not plain.quantized()
+    qkv = quantized.model.layers[0].self_attn.qkv_proj
+    assert [s.format for s in qkv.segments] == [(4, 32, True), (8, 32, False), (8, 16, False)]
+    ids = list(range(3, 23))
+    torch.testing.assert_close(logits_of(quantized, ids), logits_of(plain, ids), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits_of(quantized, ids[:1]), logits_of(plain, ids[:1]), rtol=1e-4, atol=1e-4)
+    # the planner's figure from the header is what the loaded model holds
+    assert checkpoint_weights(model_dir, "float32", None) == (quantized.weight_bytes(), True)
+    assert quantized.weight_bytes() < plain.weight_bytes() / 3
+
+
+@pytest.mark.parametrize("kind", ["Q2_K", "IQ4_NL", "Q5_0"])
+def test_a_gguf_type_we_do_not_load_is_named_in_the_error(converted, kind):
+    with pytest.raises(UnsupportedModelError, match=kind) as e:
+        converted({**TYPES, "ffn_down": kind})
+    assert "blk.0.ffn_down.weight" in str(e.value) and "Q4_K" in str(e.value)
+
+
+# ---- float checkpoints quantized at load ------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", Q.SCHEMES)
+def test_a_float_checkpoint_quantized_at_load_is_its_float_self_rounded(tiny_checkpoints, scheme):
+    """Each tensor quantized as it is read: the model computes what the float model computes on
+    weights rounded by ``quantize`` (linears in ``scheme``, embeddings and lm_head in int8), and
+    holds the bytes the planner counts."""
+    model_dir, _ = tiny_checkpoints["qwen2"]  # q/k/v biases, untied lm_head
+    rounded = load_decoder(model_dir, torch.float32)
+    quantized = load_decoder(model_dir, torch.float32, scheme)
+    assert quantized.quantized() and isinstance(quantized.model.embed_tokens, Q.QuantizedEmbedding)
+    assert quantized.weight_bytes() == checkpoint_weights(model_dir, "float32", scheme)[0]
+    assert quantized.weight_bytes() == weight_bytes(rounded.config, "float32", scheme)
+    assert quantized.weight_bytes() < rounded.weight_bytes() / (3 if scheme == "int8" else 4)
+    for name, layer in rounded.linear_layers().items():
+        w = layer.weight.data
+        w.copy_(Q.dequantize(Q.quantize(w, "int8" if name == "lm_head" else scheme), torch.float32))
+    embed = rounded.model.embed_tokens.weight.data
+    embed.copy_(Q.dequantize(Q.quantize(embed, "int8"), torch.float32))
+    ids = list(range(5, 30))
+    for n in (1, len(ids)):  # the kernel, then dequantize + GEMM
+        torch.testing.assert_close(logits_of(quantized, ids[:n]), logits_of(rounded, ids[:n]), rtol=1e-4, atol=1e-4)
