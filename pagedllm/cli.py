@@ -323,6 +323,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--gguf", default=None, help="GGUF file for the llama.cpp peer (default: the default model's)")
     bench.add_argument("--hf-batch-size", type=int, default=32, help="static batch size of hf-static")
+    bench.add_argument(
+        "--variants",
+        default="",
+        help="several pagedllm rows in one run, comma-separated DTYPE:QUANTIZATION[:KV_CACHE_DTYPE], e.g. "
+        "bfloat16:none,bfloat16:stored,bfloat16:stored:int8 (stored: weights as the checkpoint has them)",
+    )
     bench.add_argument("--timeout", type=float, default=3600, help="seconds per engine")
     bench.add_argument("--json", default=None, help="also write the results here")
     _engine_flags(bench)

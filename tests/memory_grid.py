@@ -14,6 +14,8 @@ import torch
 from pagedllm.engine import LLMEngine
 from pagedllm.kernels import compiled_ops
 from pagedllm.layers.workspace import padded_rows
+from pagedllm.layers.linear import Linear
+from pagedllm.layers.workspace import DEQUANT_CHUNK_ELEMENTS
 from pagedllm.memory.footprint import EngineSettings, gemm_scratch, step_phases
 from pagedllm.memory.machine import cpu_has_amx
 from pagedllm.memory.tracker import track_peak
@@ -65,19 +67,26 @@ def scenarios(max_len: int):
     ]
 
 
-def run_grid(loaded, dtype: str, seed: int = 0) -> list[GridPoint]:
+def run_grid(loaded, dtype: str, seed: int = 0, kv_dtype: str | None = None) -> list[GridPoint]:
     cfg = loaded.config
     g = torch.Generator().manual_seed(seed)
     prompt = lambda n: torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist()  # noqa: E731
-    packed = any(getattr(m, "packed", False) for m in loaded.model.modules())
+    packed = any(isinstance(m, Linear) and m.packed for m in loaded.model.modules())
     kernels = "compiled" if compiled_ops() else "torch"
-    settings = EngineSettings(dtype=dtype, amx=cpu_has_amx(), kernels=kernels, packed=packed)
-    warm = LLMEngine(loaded, num_blocks=64, max_model_len=256)
+    settings = EngineSettings(
+        dtype=dtype,
+        amx=cpu_has_amx(),
+        kernels=kernels,
+        packed=packed,
+        quantized_weights=loaded.model.quantized(),
+        kv_dtype=kv_dtype,
+    )
+    warm = LLMEngine(loaded, num_blocks=64, max_model_len=256, kv_cache_dtype=kv_dtype)
     warm.add_request(prompt(20), FULL)
     warm.step(), warm.step()  # first-use initialisation stays out of the measurements
     points = []
     for name, lengths, params, before, sizes in scenarios(cfg.max_position_embeddings):
-        engine = LLMEngine(loaded, num_blocks=2048, **sizes)
+        engine = LLMEngine(loaded, num_blocks=2048, kv_cache_dtype=kv_dtype, **sizes)
         engine.record_step_shapes = True
         for n in lengths:
             engine.add_request(prompt(n), params)
@@ -100,8 +109,12 @@ def _largest_gemm_scratch(cfg, s: EngineSettings, shape) -> int:
     if s.packed and s.dtype == "bfloat16":  # prepacked GEMMs run on padded rows
         t, n = padded_rows(t), padded_rows(n) if packed_head else n
     dk = cfg.num_kv_heads * cfg.head_dim
-    shapes = [(t, h, dq + 2 * dk), (t, dq, h), (t, h, 2 * i), (t, i, h)]
-    layers = max(gemm_scratch(rows, k, out, s.dtype, s.amx, s.packed) for rows, k, out in shapes)
+    shapes = [(t, h, dq + 2 * dk), (t, dq, h), (t, h, 2 * i), (t, i, h), (n, h, cfg.vocab_size)]
+    if s.quantized_weights:  # plain GEMMs on dequantized chunks
+        return max(
+            gemm_scratch(r, k, min(out, DEQUANT_CHUNK_ELEMENTS // k), s.dtype, s.amx, False) for r, k, out in shapes
+        )
+    layers = max(gemm_scratch(rows, k, out, s.dtype, s.amx, s.packed) for rows, k, out in shapes[:-1])
     return max(layers, gemm_scratch(n, h, cfg.vocab_size, s.dtype, s.amx, packed_head))
 
 

@@ -22,8 +22,8 @@ from pagedllm.memory.tracker import track_peak
 GiB = 1024**3
 
 
-def check_grid(loaded, dtype):
-    points = run_grid(loaded, dtype)
+def check_grid(loaded, dtype, kv_dtype=None):
+    points = run_grid(loaded, dtype, kv_dtype=kv_dtype)
     report = "\n".join(
         f"{p.name:28s} T={p.tokens:5d} S={p.sampled:3d} measured {p.measured:>10d} "
         f"predicted {p.predicted:>10d} x{p.ratio:.3f} ({p.peak_phase})"
@@ -43,7 +43,13 @@ def test_step_memory_prediction_matches_measured_peak_on_tiny_models(tiny_checkp
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_step_memory_prediction_matches_measured_peak_on_the_default_model(dtype):
+    """As it ships: its Q4_1 / Q8_0 tensors run quantized."""
     check_grid(loading.load(None, dtype), dtype)
+
+
+@pytest.mark.parametrize("quantization, kv_dtype", [("int4", "int8"), ("int8", "fp8")])
+def test_step_memory_prediction_covers_quantized_weights_and_kv_cache(tiny_checkpoints, quantization, kv_dtype):
+    check_grid(loading.load(tiny_checkpoints["qwen3"][0], "bfloat16", quantization=quantization), "bfloat16", kv_dtype)
 
 
 def test_activation_peak_bounds_the_heaviest_steps(tiny_checkpoints):

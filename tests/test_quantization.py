@@ -2,7 +2,6 @@
 type loaded quantized (and dequantized: the same model), float checkpoints quantized at load,
 the planner's count of quantized weights, and a clear error for a type we do not load."""
 
-
 import gguf
 import numpy as np
 import pytest

@@ -26,6 +26,17 @@ def build_workload(kind: str, tokenizer, n: int, new_tokens: int) -> workloads.W
     return workloads.from_jsonl(kind, tokenizer, new_tokens or 64)
 
 
+def variants(args) -> list[tuple[str, str | None, str | None]]:
+    """(dtype, quantization, KV dtype) of each pagedllm row: ``--variants``, or the engine flags."""
+    if not args.variants:
+        return [(args.dtype, args.quantization, args.kv_cache_dtype)]
+    rows = []
+    for spec in args.variants.split(","):
+        dtype, quantization, *kv = spec.split(":")
+        rows.append((dtype, None if quantization == "stored" else quantization, kv[0] if kv else None))
+    return rows
+
+
 def run_engine(
     engine: str, workload_file: str, model_dir: str, dtype: str, options: dict, pythons: dict, timeout: float
 ) -> dict:
@@ -66,20 +77,22 @@ def run_engine(
 def table(results: list[dict]) -> str:
     ours = results[0]
     head = (
-        "| engine | requests/s | output tok/s | total tok/s | peak RSS | TTFT p50 / p99 | "
-        "ITL p50 / p99 | pagedllm / engine |"
+        "| engine | requests/s | output tok/s | total tok/s | peak RSS | above interpreter | TTFT p50 / p99 | "
+        "ITL p50 / p99 | first row / engine |"
     )
-    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         if "skipped" in r:
-            lines.append(f"| {r['engine']} | skipped: {r['skipped']} | | | | | | |")
+            lines.append(f"| {r['engine']} | skipped: {r['skipped']} | | | | | | | |")
             continue
         ttft = f"{r['ttft_p50_s'] * 1000:.0f} / {r['ttft_p99_s'] * 1000:.0f} ms" if "ttft_p50_s" in r else ""
         itl = f"{r['itl_p50_s'] * 1000:.0f} / {r['itl_p99_s'] * 1000:.0f} ms" if "itl_p50_s" in r else ""
         ratio = ours["output_tokens_per_s"] / r["output_tokens_per_s"] if "skipped" not in ours else float("nan")
+        base = r.get("interpreter_rss_bytes")  # pagedllm: RSS after importing torch and pagedllm
+        above = f"{(r['peak_rss_bytes'] - base) / 1e9:.3f} GB" if base else ""
         lines.append(
             f"| {r['engine']} | {r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.1f} | "
-            f"{r['total_tokens_per_s']:.1f} | {r['peak_rss_bytes'] / 1e9:.2f} GB | {ttft} | {itl} | "
+            f"{r['total_tokens_per_s']:.1f} | {r['peak_rss_bytes'] / 1e9:.2f} GB | {above} | {ttft} | {itl} | "
             f"{ratio:.2f}x |"
         )
     return "\n".join(lines)
@@ -139,10 +152,18 @@ def main(args) -> int:
     print(f"# {machine()}", flush=True)
     results = []
     try:
-        for engine in ["pagedllm", *compare]:
-            options = engine_options if engine == "pagedllm" else peer_options
+        for dtype, quantization, kv in variants(args):
+            options = {**engine_options, "quantization": quantization}
+            if kv:
+                options["kv_cache_dtype"] = kv
+            result = run_engine("pagedllm", workload_file, str(model_dir), dtype, options, pythons, args.timeout)
+            if args.variants:
+                result["engine"] = f"pagedllm {dtype} {quantization or 'stored'}" + (f" kv {kv}" if kv else "")
+            results.append(result)
+            print(f"# {result['engine']}: done", file=sys.stderr, flush=True)
+        for engine in compare:
             results.append(
-                run_engine(engine, workload_file, str(model_dir), args.dtype, options, pythons, args.timeout)
+                run_engine(engine, workload_file, str(model_dir), args.dtype, peer_options, pythons, args.timeout)
             )
             print(f"# {engine}: done", file=sys.stderr, flush=True)
     finally:

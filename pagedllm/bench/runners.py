@@ -49,7 +49,9 @@ def _result(
 
 def run_pagedllm(workload: dict, model_dir: str, dtype: str, options: dict) -> dict:
     from pagedllm import LLM, SamplingParams
+    from pagedllm.memory.machine import resident_bytes
 
+    interpreter = resident_bytes()[0]  # torch and pagedllm imported, nothing loaded
     llm = LLM(model_dir, dtype=dtype, **options)
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in workload["max_tokens"]]
     llm.generate(workload["prompts"][:2], SamplingParams(max_tokens=2, temperature=0))  # warm-up
@@ -74,6 +76,8 @@ def run_pagedllm(workload: dict, model_dir: str, dtype: str, options: dict) -> d
         max_batch_tokens=plan.max_batch_tokens,
         max_num_seqs=plan.max_num_seqs,
         memory_budget_bytes=plan.budget_bytes,
+        interpreter_rss_bytes=interpreter,
+        weights_bytes=plan.weights_bytes,
     )
 
 

@@ -264,10 +264,10 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
 
     def gemm(rows: int, padded: int, k: int, out: int, packed: bool = s.packed) -> int:
         if s.quantized_weights:
-            if rows <= QUANT_KERNEL_MAX_ROWS:  # float32 input copy and output, 8-bit rows of x
-                return rows * out * (e + 4) + rows * k * 6
+            if rows <= QUANT_KERNEL_MAX_ROWS:  # a float32 output; for bf16, x in fp32 and the result in bf16
+                return rows * out * 4 + (rows * (out * e + k * 4) if e != 4 else 0)
             chunk = min(out, DEQUANT_CHUNK_ELEMENTS // k)  # one dequantized chunk, a plain GEMM
-            slices = 2 * rows * out * e if chunk < out else rows * out * e
+            slices = rows * out * e + (rows * chunk * e if chunk < out else 0)  # output, a chunk's result
             return slices + chunk * k * e + gemm_scratch(rows, k, chunk, s.dtype, s.amx, packed=False)
         copy = (2 * padded - rows) * k * e if padded != rows else 0
         return padded * out * e + copy + gemm_scratch(padded, k, out, s.dtype, s.amx, packed)
