@@ -13,9 +13,8 @@ import torch
 
 from pagedllm.engine import LLMEngine
 from pagedllm.kernels import compiled_ops
-from pagedllm.layers.workspace import padded_rows
 from pagedllm.layers.linear import Linear
-from pagedllm.layers.workspace import DEQUANT_CHUNK_ELEMENTS
+from pagedllm.layers.workspace import DEQUANT_CHUNK_ELEMENTS, padded_rows
 from pagedllm.memory.footprint import EngineSettings, gemm_scratch, step_phases
 from pagedllm.memory.machine import cpu_has_amx
 from pagedllm.memory.tracker import track_peak
