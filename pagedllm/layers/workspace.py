@@ -12,7 +12,7 @@ SAMPLER_CHUNK_ROWS = 8
 # Quantized linear layers (layers/quantized.py): up to this many rows the packed-weight kernel
 # beats dequantize + GEMM (measured, docs/quantization.md); above, a layer is dequantized at most
 # this many weights at a time (32 MiB in fp32).
-QUANT_KERNEL_MAX_ROWS = 4
+QUANT_KERNEL_MAX_ROWS = 8
 DEQUANT_CHUNK_ELEMENTS = 8 * 1024 * 1024
 
 
