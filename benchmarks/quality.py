@@ -61,6 +61,10 @@ CONFIGS: list[tuple[str, str | None, dict]] = [
     ("int8", FLOAT_COPY, dict(dtype="float32", quantization="int8")),
     ("int4", FLOAT_COPY, dict(dtype="float32", quantization="int4")),
     ("gguf-q4_1", None, dict(dtype="float32")),  # the GGUF's Q4_1 / Q8_0 tensors kept as stored
+    ("gguf-q4_1 bf16", None, dict(dtype="bfloat16")),
+    # one sequence at a time: decode steps of one row take the packed-weight kernel (in bf16:
+    # activations in 8 bits per 32 columns); batches of more than 8 rows dequantize + GEMM
+    ("gguf-q4_1 bf16, 1 seq", None, dict(dtype="bfloat16", max_num_seqs=1)),
     ("kv-int8", None, dict(dtype="float32", quantization="none", kv_cache_dtype="int8")),
     ("kv-fp8", None, dict(dtype="float32", quantization="none", kv_cache_dtype="fp8")),
 ]

@@ -14,6 +14,7 @@ import torch
 from pagedllm.engine import LLMEngine
 from pagedllm.kernels import compiled_ops
 from pagedllm.layers.linear import Linear
+from pagedllm.layers.quantized import tiles_available as quantized_tiles
 from pagedllm.layers.workspace import DEQUANT_CHUNK_ELEMENTS, padded_rows
 from pagedllm.memory.footprint import EngineSettings, gemm_scratch, step_phases
 from pagedllm.memory.machine import cpu_has_amx
@@ -78,6 +79,7 @@ def run_grid(loaded, dtype: str, seed: int = 0, kv_dtype: str | None = None) -> 
         kernels=kernels,
         packed=packed,
         quantized_weights=loaded.model.quantized(),
+        quant_tiles=quantized_tiles(),
         kv_dtype=kv_dtype,
     )
     warm = LLMEngine(loaded, num_blocks=64, max_model_len=256, kv_cache_dtype=kv_dtype)
@@ -109,6 +111,8 @@ def _largest_gemm_scratch(cfg, s: EngineSettings, shape) -> int:
         t, n = padded_rows(t), padded_rows(n) if packed_head else n
     dk = cfg.num_kv_heads * cfg.head_dim
     shapes = [(t, h, dq + 2 * dk), (t, dq, h), (t, h, 2 * i), (t, i, h), (n, h, cfg.vocab_size)]
+    if s.quantized_weights and s.quant_tiles and s.dtype == "bfloat16":
+        return 0
     if s.quantized_weights:  # plain GEMMs on dequantized chunks
         return max(
             gemm_scratch(r, k, min(out, DEQUANT_CHUNK_ELEMENTS // k), s.dtype, s.amx, False) for r, k, out in shapes

@@ -14,6 +14,7 @@ and run the float GEMM (the dequantize is paid once for all rows). No float copy
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -109,10 +110,21 @@ def dequantize(w: QuantizedWeight, dtype: torch.dtype, rows: torch.Tensor | None
     return values.view(n, k).to(dtype)
 
 
-def quantized_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
-    """x [M, K] @ w^T, in x's dtype: the packed kernel for few rows, else dequantize + GEMM."""
+@functools.cache
+def tiles_available() -> bool:
+    """Whether the compiled kernels run many bf16 rows on AMX tiles (built with AMX, and the OS
+    grants the process its tile state)."""
     ops = compiled_ops()
-    if ops is not None and x.shape[0] <= KERNEL_MAX_ROWS:
+    return ops is not None and bool(ops.quant_linear_tiles())
+
+
+def quantized_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """x [M, K] @ w^T, in x's dtype: the packed-weight kernel for few rows, and for any number of
+    bf16 rows on AMX tiles (weights dequantized 16 channels at a time into L1); else dequantize
+    the layer + GEMM."""
+    ops = compiled_ops()
+    tiles = x.dtype == torch.bfloat16 and w.shape[1] % 32 == 0 and tiles_available()
+    if ops is not None and (x.shape[0] <= KERNEL_MAX_ROWS or tiles):
         return ops.quant_linear(x.contiguous(), w.qweight, w.scale, w.zero, w.bits, w.group)
     n, k = w.shape
     chunk = max(1, DEQUANT_CHUNK_ELEMENTS // k)

@@ -130,6 +130,7 @@ class EngineSettings:
     quantization: str | None = None  # as load_decoder takes it
     weights_bytes: int | None = None  # exact, from the checkpoint's header, when it is at hand
     quantized_weights: bool = False  # the linear layers run on quantized weights (layers/quantized.py)
+    quant_tiles: bool = False  # and bf16 rows of any count run on AMX tiles (no dequantized layer)
 
     @property
     def kv(self) -> str:
@@ -264,8 +265,10 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
 
     def gemm(rows: int, padded: int, k: int, out: int, packed: bool = s.packed) -> int:
         if s.quantized_weights:
-            if rows <= QUANT_KERNEL_MAX_ROWS:  # a float32 output; for bf16, x in fp32 and the result in bf16
-                return rows * out * 4 + (rows * (out * e + k * 4) if e != 4 else 0)
+            tiles = s.quant_tiles and e == 2 and rows > QUANT_KERNEL_MAX_ROWS
+            if rows <= QUANT_KERNEL_MAX_ROWS or tiles:  # a float32 output; for bf16 the result in bf16,
+                # and, off the tiles, x in fp32
+                return rows * out * 4 + (rows * out * e + (0 if tiles else rows * k * 4) if e != 4 else 0)
             chunk = min(out, DEQUANT_CHUNK_ELEMENTS // k)  # one dequantized chunk, a plain GEMM
             slices = rows * out * e + (rows * chunk * e if chunk < out else 0)  # output, a chunk's result
             return slices + chunk * k * e + gemm_scratch(rows, k, chunk, s.dtype, s.amx, packed=False)

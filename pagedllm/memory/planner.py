@@ -457,6 +457,7 @@ def plan_engine(
         quantization=quantization,
         weights_bytes=weights_bytes,
         quantized_weights=quantization in ("int8", "int4") if quantized_weights is None else quantized_weights,
+        quant_tiles=(kernels or expected_kernels()) == "compiled" and cpu_has_amx(),
     )
     seqs = max_num_seqs or AUTO_MAX_NUM_SEQS
     longest = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)

@@ -19,6 +19,12 @@
 
 #include "common.h"
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+#define PAGEDLLM_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace {
 
 using namespace pagedllm;
@@ -28,15 +34,18 @@ struct QuantMatrix {
   const float* scale;
   const float* zero;  // nullptr: no offsets
   int64_t n, k, bits, group;
+  int64_t G;      // groups per row
+  int shift;      // log2(group) when a power of two: the inner loops must not divide (~40 cycles)
   int64_t row_bytes() const { return bits == 4 ? k / 2 : k; }
-  int64_t groups() const { return k / group; }
+  int64_t groups() const { return G; }
+  int64_t group_of(int64_t k0) const { return shift >= 0 ? k0 >> shift : k0 / group; }
   // Columns handled per step: a 4-bit step unpacks 16 bytes into 32 values, an 8-bit one 16.
   int64_t step() const { return bits == 4 ? 32 : 16; }
 };
 
 // The values of columns [k0, k0 + step) of row n, in order, into `out` (scalar; any CPU).
 inline void dequant_step_scalar(const QuantMatrix& m, int64_t n, int64_t k0, float* out) {
-  const int64_t g = n * m.groups() + k0 / m.group;
+  const int64_t g = n * m.G + m.group_of(k0);
   const float s = m.scale[g], z = m.zero ? m.zero[g] : 0.f;
   const uint8_t* row = m.q + n * m.row_bytes();
   if (m.bits == 4) {
@@ -54,7 +63,7 @@ inline void dequant_step_scalar(const QuantMatrix& m, int64_t n, int64_t k0, flo
 #if defined(CPU_CAPABILITY_AVX512)
 // The same step in registers: lo = columns k0..k0+15, hi = k0+16..k0+31 (4-bit only).
 inline void dequant_step(const QuantMatrix& m, int64_t n, int64_t k0, __m512& lo, __m512& hi) {
-  const int64_t g = n * m.groups() + k0 / m.group;
+  const int64_t g = n * m.G + m.group_of(k0);
   const __m512 s = _mm512_set1_ps(m.scale[g]), z = _mm512_set1_ps(m.zero ? m.zero[g] : 0.f);
   const uint8_t* row = m.q + n * m.row_bytes();
   if (m.bits == 4) {
@@ -217,6 +226,166 @@ void channels_vnni(const QuantMatrix& m, const Int8Rows& xr, int64_t n0, int64_t
 }
 #endif
 
+#if defined(PAGEDLLM_AMX)
+// Many rows of bf16 activations on AMX tiles. For each 16 output channels, the weights are
+// dequantized once into a bf16 block that stays in L1 (16 x K), and every 16 rows of x multiply it
+// in tile dot-products that accumulate over all of K in the tile. Where the float GEMM path first
+// dequantizes the whole layer to memory and oneDNN then re-lays it out, this reads the packed
+// weights once per step and writes nothing but the output. The arithmetic is that of the float
+// GEMM on bf16-dequantized weights.
+
+// Linux hands out AMX state only on request, once per process.
+bool amx_ready() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// A 16 x 16 matrix of 32-bit elements in registers, transposed.
+inline void transpose16x16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0x88);
+      t[8 * i + j + 4] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
+// Channels [n0, n0 + 16) dequantized to bf16 as the tiles' B operand: per 32 columns, 16 column
+// pairs x 16 channels x 2 (channels past the matrix are zero). Each channel's 32 columns are one
+// register of 16 pairs; 16 channels' registers transposed give the 16 rows of pairs.
+void dequant_channels(const QuantMatrix& m, int64_t n0, c10::BFloat16* out) {
+  const int64_t count = std::min<int64_t>(16, m.n - n0);
+  __m512i r[16];
+  for (int64_t k0 = 0; k0 < m.k; k0 += 32) {
+    for (int64_t c = 0; c < 16; ++c) {
+      if (c >= count) {
+        r[c] = _mm512_setzero_si512();
+        continue;
+      }
+      __m512 lo, hi;
+      dequant_step(m, n0 + c, k0, lo, hi);
+      if (m.bits == 8) {  // 16 columns a step
+        __m512 unused;
+        dequant_step(m, n0 + c, k0 + 16, hi, unused);
+      }
+      r[c] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+    }
+    transpose16x16(r);
+    for (int p = 0; p < 16; ++p) _mm512_storeu_si512(out + (k0 / 32 * 16 + p) * 32, r[p]);
+  }
+}
+
+// Up to four 16-row tiles of x (tmm1, tmm6 in turn) against one 16-channel block (tmm0), into
+// the accumulators tmm2..tmm5, stored to Y (stride ldy floats) or, for a ragged edge, to C.
+template <int NT>
+void amx_block(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w, int64_t K, float* const* out,
+               const int64_t* ld) {
+  if constexpr (NT > 0) _tile_zero(2);
+  if constexpr (NT > 1) _tile_zero(3);
+  if constexpr (NT > 2) _tile_zero(4);
+  if constexpr (NT > 3) _tile_zero(5);
+  for (int64_t kk = 0; kk < K / 32; ++kk) {
+    _tile_loadd(0, w + kk * 512, 64);
+    const c10::BFloat16* xk = x + kk * 32;
+    _tile_loadd(1, xk, ldx * 2);
+    _tile_dpbf16ps(2, 1, 0);
+    if constexpr (NT > 1) {
+      _tile_loadd(6, xk + 16 * ldx, ldx * 2);
+      _tile_dpbf16ps(3, 6, 0);
+    }
+    if constexpr (NT > 2) {
+      _tile_loadd(1, xk + 32 * ldx, ldx * 2);
+      _tile_dpbf16ps(4, 1, 0);
+    }
+    if constexpr (NT > 3) {
+      _tile_loadd(6, xk + 48 * ldx, ldx * 2);
+      _tile_dpbf16ps(5, 6, 0);
+    }
+  }
+  if constexpr (NT > 0) _tile_stored(2, out[0], ld[0] * 4);
+  if constexpr (NT > 1) _tile_stored(3, out[1], ld[1] * 4);
+  if constexpr (NT > 2) _tile_stored(4, out[2], ld[2] * 4);
+  if constexpr (NT > 3) _tile_stored(5, out[3], ld[3] * 4);
+}
+
+void amx_linear(const QuantMatrix& m, const c10::BFloat16* X, int64_t rows, float* Y) {
+  const int64_t full = rows / 16, tiles = (rows + 15) / 16;
+  // The last, partial tile of rows, zero-padded (the tiles read 16 rows).
+  std::vector<c10::BFloat16> tail(16 * m.k, c10::BFloat16(0.f));
+  if (tiles > full)
+    std::memcpy(static_cast<void*>(tail.data()), X + full * 16 * m.k, (rows - full * 16) * m.k * sizeof(c10::BFloat16));
+  const int64_t blocks16 = (m.n + 15) / 16;
+  at::parallel_for(0, blocks16, 1, [&](int64_t b0, int64_t b1) {
+    TileConfig cfg;
+    for (int t : {0, 1, 2, 3, 4, 5, 6}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+    std::vector<c10::BFloat16> w(16 * m.k);
+    alignas(64) float C[4][16][16];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * 16, count = std::min<int64_t>(16, m.n - n0);
+      dequant_channels(m, n0, w.data());
+      for (int64_t t0 = 0; t0 < tiles; t0 += 4) {
+        const int64_t nt = std::min<int64_t>(4, tiles - t0);
+        // Rows of x: in place, but the partial last tile from its padded copy; results straight
+        // into Y, but a ragged tile (last rows, last channels) through C.
+        const bool ragged_tail = t0 + nt > full;
+        const c10::BFloat16* x = X + t0 * 16 * m.k;
+        float* out[4];
+        int64_t ld[4];
+        for (int64_t r = 0; r < nt; ++r) {
+          const bool ragged = count < 16 || t0 + r >= full;
+          out[r] = ragged ? &C[r][0][0] : Y + (t0 + r) * 16 * m.n + n0;
+          ld[r] = ragged ? 16 : m.n;
+        }
+        if (ragged_tail && nt == 1) {
+          amx_block<1>(tail.data(), m.k, w.data(), m.k, out, ld);
+        } else {
+          // all but a partial last tile run from x in place; that one runs alone below
+          const int64_t in_place = ragged_tail ? nt - 1 : nt;
+          switch (in_place) {
+            case 4: amx_block<4>(x, m.k, w.data(), m.k, out, ld); break;
+            case 3: amx_block<3>(x, m.k, w.data(), m.k, out, ld); break;
+            case 2: amx_block<2>(x, m.k, w.data(), m.k, out, ld); break;
+            case 1: amx_block<1>(x, m.k, w.data(), m.k, out, ld); break;
+            default: break;
+          }
+          if (ragged_tail) amx_block<1>(tail.data(), m.k, w.data(), m.k, out + in_place, ld + in_place);
+        }
+        for (int64_t r = 0; r < nt; ++r) {
+          if (out[r] != &C[r][0][0]) continue;
+          for (int64_t i = 0; i < 16 && (t0 + r) * 16 + i < rows; ++i)
+            std::memcpy(Y + ((t0 + r) * 16 + i) * m.n + n0, C[r][i], count * sizeof(float));
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
 // Channels [n0, n1) of Y = X W^T, X float32 [rows, K].
 void channels(const QuantMatrix& m, const float* X, int64_t rows, int64_t n0, int64_t n1, float* Y) {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -254,6 +423,8 @@ QuantMatrix check_quant(const Tensor& q, const Tensor& scale, const c10::optiona
   m.k = bits == 4 ? q.size(1) * 2 : q.size(1);
   TORCH_CHECK(group > 0 && group % m.step() == 0 && m.k % group == 0, "group ", group, " must be a multiple of ",
               m.step(), " dividing the ", m.k, " columns");
+  m.G = m.k / group;
+  m.shift = (group & (group - 1)) == 0 ? __builtin_ctzll(uint64_t(group)) : -1;
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 2 && scale.size(0) == m.n &&
                   scale.size(1) == m.groups(),
               "scale must be contiguous float32 [rows, columns / group]");
@@ -272,13 +443,20 @@ Tensor quant_linear(const Tensor& x, const Tensor& qweight, const Tensor& scale,
   const QuantMatrix m = check_quant(qweight, scale, zero, bits, group);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == m.k, "x must be [rows, ", m.k, "]");
   const int64_t rows = x.size(0);
-  const Tensor X = x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
   Tensor Y = at::empty({rows, m.n}, x.options().dtype(at::kFloat));
+  float* yp = Y.data_ptr<float>();
+#if defined(PAGEDLLM_AMX)
+  if (x.scalar_type() == at::kBFloat16 && m.k % 32 == 0 && rows > 8 && amx_ready()) {
+    const Tensor xb = x.contiguous();
+    amx_linear(m, xb.data_ptr<c10::BFloat16>(), rows, yp);
+    return Y.to(x.scalar_type());
+  }
+#endif
+  const Tensor X = x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
+  const float* xp = X.data_ptr<float>();
   // Whole 4-channel tiles per thread, about 64 KiB of weights per chunk.
   const int64_t tiles = (m.n + 3) / 4;
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, 4 * m.row_bytes()));
-  const float* xp = X.data_ptr<float>();
-  float* yp = Y.data_ptr<float>();
 #if defined(PAGEDLLM_VNNI)
   if (x.scalar_type() == at::kBFloat16 && m.bits == 4 && m.group == 32) {
     Int8Rows xr;
@@ -335,10 +513,20 @@ Tensor dequantize(const Tensor& qweight, const Tensor& scale, const c10::optiona
   return out;
 }
 
+// Whether quant_linear runs many rows of bf16 activations on AMX tiles.
+bool quant_linear_tiles() {
+#if defined(PAGEDLLM_AMX)
+  return amx_ready();
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scale, Tensor? zero, int bits, int group) -> Tensor");
+  m.def("quant_linear_tiles() -> bool", &quant_linear_tiles);
   m.def(
       "dequantize(Tensor qweight, Tensor scale, Tensor? zero, int bits, int group, Tensor? rows, ScalarType dtype) "
       "-> Tensor");
