@@ -81,8 +81,8 @@ def build(out: Path, name: str, dtype: torch.dtype) -> None:
 
     write_streaming(out / "model.safetensors", [(n, dtype, s) for n, s in shapes], produce, {"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    for f in tokenizer_dir.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")) or f.name == "generation_config.json":
+    for f in tokenizer_dir.iterdir():  # the tokenizer, its chat template, generation config
+        if f.is_file() and f.name not in ("config.json", "model.safetensors"):
             shutil.copy(f, out / f.name)
     params = sum(torch.Size(s).numel() for _, s in shapes)
     print(f"{out}: {name}, {params / 1e9:.2f}B parameters, {dtype}")

@@ -28,6 +28,7 @@ from .workspace import QUANT_KERNEL_MAX_ROWS as KERNEL_MAX_ROWS
 
 SCHEMES = ("int8", "int4")
 INT4_GROUP = 32
+QUANTIZE_CHUNK_ELEMENTS = 4 * 1024 * 1024  # rows quantized at once when loading (float32 temporaries ~5x)
 
 
 @dataclass
@@ -66,28 +67,51 @@ class QuantizedWeight:
         )
 
 
-def quantize(weight: torch.Tensor, scheme: str) -> QuantizedWeight:
+def empty_quantized(rows: int, columns: int, scheme: str) -> QuantizedWeight:
+    """Uninitialised storage for a [rows, columns] matrix in ``scheme``."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"quantization {scheme!r}: choose one of {', '.join(SCHEMES)}")
+    multiple = 16 if scheme == "int8" else INT4_GROUP
+    if columns % multiple:
+        raise ValueError(f"{scheme} needs a multiple of {multiple} columns, this matrix has {columns}")
+    if scheme == "int8":
+        return QuantizedWeight(torch.empty(rows, columns, dtype=torch.int8), torch.empty(rows, 1), None, 8, columns)
+    groups = columns // INT4_GROUP
+    q = torch.empty(rows, columns // 2, dtype=torch.uint8)
+    return QuantizedWeight(q, torch.empty(rows, groups), torch.empty(rows, groups), 4, INT4_GROUP)
+
+
+def quantize(weight: torch.Tensor, scheme: str, out: QuantizedWeight | None = None) -> QuantizedWeight:
     """A float matrix [N, K] in ``scheme`` ('int8': per-row symmetric; 'int4': groups of 32 with
-    scale and offset, the layout of GGUF's Q4_1)."""
+    scale and offset, the layout of GGUF's Q4_1), into ``out`` if given (rows of a stacked layer).
+    Rows are quantized ``QUANTIZE_CHUNK_ELEMENTS`` at a time: the float32 temporaries stay small
+    next to an 8B model's 2 GB embedding matrix."""
+    n, k = weight.shape
+    out = out if out is not None else empty_quantized(n, k, scheme)
+    step = max(1, QUANTIZE_CHUNK_ELEMENTS // k)
+    for i in range(0, n, step):
+        part = _quantize_rows(weight[i : i + step], scheme)
+        for name in ("qweight", "scale", "zero"):
+            target = getattr(out, name)
+            if target is not None:
+                target[i : i + step] = getattr(part, name)
+    return out
+
+
+def _quantize_rows(weight: torch.Tensor, scheme: str) -> QuantizedWeight:
     w = weight.detach().float()
     n, k = w.shape
     if scheme == "int8":
-        if k % 16:
-            raise ValueError(f"int8 needs a multiple of 16 columns, this matrix has {k}")
         scale = (w.abs().amax(dim=1, keepdim=True) / 127).clamp_min(1e-12)
         q = torch.round(w / scale).clamp_(-127, 127).to(torch.int8)
         return QuantizedWeight(q, scale, None, 8, k)
-    if scheme == "int4":
-        if k % INT4_GROUP:
-            raise ValueError(f"int4 needs a multiple of {INT4_GROUP} columns, this matrix has {k}")
-        groups = w.view(n, k // INT4_GROUP, INT4_GROUP)
-        low, high = groups.amin(dim=2), groups.amax(dim=2)
-        scale = ((high - low) / 15).clamp_min(1e-12)
-        q = torch.round((groups - low[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
-        q = q.view(n, k // INT4_GROUP, 2, 16)  # per group: columns 0-15 low nibbles, 16-31 high
-        packed = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2)
-        return QuantizedWeight(packed.contiguous(), scale.contiguous(), low.contiguous(), 4, INT4_GROUP)
-    raise ValueError(f"quantization {scheme!r}: choose one of {', '.join(SCHEMES)}")
+    groups = w.view(n, k // INT4_GROUP, INT4_GROUP)
+    low, high = groups.amin(dim=2), groups.amax(dim=2)
+    scale = ((high - low) / 15).clamp_min(1e-12)
+    q = torch.round((groups - low[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
+    q = q.view(n, k // INT4_GROUP, 2, 16)  # per group: columns 0-15 low nibbles, 16-31 high
+    packed = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2)
+    return QuantizedWeight(packed.contiguous(), scale.contiguous(), low.contiguous(), 4, INT4_GROUP)
 
 
 def dequantize(w: QuantizedWeight, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -140,9 +164,10 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
 class QuantizedLinear(StackedRows):
     """A linear layer on quantized weights, stacked by rows like ``Linear`` (q/k/v, gate/up).
 
-    Checkpoint tensors arrive one by one (``load_part``: a float tensor is quantized,
-    ``load_quantized_part``: one stored quantized is kept as it is); ``pack`` stacks them, by
-    runs of parts that share a format (a GGUF file may store v in 6 bits next to q and k in 4).
+    Checkpoint tensors arrive one by one. A float one (``load_part``) is quantized straight into
+    its rows of the stacked matrix. One stored quantized (``load_quantized_part``) is kept as it
+    is, and ``pack`` stacks those by runs of parts that share a format (a GGUF file may store v in
+    6 bits next to q and k in 4).
     """
 
     def __init__(self, in_features: int, parts: list[int], bias: bool, scheme: str | None):
@@ -161,16 +186,17 @@ class QuantizedLinear(StackedRows):
             return
         if self.scheme is None:
             raise ValueError("this layer's weights must come quantized")
-        self.load_quantized_part(index, quantize(tensor, self.scheme))
+        if not self.segments:
+            self.segments = [empty_quantized(sum(self.parts), self.in_features, self.scheme)]
+        rows = self.part_rows(index)
+        quantize(tensor, self.scheme, out=self.segments[0].rows(rows.start, rows.stop))
 
     def load_quantized_part(self, index: int, weight: QuantizedWeight) -> None:
         self.pending[index] = weight
 
-    def loaded_parts(self) -> set[int]:
-        return set(self.pending) if not self.packed else set(range(len(self.parts)))
-
     def pack(self) -> None:
-        if self.packed:
+        if self.packed or not self.pending:  # quantized at load: stacked already
+            self.packed = True
             return
         parts = [self.pending.pop(i) for i in range(len(self.parts))]
         runs: list[list[QuantizedWeight]] = []
