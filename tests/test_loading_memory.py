@@ -1,4 +1,5 @@
-"""Loading a checkpoint costs at most about twice its final weights in RAM, at peak."""
+"""Loading a checkpoint costs at most about twice its final weights in RAM, at peak; quantizing it
+at load, no more than the planner's loading figure."""
 
 import json
 import subprocess
@@ -19,14 +20,15 @@ def rss(field):
             return int(line.split()[1]) * 1024
 
 dtype = getattr(torch, sys.argv[2])
+quantization = sys.argv[3] if len(sys.argv) > 3 else None
 # Warm up: the first model built on the meta device pulls in ~75 MiB of torch machinery, a fixed
 # per-process cost that has nothing to do with the size of the weights.
 with torch.device("meta"):
     torch.nn.Embedding(2, 2)
 before = rss("VmRSS:")
 open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the current RSS
-model = load_decoder(Path(sys.argv[1]), dtype)
-weights = sum(p.numel() * p.element_size() for p in model.parameters())
+model = load_decoder(Path(sys.argv[1]), dtype, quantization)
+weights = model.weight_bytes()
 print(rss("VmHWM:") - before, weights)
 """
 
@@ -78,3 +80,22 @@ def test_peak_ram_while_loading_is_under_twice_the_weights(medium_checkpoint, dt
     assert peak_growth <= 2.0 * weights, (
         f"peak grew {peak_growth / 2**20:.0f} MiB for {weights / 2**20:.0f} MiB of weights"
     )
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantizing_at_load_stays_within_the_planned_loading_peak(medium_checkpoint, quantization):
+    from pagedllm.config import ModelConfig
+    from pagedllm.memory.footprint import EngineSettings, loader_bytes, weight_bytes
+
+    out = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(medium_checkpoint), "bfloat16", quantization],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    peak_growth, weights = map(int, out.stdout.split())
+    cfg = ModelConfig.from_file(medium_checkpoint)
+    settings = EngineSettings(dtype="bfloat16", quantization=quantization)
+    assert weights == weight_bytes(cfg, "bfloat16", quantization)
+    planned = weights + loader_bytes(cfg, settings)
+    assert peak_growth <= planned, f"peak grew {peak_growth / 2**20:.0f} MiB, planned {planned / 2**20:.0f} MiB"

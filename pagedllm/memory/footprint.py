@@ -54,8 +54,8 @@ from ..layers.workspace import (
     SAMPLER_CHUNK_ROWS,
     padded_rows,
 )
+from ..sizes import CONVERT_CHUNK_BYTES, KV_SCALE_BYTES, ceil_div, dtype_bytes, kv_element_bytes, kv_is_quantized
 from ..sizes import INDEX_BYTES as INDEX
-from ..sizes import KV_SCALE_BYTES, ceil_div, dtype_bytes, kv_element_bytes, kv_is_quantized
 
 SAMPLER_BYTES_PER_LOGIT = 25  # full sampling path: float32 copies, int64 sort order, masks
 SCALAR_SLACK = 256  # one-element temporaries (eps, scale factors) that ops create on the way
@@ -98,6 +98,22 @@ def weight_bytes(cfg: ModelConfig, dtype, quantization: str | None = None) -> in
     if quantization == "int4":
         return linear // 2 + 8 * (linear // 32) + embeddings + rest
     raise ValueError(f"quantization {quantization!r}: choose one of none, int8, int4")
+
+
+# float32 temporaries of quantizing a chunk of rows at load (layers/quantized.QUANTIZE_CHUNK_ELEMENTS
+# weights): the float copy, its scaled copy, the rounded values, a mask; measured under 20 bytes each.
+QUANTIZE_BYTES_PER_CHUNK = 4 * 1024 * 1024 * 20
+
+
+def loader_bytes(cfg: ModelConfig, s: EngineSettings) -> int:
+    """What loading holds above the weights: the buffer converting a tensor stored in another
+    dtype, and when quantizing at load, the whole float tensor being quantized (the largest is
+    the embeddings) with its quantizing temporaries."""
+    if s.quantization not in ("int8", "int4"):
+        return CONVERT_CHUNK_BYTES
+    h = cfg.hidden_size
+    largest = max(cfg.vocab_size * h, cfg.intermediate_size * h, cfg.num_heads * cfg.head_dim * h)
+    return CONVERT_CHUNK_BYTES + largest * dtype_bytes(s.dtype) + QUANTIZE_BYTES_PER_CHUNK
 
 
 # ---- one step -------------------------------------------------------------------------------

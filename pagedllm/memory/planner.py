@@ -12,9 +12,9 @@ from typing import NoReturn
 
 from ..config import ModelConfig
 from ..errors import CacheDoesNotFitError
-from ..sizes import CONVERT_CHUNK_BYTES, ceil_div, dtype_bytes, gib, kv_dtype_name, kv_element_bytes
+from ..sizes import ceil_div, dtype_bytes, gib, kv_dtype_name, kv_element_bytes
 from .budget import resolve_budget
-from .footprint import EngineSettings, activation_peak, kv_bytes_per_block, weight_bytes
+from .footprint import EngineSettings, activation_peak, kv_bytes_per_block, loader_bytes, weight_bytes
 from .machine import cpu_has_amx, expected_kernels, usable_cpus
 
 # What the process holds beyond the tensors the footprint itemises, under load: library code
@@ -117,7 +117,7 @@ class MemoryPlan:
             (
                 "loading peak",
                 f"{gib(self.loading_peak_bytes, 8)}  (baseline + weights + "
-                f"{self.loader_bytes // 1024**2} MiB conversion buffer)",
+                f"{self.loader_bytes // 1024**2} MiB of conversion buffers)",
             ),
             ("headroom", gib(self.headroom_bytes, 8)),
         ]
@@ -222,7 +222,7 @@ def plan(
     s = settings or EngineSettings()
     model_len = cfg.max_position_embeddings
     given_len = min(s.max_model_len, model_len) if s.max_model_len else None
-    costs = _Costs(cfg, s, max_num_seqs or AUTO_MAX_NUM_SEQS, baseline_bytes, CONVERT_CHUNK_BYTES)
+    costs = _Costs(cfg, s, max_num_seqs or AUTO_MAX_NUM_SEQS, baseline_bytes, loader_bytes(cfg, s))
     fail = _Failure(costs, budget_bytes, budget_source, num_blocks, max_batch_tokens, given_len or model_len)
     if costs.baseline + costs.weights + OVERHEAD_BYTES > budget_bytes:
         fail("the process baseline and the weights alone exceed the budget")
