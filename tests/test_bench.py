@@ -97,3 +97,21 @@ def test_bench_cli_end_to_end_with_a_peer(tmp_path):
     assert results[1]["output_tokens"] == 16
     assert "skipped" in results[2]  # no --vllm-python given
     assert "| pagedllm |" in res.stdout
+
+
+@pytest.mark.slow
+def test_bench_variants_run_each_configuration_in_one_run(tmp_path):
+    """One bench run, several pagedllm rows: weights as stored and dequantized, an 8-bit KV cache;
+    each row reports the RSS its engine added above the interpreter."""
+    out = tmp_path / "r.json"
+    variants = "float32:none,bfloat16:stored:int8"
+    cmd = [sys.executable, "-m", "pagedllm.cli", "bench", "--num-prompts", "2", "--new-tokens", "3"]
+    res = subprocess.run(
+        [*cmd, "--variants", variants, "--json", str(out)], capture_output=True, text=True, timeout=600
+    )
+    assert res.returncode == 0, res.stderr
+    results = json.loads(out.read_text())["results"]
+    assert [r["engine"] for r in results] == ["pagedllm float32 none", "pagedllm bfloat16 stored kv int8"]
+    assert all(r["output_tokens"] == 6 for r in results)
+    assert all(0 < r["interpreter_rss_bytes"] < r["peak_rss_bytes"] for r in results)
+    assert results[1]["weights_bytes"] < results[0]["weights_bytes"] / 3  # Q4_1 against float32
