@@ -25,7 +25,7 @@ import json, sys
 from pagedllm import LLM, SamplingParams
 from pagedllm.memory.machine import resident_bytes
 a = json.loads(sys.argv[1])
-llm = LLM(a["model"], memory=a["memory"], dtype=a["dtype"])
+llm = LLM(a["model"], memory=a["memory"], dtype=a["dtype"], quantization=a.get("quantization"))
 vocab = llm.loaded.config.vocab_size
 prompts = [[(7 * i + 3 * j) % (vocab - 10) + 5 for j in range(n)] for i, n in enumerate(a["lengths"])]
 outs = llm.generate(prompts, SamplingParams(max_tokens=a["new"], temperature=0, ignore_eos=True))
@@ -43,8 +43,10 @@ print(rc, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
 """
 
 
-def run_library(model, memory: str, dtype: str, lengths: list[int], new: int) -> dict:
-    args = json.dumps({"model": model, "memory": memory, "dtype": dtype, "lengths": lengths, "new": new})
+def run_library(model, memory: str, dtype: str, lengths: list[int], new: int, quantization: str | None = None) -> dict:
+    args = json.dumps(
+        {"model": model, "memory": memory, "dtype": dtype, "lengths": lengths, "new": new, "quantization": quantization}
+    )
     out = subprocess.run([sys.executable, "-c", LIBRARY_RUN, args], capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -63,9 +65,13 @@ WORKLOAD = [16 + 15 * i for i in range(16)]  # 16..241 tokens, like the benchmar
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("memory", "dtype"), [("1GiB", "float32"), ("700MiB", "bfloat16")])
-def test_the_default_model_stays_within_a_tight_budget_under_load(memory, dtype):
-    r = run_library(None, memory, dtype, WORKLOAD, 32)
+@pytest.mark.parametrize(
+    ("memory", "dtype", "quantization"),
+    [("1GiB", "float32", "none"), ("700MiB", "bfloat16", "none"), ("600MiB", "bfloat16", None)],
+)
+def test_the_default_model_stays_within_a_tight_budget_under_load(memory, dtype, quantization):
+    """Dequantized, and as it ships (its Q4_1 weights kept quantized)."""
+    r = run_library(None, memory, dtype, WORKLOAD, 32, quantization)
     check_within_and_used(r, int(memory[:-3]) * (1024 if memory.endswith("GiB") else 1) * MiB)
     assert r["preemptions"] > 0 or r["max_model_len"] < 8192  # the budget was tight: it shaped the run
 
