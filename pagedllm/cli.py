@@ -60,13 +60,16 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling")
+    g = p.add_argument_group(
+        "sampling (unset: the model's generation_config.json, else pagedllm's interactive defaults; README)"
+    )
     g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--greedy", action="store_true", help="always the most likely token (same as --temperature 0)")
+    g.add_argument("--temperature", type=float, default=None, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--min-p", type=float, default=None)
+    g.add_argument("--repetition-penalty", type=float, default=None)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
@@ -77,7 +80,7 @@ def _params(args):
 
     return SamplingParams(
         max_tokens=args.max_tokens,
-        temperature=args.temperature,
+        temperature=0.0 if args.greedy else args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
         min_p=args.min_p,

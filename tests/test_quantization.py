@@ -111,8 +111,10 @@ def gguf_blocks(type_name, rows, cols, rng):
     return raw.reshape(rows, -1)
 
 
-def write_llama_gguf(path, types, rng):
+def write_llama_gguf(path, types, rng, metadata=None):
     writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in (metadata or {}).items():
+        (writer.add_int32 if isinstance(value, int) else writer.add_float32)(key, value)
     writer.add_block_count(LAYERS)
     writer.add_embedding_length(H)
     writer.add_feed_forward_length(FF)

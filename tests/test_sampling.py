@@ -6,7 +6,7 @@ import torch
 
 from pagedllm.engine.sequence import Sequence
 from pagedllm.layers.sampler import Sampler
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SAMPLING_OFF, SamplingParams
 
 VOCAB = 50
 
@@ -14,7 +14,7 @@ VOCAB = 50
 def seqs_for(params_list, outputs=None):
     seqs = []
     for i, p in enumerate(params_list):
-        s = Sequence(f"r{i}", [1, 2, 3], p)
+        s = Sequence(f"r{i}", [1, 2, 3], p.with_defaults(SAMPLING_OFF))  # unset fields: off
         s.output_token_ids = list(outputs[i]) if outputs else []
         if p.seed is not None:
             s.generator = torch.Generator().manual_seed(p.seed)

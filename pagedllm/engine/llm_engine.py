@@ -135,7 +135,8 @@ class LLMEngine:
         """Queues a request; raises RequestRejected (and changes nothing) if it can never run.
         ``arrival_time`` (time.perf_counter seconds, default now) is when the request really
         arrived, for a caller that queued it first (the server): its latency metrics count from it."""
-        params = params or SamplingParams()
+        # unset sampling fields: the model's defaults, else pagedllm's (SamplingParams.with_defaults)
+        params = (params or SamplingParams()).with_defaults(self.loaded.sampling_defaults)
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:

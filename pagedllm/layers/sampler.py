@@ -142,10 +142,11 @@ def _logprobs(raw: torch.Tensor, tokens: list[int], params) -> list[dict | None]
 def _penalize_row(logits: torch.Tensor, seq: SamplingRow) -> None:
     """Penalties touch only the tokens a sequence has seen, so they cost O(its length)."""
     p = seq.params
-    if p.repetition_penalty != 1:
+    penalty = p.repetition_penalty  # filled by SamplingParams.with_defaults before a step
+    if penalty is not None and penalty != 1:
         seen = torch.tensor(sorted(set(seq.prompt_token_ids) | set(seq.output_token_ids)), dtype=torch.long)
         values = logits[seen]
-        logits[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        logits[seen] = torch.where(values > 0, values / penalty, values * penalty)
     if (p.presence_penalty or p.frequency_penalty) and seq.output_token_ids:
         ids, counts = torch.tensor(seq.output_token_ids, dtype=torch.long).unique(return_counts=True)
         logits[ids] -= counts * p.frequency_penalty + p.presence_penalty

@@ -7,7 +7,7 @@ loaded like any checkpoint. Nothing is ever downloaded.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from ..sizes import torch_dtype
 from .checkpoint import checkpoint_weights as checkpoint_weights
 from .checkpoint import load_decoder
 from .default_model import DEFAULT_MODEL_NAME, default_gguf_path
+from .generation_config import sampling_defaults
 from .gguf_convert import converted_dir
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ class LoadedModel:
     tokenizer: Any  # loading.tokenizer.Tokenizer (or a transformers one), None for a weights-only directory
     path: Path  # the HF-style directory the weights came from
     name: str
+    sampling_defaults: dict = field(default_factory=dict)  # the model's own (generation_config.json)
 
 
 def resolve_model_dir(model: str | Path | None) -> tuple[Path, str]:
@@ -73,7 +75,7 @@ def load_dir(
     ``quantization`` as ``checkpoint.load_decoder`` takes it."""
     decoder = load_decoder(model_dir, torch_dtype(dtype), quantization)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
-    return LoadedModel(decoder, decoder.config, tokenizer, model_dir, name)
+    return LoadedModel(decoder, decoder.config, tokenizer, model_dir, name, sampling_defaults(model_dir))
 
 
 def load_tokenizer(model_dir: Path):

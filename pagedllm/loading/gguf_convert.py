@@ -30,11 +30,12 @@ import torch
 from ..errors import ModelLoadError, UnsupportedModelError
 from ..paths import cache_root
 from . import gguf_quants
+from .generation_config import GGUF_SAMPLING_KEYS
 from .safetensors_io import write_streaming
 
 log = logging.getLogger(__name__)
 
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -174,6 +175,9 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
 
     write_streaming(out_dir / "model.safetensors", specs, produce, {"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    sampling = {hf: meta[key] for key, hf in GGUF_SAMPLING_KEYS.items() if isinstance(meta.get(key), (int, float))}
+    if sampling:  # the file's own sampling defaults, read back by generation_config.py
+        (out_dir / "generation_config.json").write_text(json.dumps(sampling, indent=2))
     _save_tokenizer(gguf_path, out_dir)
 
 
