@@ -84,8 +84,13 @@ def test_peak_ram_while_loading_is_under_twice_the_weights(medium_checkpoint, dt
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_quantizing_at_load_stays_within_the_planned_loading_peak(medium_checkpoint, quantization):
+    """Within the weights, what the planner says loading holds above them (the float tensor being
+    quantized and its temporaries), and the allocator's overhead term the plan keeps for the whole
+    run: freed temporaries are not all handed back at once (measured growth 144 MiB alone, up to
+    199 MiB inside the suite, for 162 MiB planned without that term)."""
     from pagedllm.config import ModelConfig
     from pagedllm.memory.footprint import EngineSettings, loader_bytes, weight_bytes
+    from pagedllm.memory.planner import OVERHEAD_BYTES
 
     out = subprocess.run(
         [sys.executable, "-c", MEASURE, str(medium_checkpoint), "bfloat16", quantization],
@@ -97,5 +102,5 @@ def test_quantizing_at_load_stays_within_the_planned_loading_peak(medium_checkpo
     cfg = ModelConfig.from_file(medium_checkpoint)
     settings = EngineSettings(dtype="bfloat16", quantization=quantization)
     assert weights == weight_bytes(cfg, "bfloat16", quantization)
-    planned = weights + loader_bytes(cfg, settings)
+    planned = weights + loader_bytes(cfg, settings) + OVERHEAD_BYTES
     assert peak_growth <= planned, f"peak grew {peak_growth / 2**20:.0f} MiB, planned {planned / 2**20:.0f} MiB"

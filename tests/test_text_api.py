@@ -71,7 +71,7 @@ def run_cli(*args, stdin=None):
 
 
 def test_cli_generate_answers():
-    res = run_cli("generate", "What is the capital of France?", "--max-tokens", "24")
+    res = run_cli("generate", "What is the capital of France?", "--max-tokens", "24", "--greedy")
     assert res.returncode == 0, res.stderr
     assert "Paris" in res.stdout
 
@@ -84,7 +84,7 @@ def test_cli_batch_job_writes_one_result_per_line(tmp_path):
         {"prompt_token_ids": [1, 4093, 198], "max_tokens": 3},
     ]
     src.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    res = run_cli("generate", "--input", str(src), "--output", str(dst), "--max-tokens", "24")
+    res = run_cli("generate", "--input", str(src), "--output", str(dst), "--max-tokens", "24", "--greedy")
     assert res.returncode == 0, res.stderr
     results = [json.loads(line) for line in dst.read_text().splitlines()]
     assert [r["index"] for r in results] == [0, 1, 2]
@@ -101,7 +101,7 @@ def test_cli_batch_job_reports_a_bad_line(tmp_path):
 
 
 def test_cli_chat_keeps_the_conversation():
-    res = run_cli("chat", "--max-tokens", "24", stdin="What is the capital of France?\nAnd of Italy?\n")
+    res = run_cli("chat", "--max-tokens", "24", "--greedy", stdin="What is the capital of France?\nAnd of Italy?\n")
     assert res.returncode == 0, res.stderr
     assert "Paris" in res.stdout and "Rome" in res.stdout
 
