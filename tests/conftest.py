@@ -45,3 +45,15 @@ def kernels(request):
         assert compiled_ops() is not None
     yield request.param
     select(previous)
+
+
+@pytest.fixture
+def ops():
+    """The compiled kernels (torch.ops.pagedllm); fails if they cannot be built here."""
+    from pagedllm.kernels import compiled_ops, select
+
+    previous = select("compiled")
+    ops = compiled_ops()
+    assert ops is not None, "the CPU kernels must build on this machine"
+    yield ops
+    select(previous)

@@ -8,30 +8,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from kernel_paths import on_torch_path
 
-from pagedllm.kernels import compiled_ops, select
 from pagedllm.layers.attention import PagedAttention, SequenceSlice, StepLayout
 from pagedllm.layers.kv_cache import KVCache
 from pagedllm.layers.mlp import silu_mul
 from pagedllm.layers.norm import RMSNorm, add_rms_norm
 from pagedllm.layers.rotary import apply_rotary_
-
-
-@pytest.fixture
-def ops():
-    previous = select("compiled")
-    ops = compiled_ops()
-    assert ops is not None, "the CPU kernels must build on this machine"
-    yield ops
-    select(previous)
-
-
-def on_torch_path(fn, *args):
-    previous = select("torch")
-    try:
-        return fn(*args)
-    finally:
-        select(previous)
 
 
 def random_cache(kv_heads, num_blocks, block_size, d, dtype, seed):

@@ -7,29 +7,13 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from kernel_paths import on_torch_path
 
 from pagedllm.errors import UnsupportedModelError
-from pagedllm.kernels import compiled_ops, select
 from pagedllm.layers import quantized as Q
 from pagedllm.loading import gguf_convert
 from pagedllm.loading.checkpoint import checkpoint_weights, load_decoder
 from pagedllm.memory.footprint import weight_bytes
-
-
-@pytest.fixture
-def ops():
-    previous = select("compiled")
-    assert compiled_ops() is not None, "the CPU kernels must build on this machine"
-    yield compiled_ops()
-    select(previous)
-
-
-def torch_path(fn, *args):
-    previous = select("torch")
-    try:
-        return fn(*args)
-    finally:
-        select(previous)
 
 
 @pytest.mark.parametrize("scheme", Q.SCHEMES)
@@ -64,9 +48,9 @@ def test_quantized_matmul_equals_dequantize_then_gemm(ops, bits, group, zero, ro
     1% of the exact product."""
     w = random_quantized(36, 512, bits, group, zero)
     x = torch.randn(rows, 512)
-    exact = x @ torch_path(Q.dequantize, w, torch.float32).T
+    exact = x @ on_torch_path(Q.dequantize, w, torch.float32).T
     torch.testing.assert_close(Q.quantized_matmul(x, w), exact, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(torch_path(Q.quantized_matmul, x, w), exact, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(on_torch_path(Q.quantized_matmul, x, w), exact, rtol=1e-4, atol=1e-4)
     got = Q.quantized_matmul(x.bfloat16(), w).float()
     assert got.dtype == torch.float32 and (got - exact).norm() < 0.01 * exact.norm()
 
@@ -74,7 +58,7 @@ def test_quantized_matmul_equals_dequantize_then_gemm(ops, bits, group, zero, ro
 def test_dequantize_kernel_equals_the_torch_path_and_picks_rows(ops):
     for bits, group, zero in FORMATS:
         w = random_quantized(40, 256, bits, group, zero)
-        full = torch_path(Q.dequantize, w, torch.float32)
+        full = on_torch_path(Q.dequantize, w, torch.float32)
         torch.testing.assert_close(Q.dequantize(w, torch.float32), full, rtol=1e-6, atol=1e-7)
         rows = torch.tensor([39, 0, 7, 7])
         torch.testing.assert_close(Q.dequantize(w, torch.bfloat16, rows=rows), full[rows].bfloat16())
