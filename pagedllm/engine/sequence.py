@@ -14,12 +14,15 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from ..outputs import ErrorKind
 from ..sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ..structured import Matcher
 
 _seq_ids = itertools.count()
 
@@ -55,6 +58,7 @@ class Sequence:
     error_kind: ErrorKind | None = None
     num_preemptions: int = 0
     generator: torch.Generator | None = None
+    matcher: Matcher | None = None  # the grammar's state, for a request with a structured_output
     # text state, kept by the engine's detokenizer
     text: str = ""
     emitted_chars: int = 0
@@ -100,6 +104,7 @@ class Sequence:
                 group=self.group,
                 output_token_ids=[],
                 generator=None,
+                matcher=self.matcher.fork() if self.matcher is not None else None,
                 logprobs=[],
             )
             for i in range(self.pending_forks)
@@ -114,12 +119,15 @@ class Sequence:
             return p[start:end]
         return (p + self.output_token_ids)[start:end]
 
-    def append_token(self, token: int, logprob: dict | None) -> None:
+    def append_token(self, token: int, logprob: dict | None) -> bool:
+        """Appends a sampled token; False if the grammar refuses it (it was masked out, so only a
+        bug lets one through)."""
         self.output_token_ids.append(token)
         if logprob is not None:
             self.logprobs.append(logprob)
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
+        return self.matcher is None or self.matcher.accept_token(token)
 
     def mark_finished(self, finish: Finish) -> None:
         self.status = Status.FINISHED

@@ -1,6 +1,8 @@
 """Sampler: turns one step's logits into one token per sequence, vectorized over the batch.
 
-Order of operations (as in HF and vLLM): penalties on the raw logits, then min_tokens masking,
+Order of operations (as in HF and vLLM): a grammar's mask on the rows with a structured output
+(their forbidden tokens -inf, so logprobs and every later stage see only what the grammar allows),
+then penalties on the raw logits, then min_tokens masking,
 then temperature, then top-k / top-p / min-p filtering, then the draw. Greedy rows take the
 argmax of the penalized logits. Seeded rows draw with their own generator, so a request with a
 seed gets the same tokens whatever else shares the batch. Log-probabilities are reported from
@@ -15,12 +17,15 @@ touch only the token ids a sequence has seen.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from ..sampling_params import SamplingParams
 from .workspace import SAMPLER_CHUNK_ROWS as CHUNK_ROWS
+
+if TYPE_CHECKING:
+    from ..structured import Grammars
 
 
 class SamplingRow(Protocol):
@@ -30,6 +35,7 @@ class SamplingRow(Protocol):
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None
+    matcher: Any  # the grammar state of a constrained row (structured.Matcher), else None
 
 
 @dataclass
@@ -51,8 +57,9 @@ def needs_full_path(seq: SamplingRow) -> bool:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: tuple[int, ...]):
+    def __init__(self, eos_token_ids: tuple[int, ...], grammars: Grammars | None = None):
         self.eos_token_ids = list(eos_token_ids)
+        self.grammars = grammars  # masks constrained rows; None when no request may have a grammar
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> SampleResult:
@@ -60,6 +67,8 @@ class Sampler:
         logprobs: list[dict | None] = []
         for c0 in range(0, len(seqs), CHUNK_ROWS):
             chunk, rows = logits[c0 : c0 + CHUNK_ROWS], seqs[c0 : c0 + CHUNK_ROWS]
+            if self.grammars is not None and any(s.matcher is not None for s in rows):
+                self.grammars.mask_logits(chunk, [s.matcher for s in rows])
             if any(needs_full_path(s) for s in rows):
                 t, lp = self._full(chunk, rows)
             else:
