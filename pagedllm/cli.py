@@ -9,7 +9,7 @@ import logging
 import signal
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import replace
 
 from .errors import PagedLLMError
 from .sizes import KV_CACHE_DTYPES, QUANTIZATIONS
@@ -73,6 +73,34 @@ def _sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
+    c = p.add_argument_group("structured output (one of; docs/structured-output.md)").add_mutually_exclusive_group()
+    c.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid against this schema")
+    c.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    c.add_argument("--regex", help="the output matches this regular expression")
+    c.add_argument("--choice", action="append", help="the output is one of these strings (repeat the flag)")
+    c.add_argument("--grammar", metavar="FILE", help="the output follows this EBNF (GBNF) grammar")
+
+
+def _structured_output(args):
+    """The constraint the flags ask for, or None; a schema file that is not JSON is a usage error."""
+    from .sampling_params import StructuredOutput
+
+    if args.json_schema:
+        try:
+            with open(args.json_schema) as f:
+                return StructuredOutput(json=json.load(f), param="--json-schema")
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--json-schema {args.json_schema}: not JSON ({e})") from None
+    if args.grammar:
+        with open(args.grammar) as f:
+            return StructuredOutput(grammar=f.read(), param="--grammar")
+    if args.json_object:
+        return StructuredOutput(json_object=True, param="--json-object")
+    if args.regex is not None:
+        return StructuredOutput(regex=args.regex, param="--regex")
+    if args.choice:
+        return StructuredOutput(choice=args.choice, param="--choice")
+    return None
 
 
 def _params(args):
@@ -88,6 +116,7 @@ def _params(args):
         seed=args.seed,
         stop=args.stop,
         ignore_eos=args.ignore_eos,
+        structured_output=_structured_output(args),
     )
 
 
@@ -208,7 +237,6 @@ def cmd_generate(args) -> int:
 def _batch_job(llm, args, params) -> int:
     """--input: one JSON object per line with "prompt" (raw text), "messages" (chat) or
     "prompt_token_ids", plus optional sampling fields; --output gets one result per line."""
-    from .sampling_params import SamplingParams
 
     prompts, per_params = [], []
     with open(args.input) as f:
@@ -224,7 +252,7 @@ def _batch_job(llm, args, params) -> int:
                 else:
                     prompts.append(row.pop("prompt"))
                 row.pop("id", None)
-                per_params.append(SamplingParams(**{**asdict(params), **row}) if row else params)
+                per_params.append(replace(params, **row) if row else params)
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
                 print(f"{args.input}:{n}: {e}", file=sys.stderr)
                 return 2

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import torch
 
-from . import loading
+from . import loading, structured
 from .config import ModelConfig
 from .engine import LLMEngine
+from .engine.llm_engine import stop_token_ids
 from .kernels import compiled_ops
 from .memory.machine import bound_allocator_slack, bound_kernel_caches, release_library_pages, resident_bytes
 from .memory.planner import plan_engine
@@ -45,6 +46,7 @@ class LLM:
         memory: str | int | None = None,
         memory_fraction: float | None = None,
         enable_prefix_caching: bool = True,
+        structured_output: bool = True,
     ):
         """``memory="6GiB"`` bounds the whole process's peak resident memory (what it holds
         before this call included); ``memory_fraction=0.9`` lets the engine take that fraction of
@@ -53,10 +55,16 @@ class LLM:
         quantized), 'int8' / 'int4' quantize float weights at load, 'none' dequantizes all;
         ``kv_cache_dtype``: 'int8' or 'fp8' keep the cache in 8 bits. The plan is checked from
         config.json before any weight is loaded: CacheDoesNotFitError if it cannot fit. With a
-        budget, the KV cache is committed at once.
+        budget, the KV cache is committed at once. ``structured_output``: load xgrammar now (when
+        installed), so its ~40 MiB count in the measured process; False leaves it out and
+        rejects constrained requests.
         """
         model_dir, name = loading.resolve_model_dir(model)  # a GGUF file is converted in a child process
         tokenizer = loading.load_tokenizer(model_dir)  # before measuring: it belongs to the baseline
+        config = ModelConfig.from_file(model_dir)
+        grammars = None  # before measuring too
+        if structured_output and tokenizer is not None and structured.available():
+            grammars = structured.Grammars(tokenizer, config.vocab_size, stop_token_ids(config, tokenizer))
         kernels = "compiled" if compiled_ops() is not None else "torch"  # built or loaded before measuring
         budgeted = memory is not None or memory_fraction is not None
         if budgeted:
@@ -65,7 +73,7 @@ class LLM:
             release_library_pages()
         weights_bytes, quantized = loading.checkpoint_weights(model_dir, dtype_name(dtype), quantization)
         self.memory_plan = plan_engine(
-            ModelConfig.from_file(model_dir),
+            config,
             model_name=name,
             dtype=dtype_name(dtype),
             kv_cache_dtype=kv_cache_dtype,
@@ -85,7 +93,12 @@ class LLM:
         self.loaded = loading.load_dir(model_dir, name, dtype, tokenizer=tokenizer, quantization=quantization)
         self.tokenizer = self.loaded.tokenizer
         self.engine = LLMEngine(
-            self.loaded, plan=self.memory_plan, enable_prefix_caching=enable_prefix_caching, resident_cache=budgeted
+            self.loaded,
+            plan=self.memory_plan,
+            enable_prefix_caching=enable_prefix_caching,
+            resident_cache=budgeted,
+            grammars=grammars,
+            structured_output=structured_output,
         )
 
     @property
@@ -170,16 +183,29 @@ class LLM:
             if not done:
                 self.engine.abort(rid)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The prompt ids of a conversation, with the generation prompt; ``tools`` (OpenAI's
+        function definitions) go to a template that renders them (``structured.tool_calls`` for
+        one that does not)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template: use generate() with a plain prompt")
         if not messages:
             raise ValueError("messages must not be empty")
         try:  # transformers renders it in jinja2's immutable sandbox: no attribute escapes, no I/O
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, **({"tools": tools} if tools else {})
+            )
         except Exception as e:
             raise ValueError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from None
         return self.engine.encode(text)
+
+    def chat_template_source(self, tools: list[dict] | None = None) -> str:
+        """The template text ``apply_chat_template`` would use (its tool-use one, given tools)."""
+        pick = getattr(self.tokenizer, "pick_template", None)
+        if pick is not None:
+            return pick(None, tools)
+        template = getattr(self.tokenizer, "chat_template", None) or ""
+        return template if isinstance(template, str) else template.get("default", "")
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

@@ -68,11 +68,13 @@ class LLMEngine:
         enable_prefix_caching: bool = True,
         resident_cache: bool = False,
         grammars: Grammars | None = None,
+        structured_output: bool = True,
         **sizes,
     ):
         """``resident_cache``: commit the whole KV cache now (``LLM`` does when given a budget).
         ``grammars``: the structured-output compiler for this tokenizer (``LLM`` builds it before
-        measuring the process); without one, the first constrained request builds it."""
+        measuring the process); without one, the first constrained request builds it.
+        ``structured_output=False`` rejects constrained requests instead."""
         cfg = loaded.config
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -91,15 +93,13 @@ class LLMEngine:
             )
         self.memory_plan = plan
         self.max_model_len = plan.max_model_len
-        eos = set(cfg.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = tuple(sorted(eos))
+        self.eos_token_ids = stop_token_ids(cfg, self.tokenizer)
         self.detokenizer = Detokenizer(self.tokenizer, self.eos_token_ids, plan.max_model_len)
         self.blocks = BlockManager(plan.num_blocks, plan.block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, plan.max_batch_tokens, plan.max_num_seqs, self.detokenizer.check_stop)
         self.kv_cache = KVCache(cfg, plan.num_blocks, plan.block_size, plan.kv_dtype, resident=resident_cache)
         self._grammars = grammars
+        self.structured_output = structured_output
         self._grammars_lock = threading.Lock()
         self.runner = ModelRunner(loaded.model, self.kv_cache, Sampler(self.eos_token_ids, grammars))
         self.threads = ThreadGovernor()
@@ -187,6 +187,11 @@ class LLMEngine:
         (RequestRejected if xgrammar is not installed)."""
         with self._grammars_lock:
             if self._grammars is None:
+                if not self.structured_output:
+                    raise RequestRejected(
+                        "structured output is off in this engine (structured_output=False)",
+                        param="structured_output",
+                    )
                 if self.tokenizer is None:
                     raise RequestRejected("structured output needs the model's tokenizer", param="structured_output")
                 self._grammars = Grammars(self.tokenizer, self.loaded.config.vocab_size, self.eos_token_ids)
@@ -277,3 +282,11 @@ class LLMEngine:
             last_step_tokens=step_tokens,
             max_batch_tokens=s.max_batch_tokens,
         )
+
+
+def stop_token_ids(cfg, tokenizer) -> tuple[int, ...]:
+    """The tokens that end a sequence: the config's EOS ids and the tokenizer's EOS token."""
+    eos = set(cfg.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return tuple(sorted(eos))

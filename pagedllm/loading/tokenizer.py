@@ -132,7 +132,7 @@ class Tokenizer:
         the caller's messages. Its errors propagate; ``range()`` is capped by the sandbox."""
         if kwargs.get("continue_final_message"):
             raise NotImplementedError("continue_final_message is not supported")
-        template = self._pick_template(chat_template, tools)
+        template = self.pick_template(chat_template, tools)
         if not messages:
             raise ValueError("cannot apply a chat template to an empty conversation")
         if tools is not None and not all(isinstance(t, Mapping) for t in tools):
@@ -148,7 +148,7 @@ class Tokenizer:
         )
         return self.encode(text) if tokenize else text
 
-    def _pick_template(self, name_or_source: str | None, tools: list | None) -> str:
+    def pick_template(self, name_or_source: str | None, tools: list | None) -> str:
         """transformers' choice: a named template, else the model's (its "tool_use" one when tools are given)."""
         templates = self.chat_template
         if isinstance(templates, dict):

@@ -19,7 +19,8 @@ from fastapi.responses import Response, StreamingResponse
 from ..errors import RequestRejected
 from ..llm import LLM
 from ..outputs import RequestOutput
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, StructuredOutput
+from ..structured.tool_calls import ToolUse
 from .async_engine import AsyncEngine, QueueFull
 from .errors import APIError, failed, rejected
 from .mailbox import Mailbox
@@ -37,14 +38,19 @@ async def generate(
     max_tokens: int | None,
     logprobs: int | None,
     chat: bool,
+    constraint: StructuredOutput | None = None,
+    tools: ToolUse | None = None,
 ) -> Response | dict:
     """Runs ``prompts`` (each for ``req.n`` samples) and answers: the whole body, an SSE stream,
-    or 499 when the client left before the end."""
+    or 499 when the client left before the end. ``constraint``: the structured output every
+    prompt is held to; ``tools``: the chat request's tools, whose calls the answer reads."""
     state = request.app.state
     engine: AsyncEngine = state.engine
     created = int(time.time())
-    base, ids, sink = submit(engine, req, prompts, max_tokens, logprobs)
-    reply = Reply(("chatcmpl-" if chat else "cmpl-") + base, chat, created, state.model_name, token_text(state.llm))
+    base, ids, sink = submit(engine, req, prompts, max_tokens, logprobs, constraint)
+    reply = Reply(
+        ("chatcmpl-" if chat else "cmpl-") + base, chat, created, state.model_name, token_text(state.llm), tools
+    )
     outputs = outputs_of(request, engine, state.metrics, ids, req.n, sink)
     num_choices = len(ids) * req.n
     if req.stream:
@@ -70,7 +76,12 @@ def token_text(llm: LLM) -> TokenText:
 
 
 def sampling_params(
-    req: SamplingFields, prompt_len: int, max_tokens: int | None, logprobs: int | None, max_len: int
+    req: SamplingFields,
+    prompt_len: int,
+    max_tokens: int | None,
+    logprobs: int | None,
+    max_len: int,
+    constraint: StructuredOutput | None = None,
 ) -> SamplingParams:
     """The request's sampling fields for one prompt; no ``max_tokens`` means the rest of the context."""
     if max_tokens is None:
@@ -91,13 +102,19 @@ def sampling_params(
             min_tokens=min(req.min_tokens, max_tokens),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            structured_output=constraint,
         )
     except ValueError as e:
         raise APIError(400, str(e)) from None
 
 
 def submit(
-    engine: AsyncEngine, req: SamplingFields, prompts: list[list[int]], max_tokens: int | None, logprobs: int | None
+    engine: AsyncEngine,
+    req: SamplingFields,
+    prompts: list[list[int]],
+    max_tokens: int | None,
+    logprobs: int | None,
+    constraint: StructuredOutput | None = None,
 ) -> tuple[str, list[str], Mailbox]:
     """Validates every prompt first, then queues them all on one shared mailbox. Each is one
     engine request for ``n`` samples, which share the prompt's KV blocks. A full queue takes
@@ -105,7 +122,7 @@ def submit(
     base = uuid.uuid4().hex[:24]
     jobs = []
     for i, prompt in enumerate(prompts):
-        params = sampling_params(req, len(prompt), max_tokens, logprobs, engine.engine.max_model_len)
+        params = sampling_params(req, len(prompt), max_tokens, logprobs, engine.engine.max_model_len, constraint)
         try:
             engine.validate(prompt, params)
         except RequestRejected as e:
@@ -171,6 +188,7 @@ async def stream(
     if reply.chat:
         yield reply.role_chunk(num_choices)
     sent = [0] * num_choices  # tokens whose logprobs each choice has sent
+    sent_chars = [0] * num_choices  # characters of text each choice has sent
     completion_tokens = 0
     async for i, out in outputs:
         if out.finish_reason == "error":
@@ -178,11 +196,11 @@ async def stream(
             break
         lp = reply.logprobs(out, sent[i], len(out.token_ids))
         sent[i] = len(out.token_ids)
-        if not out.delta_text and not out.finished and not lp:
-            continue
         if out.finished:
             completion_tokens += len(out.token_ids)
-        yield reply.chunk([reply.delta_choice(i, out, lp)])
+        choice, sent_chars[i] = reply.delta_choice(i, out, lp, sent_chars[i])
+        if choice is not None:
+            yield reply.chunk([choice])
     if include_usage:
         yield reply.chunk([], usage=usage(prompts, completion_tokens))
     yield DONE

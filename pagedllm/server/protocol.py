@@ -7,9 +7,12 @@ pagedllm does not implement are refused when set, never silently ignored.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ..errors import RequestRejected
+from ..sampling_params import StructuredOutput
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -57,6 +60,66 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # structured output (docs/structured-output.md): OpenAI's response_format, or vLLM's fields
+    response_format: dict | None = None
+    structured_outputs: dict | None = (
+        None  # vLLM >= 0.10: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
+    )
+    guided_json: dict | str | None = None  # vLLM's older fields, one constraint each
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The one constraint the request asks for, or None; RequestRejected naming the field
+        when it is malformed or when several are given."""
+        found = [c for c in (self._response_format(), self._vllm_fields()) if c is not None]
+        guided = {
+            "guided_json": "json",
+            "guided_regex": "regex",
+            "guided_choice": "choice",
+            "guided_grammar": "grammar",
+        }
+        for name, kind in guided.items():
+            value = getattr(self, name)
+            if value is not None:
+                found.append(_constraint(name, **{kind: value}))
+        if len(found) > 1:
+            raise RequestRejected(
+                "give one constraint: response_format, structured_outputs and guided_* are alternatives",
+                param=found[1].param,
+            )
+        return found[0] if found else None
+
+    def _response_format(self) -> StructuredOutput | None:
+        rf = self.response_format
+        if rf is None or rf.get("type") in (None, "text"):
+            return None
+        if rf.get("type") == "json_object":
+            return _constraint("response_format", json_object=True)
+        if rf.get("type") == "json_schema":
+            spec = rf.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise RequestRejected(
+                    'response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}',
+                    param="response_format",
+                )
+            return _constraint("response_format", json=schema)
+        raise RequestRejected(
+            "response_format type must be 'text', 'json_object' or 'json_schema'", param="response_format"
+        )
+
+    def _vllm_fields(self) -> StructuredOutput | None:
+        so = self.structured_outputs
+        if not so:
+            return None
+        known = {"json", "regex", "choice", "grammar", "json_object"}
+        given = {k: v for k, v in so.items() if k in known and v not in (None, False)}
+        unknown = sorted(set(so) - known - {"disable_any_whitespace", "whitespace_pattern", "backend"})
+        if unknown:
+            raise RequestRejected(f"structured_outputs: unknown field(s) {unknown}", param="structured_outputs")
+        return _constraint("structured_outputs", **given)
 
     @field_validator("stop")
     @classmethod
@@ -72,6 +135,13 @@ class SamplingFields(BaseModel):
     @classmethod
     def _no_logit_bias(cls, v, info):
         return _refuse_if_set(v, info)
+
+
+def _constraint(param: str, **fields: Any) -> StructuredOutput:
+    try:
+        return StructuredOutput(**fields, param=param)
+    except (TypeError, ValueError) as e:
+        raise RequestRejected(str(e).removeprefix("StructuredOutput: "), param=param) from None
 
 
 class CompletionRequest(SamplingFields):
@@ -107,16 +177,45 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = STRICT
+
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallPart(BaseModel):
+    model_config = STRICT
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = STRICT
 
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallPart] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it (OpenAI's "developer" is their "system")."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -124,17 +223,6 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: list | None = None
-    response_format: dict | None = None
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, v, info):
-        return _refuse_if_set(v, info)
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, v):
-        if v and v.get("type") not in (None, "text"):
-            raise ValueError("only response_format type 'text' is supported")
-        return v
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..outputs import RequestOutput
+from ..structured.tool_calls import ToolUse
 
 TokenText = Callable[[int], str]  # one token id as the text a client sees
 DONE = "data: [DONE]\n\n"
@@ -69,6 +70,7 @@ class Reply:
     created: int
     model: str
     token_text: TokenText
+    tools: ToolUse | None = None  # a chat request with tools: outputs are read as tool calls
 
     def logprobs(self, out: RequestOutput, start: int, end: int) -> dict | None:
         shape = chat_logprobs if self.chat else completion_logprobs
@@ -80,8 +82,12 @@ class Reply:
         for i, out in enumerate(finals):
             lp = self.logprobs(out, 0, len(out.token_ids))
             if self.chat:
-                message = {"role": "assistant", "content": out.text}
-                choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": out.finish_reason})
+                content, calls = self._read(out)
+                message: dict = {"role": "assistant", "content": content}
+                if calls:
+                    message["tool_calls"] = calls
+                reason = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
+                choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
             else:
                 choices.append({"index": i, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason})
         return {
@@ -107,11 +113,38 @@ class Reply:
             [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None} for i in range(num_choices)]
         )
 
-    def delta_choice(self, i: int, out: RequestOutput, lp: dict | None) -> dict:
-        """Choice ``i``'s new text since its last chunk, and its finish reason once it is done
-        (none for an aborted choice)."""
-        reason = out.finish_reason if out.finished and out.finish_reason != "abort" else None
-        if self.chat:
-            delta = {"content": out.delta_text} if out.delta_text else {}
-            return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
-        return {"index": i, "text": out.delta_text, "logprobs": lp, "finish_reason": reason}
+    def _read(self, out: RequestOutput) -> tuple[str | None, list[dict]]:
+        """A finished chat output's (content, OpenAI tool calls)."""
+        if self.tools is None:
+            return out.text, []
+        content, calls = self.tools.parse(out.text)
+        return content, [c.as_openai() for c in calls]
+
+    def delta_choice(self, i: int, out: RequestOutput, lp: dict | None, sent: int) -> tuple[dict | None, int]:
+        """Choice ``i``'s chunk: its text after the ``sent`` characters already streamed, and its
+        finish reason once it is done (none for an aborted choice); None when there is nothing
+        to send. Returns the characters sent after it. With tools, text that may be a call is
+        held back until the output ends, then sent as tool-call deltas (whole calls)."""
+        finished = out.finished and out.finish_reason != "abort"
+        reason = out.finish_reason if finished else None
+        text = out.text
+        if not self.chat:
+            delta_text = text[sent:]
+            if not delta_text and not finished and not lp:
+                return None, sent
+            return {"index": i, "text": delta_text, "logprobs": lp, "finish_reason": reason}, len(text)
+        calls: list[dict] = []
+        end = len(text)
+        if self.tools is not None:
+            end = self.tools.held_back(text)
+            if finished:
+                content, calls = self._read(out)
+                end = end if calls else len(text)
+                reason = "tool_calls" if calls and reason == "stop" else reason
+        end = max(end, sent)
+        delta: dict = {"content": text[sent:end]} if end > sent else {}
+        if calls:
+            delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
+        if not delta and reason is None and not lp:
+            return None, sent
+        return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}, end

@@ -16,6 +16,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from ..errors import RequestRejected
+from ..sampling_params import StructuredOutput
+from ..structured import tool_calls
 from .async_engine import AsyncEngine
 from .errors import APIError, rejected
 from .generation import generate
@@ -72,22 +74,55 @@ async def completions(req: CompletionRequest, request: Request):
             prompts.append(list(p))
     if any(not p for p in prompts):
         raise APIError(400, "prompt must not be empty", param="prompt")
-    return await generate(request, req, prompts, req.max_tokens, req.logprobs, chat=False)
+    try:
+        constraint = req.structured_output()
+    except RequestRejected as e:
+        raise rejected(e) from None
+    return await generate(request, req, prompts, req.max_tokens, req.logprobs, chat=False, constraint=constraint)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, request: Request):
     check_model(request, req.model)
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+    llm = request.app.state.llm
     try:
-        prompt = await off_loop(request, request.app.state.llm.apply_chat_template, messages)
+        constraint = req.structured_output()
+        tools = chat_tools(llm, req)
+        if tools is not None and tools.constraint() is not None:
+            if constraint is not None:
+                raise RequestRejected(
+                    "tool_choice 'required' or a named function already constrains the output: drop response_format",
+                    param="tool_choice",
+                )
+            constraint = tools.constraint()
+    except RequestRejected as e:
+        raise rejected(e) from None
+    tool_list = [t.as_openai() for t in tools.tools] if tools is not None else None
+    renders_tools = tool_calls.template_renders_tools(llm.chat_template_source(tool_list)) if tool_list else True
+    messages = tool_calls.messages_for_template([m.for_template() for m in req.messages], tools, renders_tools)
+    try:
+        prompt = await off_loop(request, llm.apply_chat_template, messages, tool_list if renders_tools else None)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
     except Exception as e:  # a template that fails on these messages is the request's problem
         raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
     max_tokens = req.max_completion_tokens or req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return await generate(request, req, [prompt], max_tokens, logprobs, chat=True)
+    return await generate(request, req, [prompt], max_tokens, logprobs, chat=True, constraint=constraint, tools=tools)
+
+
+def chat_tools(llm, req: ChatCompletionRequest) -> tool_calls.ToolUse | None:
+    """The request's tools, checked: each one's parameters compile as a JSON schema (the
+    compiler's message and the tool's field in the 400 if not)."""
+    if not req.tools:
+        if req.tool_choice not in (None, "none", "auto"):
+            raise RequestRejected("tool_choice needs tools", param="tool_choice")
+        return None
+    source = llm.chat_template_source([{"type": "function", "function": {"name": "f"}}])
+    use = tool_calls.tool_use(req.tools, req.tool_choice, req.parallel_tool_calls, source)
+    for i, tool in enumerate(use.tools):
+        llm.engine.grammars.compile(StructuredOutput(json=tool.parameters, param=f"tools[{i}].function.parameters"))
+    return use
 
 
 def check_model(request: Request, name: str | None) -> None:
