@@ -1,7 +1,11 @@
 """JSON schemas for structured-output checks: eight that cover what applications ask for
 (nested objects, arrays with bounds, enums, numbers with ranges, required and optional fields,
 strings with patterns), and ``distinct_schemas`` to make as many different ones as a benchmark
-needs (each compiles to its own grammar)."""
+needs (each compiles to its own grammar).
+
+Every string is bounded (``maxLength``, or ``{m,n}`` in a pattern): under an unbounded one a
+135M model that cannot produce what the pattern wants (e.g. ``[a-z]+`` where it would write
+"john.doe") keeps writing letters until max_tokens. docs/structured-output.md says so to users."""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ SCHEMAS: dict[str, dict] = {
         "properties": {
             "name": {"type": "string", "maxLength": 40},
             "age": {"type": "integer", "minimum": 0, "maximum": 150},
-            "email": {"type": "string", "pattern": "^[a-z]+@[a-z]+\\.[a-z]{2,3}$"},
+            "email": {"type": "string", "pattern": "^[a-z]{1,20}@[a-z]{1,20}\\.[a-z]{2,3}$"},
         },
         "required": ["name", "age"],
     },
