@@ -343,7 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--workload",
         default="standard",
-        help="standard | shared-prefix | a JSONL file (prompt / messages / prompt_token_ids)",
+        help="standard | single | shared-prefix | structured (the cost of constrained decoding) | a JSONL file "
+        "(prompt / messages / prompt_token_ids)",
     )
     bench.add_argument("--num-prompts", type=int, default=64)
     bench.add_argument("--new-tokens", type=int, default=None, help="default: 64 (single: 128)")
@@ -361,6 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
         "bfloat16:none,bfloat16:stored,bfloat16:stored:int8 (stored: weights as the checkpoint has them)",
     )
     bench.add_argument("--timeout", type=float, default=3600, help="seconds per engine")
+    bench.add_argument("--repeats", type=int, default=3, help="structured: runs of each pair (best counts)")
     bench.add_argument("--json", default=None, help="also write the results here")
     _engine_flags(bench)
     bench.set_defaults(func=lambda args: __import__("pagedllm.bench.run", fromlist=["main"]).main(args))

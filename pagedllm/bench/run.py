@@ -112,6 +112,10 @@ def machine() -> str:
 def main(args) -> int:
     from ..loading import load_tokenizer, resolve_model_dir
 
+    if args.workload == "structured":
+        from . import structured
+
+        return structured.main(args)
     model_dir, name = resolve_model_dir(args.model)
     tokenizer = load_tokenizer(model_dir)
     workload = build_workload(args.workload, tokenizer, args.num_prompts, args.new_tokens)

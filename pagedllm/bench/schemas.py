@@ -103,13 +103,13 @@ SCHEMAS: dict[str, dict] = {
 }
 
 
-def distinct_schemas(n: int) -> list[dict]:
+def distinct_schemas(n: int, start: int = 0) -> list[dict]:
     """``n`` different schemas: the eight above in turn, each copy with its own extra optional
     field, so no two compile to the same grammar."""
     out = []
     names = list(SCHEMAS)
     for i in range(n):
         schema = copy.deepcopy(SCHEMAS[names[i % len(names)]])
-        schema["properties"][f"note_{i}"] = {"type": "string", "maxLength": 20}
+        schema["properties"][f"note_{start + i}"] = {"type": "string", "maxLength": 20}
         out.append(schema)
     return out

@@ -27,13 +27,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from ..errors import RequestRejected
+from ..kernels import compiled_ops
 from ..sampling_params import StructuredOutput
 
 if TYPE_CHECKING:
     import xgrammar
 
 # Compiled grammars kept for reuse, by their size as xgrammar reports it (a JSON schema: ~30 KB
-# to a few MB). The least recently used go first.
+# to a few MB), the least recently used going first; xgrammar's own cache has the same bound.
 CACHE_LIMIT_BYTES = 32 * 1024**2
 INSTALL_HINT = "structured output needs xgrammar: pip install --no-deps xgrammar==0.2.9 apache-tvm-ffi"
 
@@ -66,8 +67,13 @@ class Grammars:
             raise RequestRejected(INSTALL_HINT, param="structured_output") from None
         self._xgr = xgr
         info = _tokenizer_info(xgr, tokenizer, vocab_size, list(stop_token_ids))
-        # xgrammar's own cache is off: ours is bounded in bytes and shared by every thread.
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        # Two caches, for two things: ours maps a request's constraint (canonical JSON) to its
+        # grammar; xgrammar's keeps what it builds inside a compile (the token masks of string,
+        # number and other pieces every schema shares), which halves the time of a schema it has
+        # not seen (64 distinct schemas: 0.7 s instead of 1.3 s). Both are bounded in bytes.
+        self._compiler = xgr.GrammarCompiler(
+            info, max_threads=1, cache_enabled=True, cache_limit_bytes=CACHE_LIMIT_BYTES
+        )
         self.vocab_size = vocab_size
         self._cache: OrderedDict[tuple, xgrammar.CompiledGrammar] = OrderedDict()
         self._cache_bytes = 0
@@ -129,7 +135,11 @@ class Grammars:
         bitmask = xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)
         for i in rows:
             matchers[i].fill_next_token_bitmask(bitmask, i)  # type: ignore[union-attr]
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
+        ops = compiled_ops()
+        if ops is not None and logits.dtype == torch.float32 and logits.stride(1) == 1:
+            ops.mask_logits(logits, bitmask, rows, self.vocab_size)  # a word at a time (grammar_ops.cpp)
+        else:
+            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
 
 
 def _tokenizer_info(xgr, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
