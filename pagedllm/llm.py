@@ -89,6 +89,7 @@ class LLM:
             quantization=quantization,
             weights_bytes=weights_bytes,
             quantized_weights=quantized,
+            grammar_cache_bytes=structured.GRAMMAR_CACHE_BYTES if grammars is not None else 0,
         )
         self.loaded = loading.load_dir(model_dir, name, dtype, tokenizer=tokenizer, quantization=quantization)
         self.tokenizer = self.loaded.tokenizer

@@ -41,7 +41,7 @@ def measure(llm, n: int = 64, repeats: int = 3, max_tokens: int = 256) -> list[d
     rows = []
     for label in ("one schema", f"{n} schemas"):
         best_c = best_u = 0.0  # tokens/s
-        tokens, lengths = 0, []
+        tokens, lengths = 0, list[int]()
         for r in range(repeats):
             if label == "one schema":
                 schemas = [SCHEMAS["order"]] * n  # outputs of ~50 tokens: long enough runs to time

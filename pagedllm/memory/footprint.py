@@ -147,6 +147,7 @@ class EngineSettings:
     weights_bytes: int | None = None  # exact, from the checkpoint's header, when it is at hand
     quantized_weights: bool = False  # the linear layers run on quantized weights (layers/quantized.py)
     quant_tiles: bool = False  # and bf16 rows of any count run on AMX tiles (no dequantized layer)
+    grammar_cache_bytes: int = 0  # structured output's compiled-grammar caches, at their bound
 
     @property
     def kv(self) -> str:

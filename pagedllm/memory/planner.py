@@ -30,6 +30,13 @@ ESTIMATED_BASELINE_BYTES = 320 * 1024**2
 # CPU throughput vs max_batch_tokens flattens out by 512 tokens per step on this class of
 # machine (docs/memory.md has the sweep); larger steps only cost memory.
 AUTO_MAX_BATCH_TOKENS = 512
+
+
+def overhead(s: EngineSettings) -> int:
+    """OVERHEAD_BYTES, plus structured output's grammar caches at their bound when it is on."""
+    return OVERHEAD_BYTES + s.grammar_cache_bytes
+
+
 AUTO_MAX_NUM_SEQS = 64
 
 
@@ -112,7 +119,15 @@ class MemoryPlan:
                 f"{gib(self.activation_bytes, 8)}  (max_batch_tokens={self.max_batch_tokens}, "
                 f"max_num_seqs={self.max_num_seqs})",
             ),
-            ("overhead", f"{gib(self.overhead_bytes, 8)}  (allocator, requests, buffers)"),
+            (
+                "overhead",
+                f"{gib(self.overhead_bytes, 8)}  (allocator, requests, buffers"
+                + (
+                    f", {(self.overhead_bytes - OVERHEAD_BYTES) // 1024**2} MiB of grammar caches)"
+                    if self.overhead_bytes > OVERHEAD_BYTES
+                    else ")"
+                ),
+            ),
             ("total", f"{gib(self.total_bytes, 8)}  (peak under load)"),
             (
                 "loading peak",
@@ -147,7 +162,9 @@ class _Costs:
 
     def fixed(self, m: int, max_len: int) -> int:
         """Everything but the cache, at step budget ``m`` and context ``max_len``."""
-        return self.baseline + self.weights + activation_peak(self.cfg, self.s, m, self.seqs, max_len) + OVERHEAD_BYTES
+        return (
+            self.baseline + self.weights + activation_peak(self.cfg, self.s, m, self.seqs, max_len) + overhead(self.s)
+        )
 
     def total(self, n: int, m: int, max_len: int) -> int:
         return self.fixed(m, max_len) + n * self.per_block
@@ -224,7 +241,7 @@ def plan(
     given_len = min(s.max_model_len, model_len) if s.max_model_len else None
     costs = _Costs(cfg, s, max_num_seqs or AUTO_MAX_NUM_SEQS, baseline_bytes, loader_bytes(cfg, s))
     fail = _Failure(costs, budget_bytes, budget_source, num_blocks, max_batch_tokens, given_len or model_len)
-    if costs.baseline + costs.weights + OVERHEAD_BYTES > budget_bytes:
+    if costs.baseline + costs.weights + overhead(s) > budget_bytes:
         fail("the process baseline and the weights alone exceed the budget")
     solve = partial(
         _solve,
@@ -269,7 +286,7 @@ def plan(
         n * costs.per_block,
         costs.per_block,
         activation_peak(cfg, s, m, costs.seqs, max_len),
-        OVERHEAD_BYTES,
+        overhead(s),
         costs.loader,
         _weights_format(s),
     )
@@ -361,7 +378,7 @@ class _Failure:
             "weights": c.weights,
             "kv_cache": n * c.per_block,
             "activations": act,
-            "overhead": OVERHEAD_BYTES,
+            "overhead": overhead(s),
             "total": need,
             "budget": budget,
         }
@@ -371,10 +388,10 @@ class _Failure:
             f"  needs {gib(need)}: process baseline {gib(c.baseline)} + weights {gib(c.weights)} ({s.dtype}) + "
             f"KV cache {gib(n * c.per_block)} ({n} blocks x {s.block_size} tokens) + activations {gib(act)} "
             f"(max_batch_tokens={m}, max_num_seqs={c.seqs}, max_model_len={max_len}) + overhead "
-            f"{gib(OVERHEAD_BYTES)}",
+            f"{gib(overhead(s))}",
             f"  budget: {gib(budget)} ({self.source})",
         ]
-        if c.baseline + c.weights + OVERHEAD_BYTES <= budget:
+        if c.baseline + c.weights + overhead(s) <= budget:
             if self.num_blocks is not None:
                 best_m = c.largest_m(budget, self.num_blocks, max_len, m * 64)
                 if best_m:
@@ -427,6 +444,7 @@ def plan_engine(
     quantization: str | None = None,
     weights_bytes: int | None = None,
     quantized_weights: bool | None = None,
+    grammar_cache_bytes: int = 0,
 ) -> MemoryPlan:
     """The plan an engine starts from: the budget, then ``plan``.
 
@@ -440,6 +458,8 @@ def plan_engine(
     ``quantized_weights``: whether they run quantized (default: when ``quantization`` says so). With no
     budget given, a solved cache is capped at what ``max_num_seqs`` requests of ``max_model_len``
     tokens can use at once, so a small model does not reserve the whole host.
+    ``grammar_cache_bytes``: the bound of structured output's caches (``LLM`` passes it when
+    structured output is on), counted in the overhead.
     """
     measured = baseline_bytes is not None
     baseline = baseline_bytes if baseline_bytes is not None else ESTIMATED_BASELINE_BYTES
@@ -458,6 +478,7 @@ def plan_engine(
         weights_bytes=weights_bytes,
         quantized_weights=quantization in ("int8", "int4") if quantized_weights is None else quantized_weights,
         quant_tiles=(kernels or expected_kernels()) == "compiled" and cpu_has_amx(),
+        grammar_cache_bytes=grammar_cache_bytes,
     )
     seqs = max_num_seqs or AUTO_MAX_NUM_SEQS
     longest = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
