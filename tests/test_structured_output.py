@@ -199,3 +199,28 @@ def test_cli_generate_with_a_schema_choice_and_regex(tmp_path, capsys):
     assert re.fullmatch(r"(19|20)[0-9]{2}", capsys.readouterr().out.strip())
     assert main(["generate", "x", "--regex", "[a-"]) == 1
     assert "invalid regex" in capsys.readouterr().err
+
+
+def test_the_mask_kernel_and_the_pytorch_fallback_mask_the_same_tokens(default_llm, kernels):
+    """Both paths (compiled word-at-a-time kernel; xgrammar's own without a compiler) leave
+    exactly the tokens the grammar allows, in the constrained rows only."""
+    import torch
+
+    grammars = default_llm.engine.grammars
+    c = StructuredOutput(json=SCHEMAS["weather"])
+    matchers = [grammars.matcher(c), None, grammars.matcher(c)]
+    for token in default_llm.tokenizer.encode('{"city": "Par'):
+        assert matchers[2].accept_token(token)
+    vocab = default_llm.loaded.config.vocab_size
+    logits = torch.randn(3, vocab)
+    before = logits.clone()
+    grammars.mask_logits(logits, matchers)
+    assert torch.equal(logits[1], before[1]), "an unconstrained row is untouched"
+    allowed = {r: set(torch.isfinite(logits[r]).nonzero().flatten().tolist()) for r in (0, 2)}
+    assert allowed[0] and allowed[2] and allowed[0] != allowed[2]
+    first = default_llm.tokenizer.encode("{")
+    assert first[0] in allowed[0] and len(allowed[0]) < 10  # an object must open
+    assert len(allowed[2]) > 1000  # inside a string, most tokens may follow
+    for r in (0, 2):
+        kept = torch.isfinite(logits[r])
+        assert torch.equal(logits[r][kept], before[r][kept])
