@@ -21,7 +21,13 @@ from .config import ModelConfig
 from .engine import LLMEngine
 from .engine.llm_engine import stop_token_ids
 from .kernels import compiled_ops
-from .memory.machine import bound_allocator_slack, bound_kernel_caches, release_library_pages, resident_bytes
+from .memory.machine import (
+    bound_allocator_slack,
+    bound_kernel_caches,
+    release_library_pages,
+    resident_bytes,
+    return_freed_heap,
+)
 from .memory.planner import plan_engine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -65,6 +71,7 @@ class LLM:
         grammars = None  # before measuring too
         if structured_output and tokenizer is not None and structured.available():
             grammars = structured.Grammars(tokenizer, config.vocab_size, stop_token_ids(config, tokenizer))
+            return_freed_heap()  # building it parsed the vocabulary and the tokenizer's JSON: temporaries
         kernels = "compiled" if compiled_ops() is not None else "torch"  # built or loaded before measuring
         budgeted = memory is not None or memory_fraction is not None
         if budgeted:

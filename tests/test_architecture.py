@@ -14,6 +14,7 @@ LEVELS = [
     {"errors", "sizes", "paths"},  # facts every stage shares
     {"kernels"},  # compiled CPU kernels: built on first use, or absent
     {"config", "sampling_params", "outputs"},  # what a model and a request are
+    {"structured"},  # constraints compiled to grammars that mask logits; tool calls
     {"layers"},  # attention over the paged cache, the cache, the sampler, norm/rotary/mlp
     {"models"},  # decoders built from layers
     {"memory"},  # the planner (pure arithmetic), the budget, the peak tracker

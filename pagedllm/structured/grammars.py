@@ -28,7 +28,6 @@ import torch
 
 from ..errors import RequestRejected
 from ..kernels import compiled_ops
-from ..memory.machine import return_freed_heap
 from ..sampling_params import StructuredOutput
 
 if TYPE_CHECKING:
@@ -83,8 +82,6 @@ class Grammars:
         self._cache_bytes = 0
         self._lock = threading.Lock()
         self.compiled = 0  # grammars compiled (cache misses), for tests and the bench
-        del info
-        return_freed_heap()  # the vocabulary's texts and the tokenizer's JSON were temporaries
 
     # ---- compile ---------------------------------------------------------------------------------
 
