@@ -362,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
         "bfloat16:none,bfloat16:stored,bfloat16:stored:int8 (stored: weights as the checkpoint has them)",
     )
     bench.add_argument("--timeout", type=float, default=3600, help="seconds per engine")
-    bench.add_argument("--repeats", type=int, default=3, help="structured: runs of each pair (best counts)")
+    bench.add_argument("--repeats", type=int, default=5, help="structured: runs of each pair (medians)")
     bench.add_argument("--json", default=None, help="also write the results here")
     _engine_flags(bench)
     bench.set_defaults(func=lambda args: __import__("pagedllm.bench.run", fromlist=["main"]).main(args))

@@ -129,8 +129,18 @@ class LLM:
         params = _per_prompt(sampling_params, len(prompt_list))
         ids = [self.engine.encode(p) if isinstance(p, str) else list(p) for p in prompt_list]
         for p, sp in zip(ids, params):
-            self.engine.validate(p, sp)  # all-or-nothing: check before queueing any
-        request_ids = [self.engine.add_request(p, sp) for p, sp in zip(ids, params)]
+            # all-or-nothing: check before queueing any. A grammar is compiled as its request is
+            # added (one compile each: 64 new schemas checked first, then added, would push the
+            # first out of the cache before they are used); one that fails takes the others back.
+            self.engine.validate(p, sp, compile_grammar=False)
+        request_ids: list[str] = []
+        try:
+            for p, sp in zip(ids, params):
+                request_ids.append(self.engine.add_request(p, sp))
+        except BaseException:
+            for rid in request_ids:
+                self.engine.abort(rid)
+            raise
         samples: dict[str, dict[int, RequestOutput]] = {rid: {} for rid in request_ids}
         done: set[str] = set()
         bar = _Progress(len(prompt_list)) if progress else None

@@ -7,13 +7,15 @@ Two constrained runs, each against the same requests unconstrained:
 Greedy, so a run's outputs are the same every time. The unconstrained twin of a run gets each
 request's constrained output length as ``max_tokens`` with ``ignore_eos``: both runs compute the
 same tokens in the same batches, and the ratio is the constraint's own cost (compiles, masks,
-matcher updates). Each pair runs ``repeats`` times, which of the two goes first alternating;
-the best tokens/s of each counts (this machine's timings vary by 10% from run to run).
+matcher updates). Each pair runs ``repeats`` times, back to back, which of the two goes first
+alternating; the table gives the medians (this machine's timings vary by 10% and more from run
+to run, so only runs next to each other compare).
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import time
 
 from .schemas import SCHEMAS, distinct_schemas
@@ -33,15 +35,16 @@ def _timed(llm, prompts, params) -> tuple[float, list]:
     return time.perf_counter() - start, outs
 
 
-def measure(llm, n: int = 64, repeats: int = 3, max_tokens: int = 256) -> list[dict]:
-    """One row per constrained run: tokens, best tokens/s constrained and unconstrained, ratio."""
+def measure(llm, n: int = 64, repeats: int = 5, max_tokens: int = 256) -> list[dict]:
+    """One row per constrained run: tokens, median tokens/s constrained and unconstrained, and
+    the median of the ratios of the two runs of each pair (run back to back)."""
     from ..sampling_params import SamplingParams, StructuredOutput
 
     names = [list(SCHEMAS)[i % len(SCHEMAS)] for i in range(n)]
     rows = []
     for label in ("one schema", f"{n} schemas"):
-        best_c = best_u = 0.0  # tokens/s
-        tokens, lengths = 0, list[int]()
+        rates_c, rates_u, ratios = [], [], []
+        lengths: list[int] = []
         for r in range(repeats):
             if label == "one schema":
                 schemas = [SCHEMAS["order"]] * n  # outputs of ~50 tokens: long enough runs to time
@@ -53,22 +56,26 @@ def measure(llm, n: int = 64, repeats: int = 3, max_tokens: int = 256) -> list[d
                 SamplingParams(max_tokens=max_tokens, temperature=0, structured_output=StructuredOutput(json=s))
                 for s in schemas
             ]
-            if r % 2 and lengths:  # odd repeats run an unconstrained twin first (last repeat's lengths)
-                best_u = max(best_u, sum(lengths) / _timed(llm, prompts, _free(lengths))[0])
+            free_first = r % 2 == 1 and lengths  # odd repeats: the twin first (the last repeat's lengths)
+            if free_first:
+                rate_u = sum(lengths) / _timed(llm, prompts, _free(lengths))[0]
             seconds, outs = _timed(llm, prompts, constrained)
             lengths = [len(o.token_ids) for o in outs]
-            tokens = sum(lengths)
-            best_c = max(best_c, tokens / seconds)
-            if not r % 2:
-                best_u = max(best_u, tokens / _timed(llm, prompts, _free(lengths))[0])
+            rate_c = sum(lengths) / seconds
+            if not free_first:
+                rate_u = sum(lengths) / _timed(llm, prompts, _free(lengths))[0]
+            rates_c.append(rate_c)
+            rates_u.append(rate_u)
+            ratios.append(rate_c / rate_u)
         rows.append(
             {
                 "run": label,
                 "requests": n,
-                "output_tokens": tokens,
-                "constrained_tok_s": best_c,
-                "unconstrained_tok_s": best_u,
-                "ratio": best_c / best_u,
+                "output_tokens": sum(lengths),
+                "constrained_tok_s": statistics.median(rates_c),
+                "unconstrained_tok_s": statistics.median(rates_u),
+                "ratio": statistics.median(ratios),
+                "ratios": ratios,
             }
         )
     return rows
@@ -82,13 +89,14 @@ def _free(lengths: list[int]) -> list:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| run | requests | output tokens | constrained tok/s | unconstrained tok/s | constrained / unconstrained |",
+        "| run | requests | output tokens | constrained tok/s | unconstrained tok/s "
+        "| constrained / unconstrained (median; each pair) |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['run']} | {r['requests']} | {r['output_tokens']} | {r['constrained_tok_s']:.1f} | "
-            f"{r['unconstrained_tok_s']:.1f} | {r['ratio']:.2f}x |"
+            f"{r['unconstrained_tok_s']:.1f} | {r['ratio']:.2f}x ({', '.join(f'{x:.2f}' for x in r['ratios'])}) |"
         )
     return "\n".join(lines)
 

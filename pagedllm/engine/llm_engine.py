@@ -158,9 +158,10 @@ class LLMEngine:
         self._refresh_stats(0)
         return request_id
 
-    def validate(self, ids: list[int], params: SamplingParams) -> None:
+    def validate(self, ids: list[int], params: SamplingParams, compile_grammar: bool = True) -> None:
         """Raises RequestRejected, naming the field to blame, for a request that can never run.
-        Reads only limits fixed at start, so any thread may call it."""
+        Reads only limits fixed at start, so any thread may call it. ``compile_grammar=False``
+        leaves a structured output's grammar to ``add_request`` (it compiles it then)."""
         if not ids:
             raise RequestRejected("the prompt is empty")
         vocab = self.loaded.config.vocab_size
@@ -178,7 +179,7 @@ class LLMEngine:
                 param="prompt" if len(ids) >= limit else "max_tokens",
                 code="context_length_exceeded",
             )
-        if params.structured_output is not None:
+        if params.structured_output is not None and compile_grammar:
             self.grammars.compile(params.structured_output)  # cached: add_request reuses it
 
     @property
