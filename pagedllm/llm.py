@@ -61,19 +61,21 @@ class LLM:
         quantized), 'int8' / 'int4' quantize float weights at load, 'none' dequantizes all;
         ``kv_cache_dtype``: 'int8' or 'fp8' keep the cache in 8 bits. The plan is checked from
         config.json before any weight is loaded: CacheDoesNotFitError if it cannot fit. With a
-        budget, the KV cache is committed at once. ``structured_output``: load xgrammar now (when
-        installed), so its ~40 MiB count in the measured process; False leaves it out and
-        rejects constrained requests.
+        budget, the KV cache is committed at once. ``structured_output``: constrained requests are
+        served (with xgrammar installed); under a budget xgrammar loads now, so its ~30 MiB count
+        in the measured process, otherwise at the first constrained request (it takes ~1.2 s to
+        import). False leaves it out and rejects constrained requests.
         """
         model_dir, name = loading.resolve_model_dir(model)  # a GGUF file is converted in a child process
         tokenizer = loading.load_tokenizer(model_dir)  # before measuring: it belongs to the baseline
         config = ModelConfig.from_file(model_dir)
-        grammars = None  # before measuring too
-        if structured_output and tokenizer is not None and structured.available():
-            grammars = structured.Grammars(tokenizer, config.vocab_size, stop_token_ids(config, tokenizer))
-            return_freed_heap()  # building it parsed the vocabulary and the tokenizer's JSON: temporaries
         kernels = "compiled" if compiled_ops() is not None else "torch"  # built or loaded before measuring
         budgeted = memory is not None or memory_fraction is not None
+        grammars = None
+        with_grammars = structured_output and tokenizer is not None and structured.available()
+        if with_grammars and budgeted:  # before measuring too; without a budget, at the first constrained request
+            grammars = structured.Grammars(tokenizer, config.vocab_size, stop_token_ids(config, tokenizer))
+            return_freed_heap()  # building it parsed the vocabulary and the tokenizer's JSON: temporaries
         if budgeted:
             bound_allocator_slack()
             bound_kernel_caches()
@@ -96,7 +98,7 @@ class LLM:
             quantization=quantization,
             weights_bytes=weights_bytes,
             quantized_weights=quantized,
-            grammar_cache_bytes=structured.GRAMMAR_CACHE_BYTES if grammars is not None else 0,
+            grammar_cache_bytes=structured.GRAMMAR_CACHE_BYTES if with_grammars else 0,
         )
         self.loaded = loading.load_dir(model_dir, name, dtype, tokenizer=tokenizer, quantization=quantization)
         self.tokenizer = self.loaded.tokenizer

@@ -405,8 +405,9 @@ UNSUPPORTED = [
     (C, {"suffix": "x"}, "suffix"),
     (C, {"best_of": 2}, "best_of"),
     (C, {"logit_bias": {"1": 5}}, "logit_bias"),
-    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
+    # a model without a tokenizer has no vocabulary to build a grammar over
+    (C, {"response_format": {"type": "json_object"}}, "response_format"),
+    (C, {"guided_regex": "[0-9]+"}, "guided_regex"),
 ]
 
 

@@ -162,14 +162,15 @@ def test_each_distinct_grammar_is_compiled_once(default_llm):
 
 
 def test_chunked_prefill_prefix_cache_and_preemption_keep_constrained_outputs_equal_to_solo_runs():
-    llm = LLM(block_size=4, num_blocks=48, max_batch_tokens=32, max_num_seqs=8, max_model_len=192)
+    llm = LLM(block_size=4, num_blocks=36, max_batch_tokens=32, max_num_seqs=8, max_model_len=144)
     system = "You answer with JSON only. " * 8  # a shared prefix, cached after the first request
     prompts, params = [], []
-    for i, (name, schema) in enumerate(SCHEMAS.items()):
+    schemas = dict(list(SCHEMAS.items())[:5])
+    for i, (name, schema) in enumerate(schemas.items()):
         prompts.append(
             llm.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": f"A {name}?"}])
         )
-        params.append(constrained(schema, temperature=0 if i % 2 else 0.8, seed=i, max_tokens=100))
+        params.append(constrained(schema, temperature=0 if i % 2 else 0.8, seed=i, max_tokens=64))
     outs = llm.generate(prompts, params)
     stats = llm.engine.stats
     assert stats.preemptions > 0, "the test must exercise preemption"
@@ -177,10 +178,10 @@ def test_chunked_prefill_prefix_cache_and_preemption_keep_constrained_outputs_eq
     assert max(len(p) for p in prompts) > 32, "and chunked prefill"
     solo = [llm.generate([p], sp)[0] for p, sp in zip(prompts, params)]
     assert [o.token_ids for o in outs] == [s.token_ids for s in solo]
-    for out, schema in zip(outs, SCHEMAS.values()):
+    for out, schema in zip(outs, schemas.values()):
         if out.finish_reason == "stop":
             jsonschema.validate(json.loads(out.text), schema)
-    assert sum(o.finish_reason == "stop" for o in outs) >= len(outs) - 2
+    assert sum(o.finish_reason == "stop" for o in outs) >= len(outs) - 1
 
 
 def test_cli_generate_with_a_schema_choice_and_regex(tmp_path, capsys):

@@ -179,8 +179,14 @@ class LLMEngine:
                 param="prompt" if len(ids) >= limit else "max_tokens",
                 code="context_length_exceeded",
             )
-        if params.structured_output is not None and compile_grammar:
-            self.grammars.compile(params.structured_output)  # cached: add_request reuses it
+        constraint = params.structured_output
+        if constraint is not None:
+            try:
+                grammars = self.grammars
+            except RequestRejected as e:  # no xgrammar, no tokenizer, or turned off
+                raise RequestRejected(e.message, param=constraint.param) from None
+            if compile_grammar:
+                grammars.compile(constraint)  # cached: add_request reuses it
 
     @property
     def grammars(self) -> Grammars:

@@ -94,7 +94,7 @@ class Grammars:
                 return self._cache[key]
         try:
             compiled = self._compile(constraint)
-        except RuntimeError as e:
+        except Exception as e:  # whatever the compiler refuses is the request's fault
             raise RequestRejected(
                 f"invalid {constraint.kind}: {_compiler_message(e)}", param=constraint.param, code="invalid_grammar"
             ) from None
@@ -171,7 +171,7 @@ def _ebnf_literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def _compiler_message(error: RuntimeError) -> str:
+def _compiler_message(error: Exception) -> str:
     """xgrammar's message without its timestamp and C++ source location."""
     text = str(error).strip()
     text = re.sub(r"^\[[0-9:]+\]\s*\S+:\d+:\s*", "", text)
