@@ -108,3 +108,53 @@ def test_text_the_tokenizer_cannot_encode_is_rejected_and_changes_nothing(defaul
         default_llm.generate([prompt, "fine"], GREEDY)
     assert dict(vars(engine.stats)) == before and not engine.has_unfinished()
     assert default_llm.generate("fine", GREEDY)[0].finish_reason == "length"
+
+
+# ---- out of memory inside a step ----------------------------------------------------------------
+
+SEEDED = [SamplingParams(max_tokens=10, temperature=0.9, seed=s, n=2) for s in (3, 4)] + [GREEDY]
+
+
+def oom_points(engine):
+    """Where an allocation can fail inside a step, each as (object, attribute name): attention in
+    a middle layer, the lm head, the sampler after it drew the random numbers, the copy of a
+    block shared by a request's samples."""
+    from pagedllm.layers import attention, sampler
+
+    return {
+        "attention": (attention.PagedAttention, "attend"),
+        "lm_head": (engine.loaded.model.lm_head, "forward"),
+        "sampler_after_draws": (sampler, "_logprobs"),
+        "copy_on_write": (engine.kv_cache, "copy_blocks"),
+    }
+
+
+@pytest.mark.parametrize("point", ["attention", "lm_head", "sampler_after_draws", "copy_on_write"])
+def test_an_out_of_memory_error_anywhere_in_a_step_changes_no_output(tiny_checkpoints, point):
+    d = tiny_checkpoints["llama"][0]
+    sizes = dict(block_size=4, num_blocks=80, max_batch_tokens=64, max_model_len=64)
+    # the samples of a 10- or 15-token prompt share a partly computed block: it is copied
+    prompts = [prompt_of(n, seed=n) for n in (10, 15, 6)]
+    expected = [[o.token_ids for o in out.outputs] for out in LLM(d, **sizes).generate(prompts, SEEDED)]
+
+    llm = LLM(d, **sizes)
+    owner, name = oom_points(llm.engine)[point]
+    real = getattr(owner, name)
+    calls = {"n": 0}
+
+    def fail_once(*args, **kwargs):
+        result = real(*args, **kwargs)  # the work (random draws included) is done, then an allocation fails
+        counts = point != "copy_on_write" or bool(args[-1])  # a copy step, not an empty call
+        calls["n"] += counts
+        if counts and calls["n"] == (1 if point == "copy_on_write" else 4):
+            raise torch.OutOfMemoryError(f"injected after {point}")
+        return result
+
+    setattr(owner, name, fail_once)
+    try:
+        got = [[o.token_ids for o in out.outputs] for out in llm.generate(prompts, SEEDED)]
+    finally:
+        setattr(owner, name, real)
+    assert llm.stats.oom_recoveries == 1, "the injected error must have happened inside a step"
+    assert got == expected
+    assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks

@@ -223,10 +223,14 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         outputs = []
         if batch:
+            # A seeded sample's draws must not depend on a failed try: its generator is rewound.
+            seeded = [(e.seq.generator, e.seq.generator.get_state()) for e in batch.entries if e.seq.generator]
             try:
                 with self.threads.running():
                     result = self.runner.run(batch)
             except (torch.OutOfMemoryError, MemoryError) as e:
+                for generator, state in seeded:
+                    generator.set_state(state)
                 self.scheduler.recover_from_oom(batch, e)
             else:
                 if self.record_step_shapes:
