@@ -150,6 +150,7 @@ def cmd_serve(args) -> int:
     from .server.app import create_app
 
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY")
+    failed: list[BaseException] = []
     app = create_app(
         _llm(args),
         served_model_name=args.served_model_name,
@@ -172,7 +173,18 @@ def cmd_serve(args) -> int:
     server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
+
+    def engine_failed(error: BaseException) -> None:
+        """Every request has its error answer; the server shuts down and exits 1, so whatever
+        supervises it (systemd, Kubernetes, a shell loop) starts a new one."""
+        failed.append(error)
+        server.should_exit = True
+
+    app.state.engine.on_failure.append(engine_failed)
     server.run()
+    if failed:
+        print(f"pagedllm serve: the engine failed ({failed[0]!r}); exiting 1", file=sys.stderr)
+        return 1
     return 0
 
 

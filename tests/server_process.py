@@ -37,10 +37,12 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 class ServerProcess:
-    def __init__(self, *args: str, startup_timeout: float = 300):
+    def __init__(self, *args: str, startup_timeout: float = 300, prelude: str = ""):
+        """``prelude``: Python run in the server's process before the CLI (a test's fault)."""
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        self.command = [sys.executable, "-m", "pagedllm.cli", "serve", "--port", str(port), *args]
+        launcher = ["-c", f"import sys\n{prelude}\nfrom pagedllm.cli import main\nsys.exit(main(sys.argv[1:]))"]
+        self.command = [sys.executable, *launcher, "serve", "--port", str(port), *args]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="pagedllm-serve-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ.copy())
         self.pid = self.proc.pid

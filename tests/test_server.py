@@ -374,3 +374,57 @@ def test_abort_all_ends_running_requests_and_fails_queued_ones(tiny_checkpoints)
     assert (failed.finish_reason, failed.error_kind) == ("error", "engine") and "shutting down" in failed.error
     assert aborted.finish_reason == "abort"
     assert llm.engine.blocks.num_used == 0 and not llm.engine.has_unfinished()
+
+
+def test_when_the_engine_thread_dies_every_request_is_answered_at_once_and_new_ones_get_503(tiny_app):
+    llm, client = tiny_app
+    real_step, calls = llm.engine.step, {"n": 0}
+
+    def dying_step():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected engine bug")
+        return real_step()
+
+    llm.engine.step = dying_step
+    answers: list = []
+
+    def ask():
+        answers.append(client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 40}))
+
+    # more requests than max_num_seqs=4: some are still queued when the thread dies
+    askers = [threading.Thread(target=ask) for _ in range(8)]
+    for t in askers:
+        t.start()
+    for t in askers:
+        t.join(30)
+    assert not any(t.is_alive() for t in askers), "a request was never answered"
+    assert sorted({r.status_code for r in answers}) in ([500], [500, 503])
+    assert any("engine failure: injected engine bug" in r.text for r in answers)
+    assert client.get("/health").status_code == 503
+    late = client.post("/v1/completions", json=TINY_BODY)
+    assert late.status_code == 503 and late.headers["Retry-After"], late.text
+
+
+DYING_ENGINE = """
+from pagedllm.engine import LLMEngine
+real_step = LLMEngine.step
+calls = [0]
+def step(self):
+    calls[0] += 1
+    if calls[0] == 3:
+        raise RuntimeError("injected engine bug")
+    return real_step(self)
+LLMEngine.step = step
+"""
+
+
+def test_a_server_whose_engine_thread_died_exits_1_for_its_supervisor(tiny_checkpoints):
+    s = ServerProcess("--model", str(tiny_checkpoints["llama"][0]), "--max-model-len", "64", prelude=DYING_ENGINE)
+    try:
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 20}, timeout=60)
+        assert r.status_code == 500 and "engine failure" in r.text
+        assert s.proc.wait(timeout=60) == 1, s.log_tail()
+        assert "the engine failed" in s.log_tail()
+    finally:
+        s.stop()

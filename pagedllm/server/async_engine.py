@@ -29,6 +29,10 @@ class QueueFull(Exception):
     """More requests are waiting than the server accepts; the client should retry later."""
 
 
+class EngineStopped(Exception):
+    """The engine thread has failed: nothing more will run in this process."""
+
+
 @dataclass
 class _Add:
     request_id: str
@@ -60,7 +64,9 @@ class AsyncEngine:
         self._aborts_all = 0  # abort_all calls queued, not yet done (adds before them fail)
         self._lock = threading.Lock()
         self.observers: list[Callable[[list[RequestOutput], float], None]] = []  # on the engine thread
+        self.on_failure: list[Callable[[BaseException], None]] = []  # after the thread failed, on it
         self.error: BaseException | None = None
+        self._fail_lock = threading.Lock()  # the dead thread's last delivery vs. a late add's
 
     def start(self) -> None:
         self._thread.start()
@@ -83,7 +89,7 @@ class AsyncEngine:
         sample (``index``), the last one with ``request_finished`` set. Several requests may
         share one sink."""
         if self.error is not None:
-            raise RuntimeError(f"the engine has stopped: {self.error}")
+            raise EngineStopped(f"the engine has stopped: {self.error}")
         stats = self.engine.stats
         if stats.waiting + self._pending >= self.max_waiting:
             raise QueueFull(f"{stats.waiting + self._pending} requests are waiting (limit {self.max_waiting})")
@@ -93,6 +99,8 @@ class AsyncEngine:
             self._pending += 1
         self._ops.put(_Add(request_id, prompt, params, sink))
         self._wake.set()
+        if self.error is not None:  # the thread died since the check above: nobody else will answer it
+            self._fail_everything(f"engine failure: {self.error}")
         return sink
 
     def abort(self, request_id: str) -> None:
@@ -127,10 +135,12 @@ class AsyncEngine:
                 self._deliver(outputs)
             self._apply_ops()  # aborts queued just before stop() still free their blocks
             self._fail_everything("the server is shutting down")  # so no reader waits forever
-        except BaseException as e:  # a bug, not bad input: fail every request loudly, keep the server up
+        except BaseException as e:  # a bug, not bad input: answer every request with an error at once
             log.exception("engine thread failed")
             self.error = e
             self._fail_everything(f"engine failure: {e}")
+            for callback in self.on_failure:  # the server exits non-zero (cmd_serve), for a supervisor
+                callback(e)
 
     def _queued_ops(self):
         """Takes the queued ops, oldest first, until the queue is empty."""
@@ -142,11 +152,12 @@ class AsyncEngine:
 
     def _fail_everything(self, error: str) -> None:
         """Fails every request with a reader, and the adds still queued (no engine runs them now)."""
-        for op in self._queued_ops():
-            if isinstance(op, _Add):
-                self._take_pending()
-                self._sinks[op.request_id] = op.sink
-        self._deliver([RequestOutput.failed(rid, [], error, kind="engine") for rid in list(self._sinks)])
+        with self._fail_lock:
+            for op in self._queued_ops():
+                if isinstance(op, _Add):
+                    self._take_pending()
+                    self._sinks[op.request_id] = op.sink
+            self._deliver([RequestOutput.failed(rid, [], error, kind="engine") for rid in list(self._sinks)])
 
     def _apply_ops(self) -> None:
         for op in self._queued_ops():

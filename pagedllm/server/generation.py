@@ -21,7 +21,7 @@ from ..llm import LLM
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams, StructuredOutput
 from ..structured.tool_calls import ToolUse
-from .async_engine import AsyncEngine, QueueFull
+from .async_engine import AsyncEngine, EngineStopped, QueueFull
 from .errors import APIError, failed, rejected
 from .mailbox import Mailbox
 from .metrics import Metrics
@@ -140,6 +140,8 @@ def submit(
         raise APIError(
             429, f"server busy: {e}; retry later", "rate_limit_error", headers={"Retry-After": "1"}
         ) from None
+    except EngineStopped as e:  # the process is on its way out; its supervisor starts a new one
+        raise APIError(503, f"{e}; retry on a restarted server", "server_error", headers={"Retry-After": "5"}) from None
     return base, ids, sink
 
 
