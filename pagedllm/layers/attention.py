@@ -188,7 +188,10 @@ class PagedAttention:
         ops = compiled_ops()
         if ops is not None:
             eight_bit = cache.quantized
-            return ops.paged_attention(
+            step_dtype = q.dtype
+            if not eight_bit and cache.dtype != step_dtype:  # e.g. fp32 weights, a bf16 cache: the
+                q, k, v = (t.to(cache.dtype) for t in (q, k, v))  # kernel computes in the cache's dtype
+            out = ops.paged_attention(
                 q,
                 k,
                 v,
@@ -204,6 +207,7 @@ class PagedAttention:
                 cache.k_scale[layer] if eight_bit else None,
                 cache.v_scale[layer] if eight_bit else None,
             )
+            return out.to(step_dtype)
         cache.write(layer, lay.slot_mapping, k, v)
         kv_heads, d = k.shape[1], k.shape[2]
         out = torch.empty_like(q)

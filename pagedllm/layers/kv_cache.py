@@ -66,9 +66,9 @@ class KVCache:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """The step's K/V ([T, KVH, D]) into their slots (the PyTorch path; the kernel does its own)."""
-        if not self.quantized:
-            self.k[layer].index_copy_(1, slots, k.transpose(0, 1))
-            self.v[layer].index_copy_(1, slots, v.transpose(0, 1))
+        if not self.quantized:  # (in the cache's dtype, which may differ from the weights')
+            self.k[layer].index_copy_(1, slots, k.transpose(0, 1).to(self.dtype))
+            self.v[layer].index_copy_(1, slots, v.transpose(0, 1).to(self.dtype))
             return
         for new, cache, scales in ((k, self.k[layer], self.k_scale[layer]), (v, self.v[layer], self.v_scale[layer])):
             heads_first = new.transpose(0, 1).float()
@@ -86,7 +86,7 @@ class KVCache:
             if self.quantized:  # indexed as bytes: CPU indexing lacks fp8
                 values = cache.view(torch.uint8).view(kv_heads, -1, self.block_size, d)[:, blocks].view(self.dtype)
             else:
-                values = cache.view(kv_heads, -1, self.block_size, d)[:, blocks]
+                values = cache.view(kv_heads, -1, self.block_size, d)[:, blocks].to(dtype)  # (a copy already)
             if self.quantized:
                 scales = (self.k_scale, self.v_scale)[i][layer]
                 scale = scales.view(kv_heads, -1, self.block_size)[:, blocks]
