@@ -122,3 +122,36 @@ def test_gguf_of_an_unsupported_architecture(tmp_path):
     with pytest.raises(UnsupportedModelError, match="'gpt2'") as e:
         load(path)
     assert "llama" in str(e.value) and "gpt2.gguf" in str(e.value)
+
+
+# ---- advertised loading paths, loaded (not only refused) ----------------------------------------
+
+
+def test_a_sharded_checkpoint_loads_and_generates_what_the_single_file_does(tiny_checkpoints, tmp_path):
+    from pagedllm import LLM, SamplingParams
+
+    directory, hf = tiny_checkpoints["qwen3"]
+    sharded = tmp_path / "sharded"
+    hf.save_pretrained(sharded, safe_serialization=True, max_shard_size="200KB")
+    shards = sorted(p.name for p in sharded.glob("*.safetensors"))
+    assert len(shards) > 1 and (sharded / "model.safetensors.index.json").is_file()
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [[5, 17, 99, 3], [42] * 9]
+    single = [o.token_ids for o in LLM(directory).generate(prompts, params)]
+    assert [o.token_ids for o in LLM(sharded).generate(prompts, params)] == single
+
+
+def test_memory_fraction_through_llm_plans_within_that_share_of_free_memory(tiny_checkpoints):
+    from pagedllm import LLM
+    from pagedllm.memory.budget import free_memory
+
+    free_before, _ = free_memory()
+    llm = LLM(tiny_checkpoints["llama"][0], memory_fraction=0.05, max_model_len=64)
+    plan = llm.memory_plan
+    assert "fraction" in plan.budget_source or "free" in plan.budget_source, plan.budget_source
+    # the plan's budget is the process before loading + 5% of what was free then (a little more
+    # may have been free or taken by the time the planner looked)
+    share = plan.budget_bytes - plan.baseline_bytes
+    assert 0.04 * free_before <= share <= 0.06 * free_before
+    assert plan.total_bytes <= plan.budget_bytes
+    assert llm.generate([[1, 2, 3]])[0].token_ids
