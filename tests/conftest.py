@@ -5,7 +5,13 @@ import pytest
 # Every engine in the tests (and in the servers they start) verifies its bookkeeping each step.
 os.environ["PAGEDLLM_CHECK_INVARIANTS"] = "1"
 
+from hypothesis import settings
 from tiny_models import ARCHS, save_tiny_model
+
+# Property tests draw the same examples on every run (CI, `make test`): a red run is a change,
+# never the luck of the draw. PAGEDLLM_HYPOTHESIS_EXPLORE=1 draws new ones, to look for bugs.
+settings.register_profile("pagedllm", derandomize=os.environ.get("PAGEDLLM_HYPOTHESIS_EXPLORE", "") in ("", "0"))
+settings.load_profile("pagedllm")
 
 
 @pytest.fixture(scope="session", autouse=True)
