@@ -140,3 +140,18 @@ def test_invariant_checker_catches_a_leaked_block(tiny_checkpoints):
     engine.blocks.ref_counts[engine.blocks.tables["ghost"][0]] = 1
     with pytest.raises(AssertionError, match="ghost"):
         engine.check_invariants()
+
+
+def test_sliding_window_under_chunked_prefill_prefix_hits_and_preemption_equals_transformers(tiny_checkpoints):
+    """Masks at chunk boundaries and over adopted blocks: mistral's window is 24 tokens, the
+    step budget 10 (chunks end inside and across windows), prompts share a 28-token prefix."""
+    directory, hf = tiny_checkpoints["mistral"]
+    llm = LLM(directory, block_size=4, num_blocks=40, max_batch_tokens=10, max_num_seqs=6, max_model_len=120)
+    g = torch.Generator().manual_seed(11)
+    shared = torch.randint(1, 300, (28,), generator=g).tolist()
+    prompts = [shared + torch.randint(1, 300, (n,), generator=g).tolist() for n in (3, 17, 30, 9, 41, 22)]
+    outs = llm.generate(prompts, GREEDY)
+    stats = llm.stats
+    assert stats.preemptions > 0 and stats.prefix_cache_hit_tokens > 0, stats
+    assert max(len(p) for p in prompts) > 2 * 24, "prompts longer than two windows"
+    assert_greedy_matches([o.token_ids for o in outs], [hf_greedy(hf, p, 32) for p in prompts])
