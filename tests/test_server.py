@@ -210,11 +210,39 @@ def test_bad_input_gets_its_status_and_error_body_and_the_server_keeps_serving(s
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] is not None
 
 
+def seconds_until_idle(server, timeout: float = 20.0) -> float:
+    """Seconds until no block is used and nothing runs (inf if not within ``timeout``)."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if server.metric("pagedllm_kv_blocks_used") == 0 and server.metric("pagedllm_requests_running") == 0:
+            return time.monotonic() - start
+        time.sleep(0.05)
+    return float("inf")
+
+
+# A disconnect is noticed within DISCONNECT_CHECK_S (0.5 s) and the blocks go before the next step;
+# the requests below would run for 4 s or more by themselves.
+FREED_WITHIN_S = 2.0
+
+
 def test_non_streaming_client_that_disconnects_is_aborted(server):
     body = {"model": MODEL, "prompt": "Write a very long story.", "max_tokens": 400, "ignore_eos": True}
+    aborted = server.metric("pagedllm_requests_aborted_total")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, timeout=1.5)
-    assert wait_for_free_blocks(server) == 0
+    assert seconds_until_idle(server) < FREED_WITHIN_S
+    assert server.metric("pagedllm_requests_aborted_total") == aborted + 1
+
+
+def test_a_stream_that_disconnects_frees_its_blocks_at_once(server):
+    body = {"model": MODEL, "prompt": "Write a very long story.", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    aborted = server.metric("pagedllm_requests_aborted_total")
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # generating: hang up now
+    assert seconds_until_idle(server) < FREED_WITHIN_S
+    assert server.metric("pagedllm_requests_aborted_total") == aborted + 1
 
 
 @pytest.fixture(scope="module")
