@@ -147,7 +147,7 @@ def cmd_serve(args) -> int:
 
     import uvicorn
 
-    from .server.app import create_app
+    from .server.app import create_app, drain
 
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY")
     failed: list[BaseException] = []
@@ -169,10 +169,19 @@ def cmd_serve(args) -> int:
         )
     )
     # uvicorn re-raises SIGTERM after its graceful shutdown, so the process would die of the
-    # signal; we take SIGTERM/SIGINT ourselves: stop accepting, drain, exit 0.
+    # signal; we take SIGTERM/SIGINT ourselves: new requests get 503 while what is in flight
+    # finishes (up to --shutdown-timeout), the rest end with an error, then exit 0. A second
+    # signal stops at once.
     server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
+
+    def on_signal(*_) -> None:
+        if app.state.draining:
+            server.should_exit = True
+        else:
+            drain(app, lambda: setattr(server, "should_exit", True))
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
+        signal.signal(sig, on_signal)
 
     def engine_failed(error: BaseException) -> None:
         """Every request has its error answer; the server shuts down and exits 1, so whatever

@@ -8,7 +8,7 @@ from typing import Literal
 # Why a request ended in "error": refused when it was added ("rejected": the client's fault),
 # the model's logits were not finite ("model"), its output could not be decoded ("detokenize"),
 # or the engine itself failed ("engine").
-ErrorKind = Literal["rejected", "model", "detokenize", "engine"]
+ErrorKind = Literal["rejected", "model", "detokenize", "engine", "shutdown"]
 
 
 @dataclass

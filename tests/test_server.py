@@ -4,6 +4,7 @@ the others."""
 
 import asyncio
 import json
+import signal
 import threading
 import time
 
@@ -296,27 +297,98 @@ def test_queue_full_answers_429_with_retry_after(tiny_server):
     )
 
 
-def test_sigterm_finishes_in_flight_requests_and_exits_0(tiny_checkpoints):
-    s = ServerProcess(
-        "--model", str(tiny_checkpoints["qwen2"][0]), "--max-model-len", "512", "--shutdown-timeout", "30"
-    )
-    result = {}
+SLOW_STEPS = """
+import time
+from pagedllm.engine import LLMEngine
+real_step = LLMEngine.step
+def step(self):
+    time.sleep(0.01)  # ~100 tokens/s: a 400-token request is still running seconds later
+    return real_step(self)
+LLMEngine.step = step
+"""
+LONG = {
+    "prompt": [5, 6],
+    "max_tokens": 400,
+    "ignore_eos": True,
+    "logprobs": 0,
+}  # (logprobs: the tiny model has no text to stream)
 
-    def request():
-        result["r"] = httpx.post(
-            s.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 300, "ignore_eos": True}, timeout=120
-        )
 
-    t = threading.Thread(target=request)
+def stream_started(url: str, events: list, body: dict) -> threading.Thread:
+    """A streaming request on its own thread; returns once its first chunk has arrived."""
+    first = threading.Event()
+
+    def read():
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    first.set()
+        first.set()
+
+    t = threading.Thread(target=read)
     t.start()
-    time.sleep(1.0)
+    assert first.wait(60) and events, "the stream never started"
+    return t
+
+
+def test_sigterm_refuses_new_requests_finishes_those_in_flight_and_exits_0(tiny_checkpoints):
+    s = ServerProcess(
+        "--model",
+        str(tiny_checkpoints["qwen2"][0]),
+        "--max-model-len",
+        "512",
+        "--shutdown-timeout",
+        "60",
+        prelude=SLOW_STEPS,
+    )
     try:
-        assert s.stop() == 0
+        events: list[str] = []
+        reader = stream_started(s.url, events, LONG)
+        s.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)  # the signal handler runs between the server's loop iterations
+        refused = httpx.post(s.url + "/v1/completions", json=TINY_BODY, timeout=10)
+        assert refused.status_code == 503 and refused.headers["Retry-After"], refused.text
+        assert httpx.get(s.url + "/health", timeout=10).status_code == 503
+        assert s.proc.poll() is None, "still serving what is in flight"
+        reader.join(120)
+        chunks = [json.loads(e) for e in events if e != "[DONE]"]
+        assert events[-1] == "[DONE]" and chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert s.proc.wait(30) == 0
     finally:
         s.stop()
-    t.join(30)
-    assert result["r"].status_code == 200
-    assert len(result["r"].json()["choices"][0]["text"]) > 0 or result["r"].json()["usage"]["completion_tokens"] == 300
+
+
+def test_after_the_shutdown_timeout_what_is_left_ends_with_an_error_and_the_server_exits_0(tiny_checkpoints):
+    s = ServerProcess(
+        "--model",
+        str(tiny_checkpoints["qwen2"][0]),
+        "--max-model-len",
+        "512",
+        "--shutdown-timeout",
+        "1",
+        prelude=SLOW_STEPS,
+    )
+    try:
+        events: list[str] = []
+        reader = stream_started(s.url, events, LONG)
+        whole: dict = {}
+        waiter = threading.Thread(
+            target=lambda: whole.update(r=httpx.post(s.url + "/v1/completions", json=LONG, timeout=120))
+        )
+        waiter.start()
+        time.sleep(0.5)
+        started = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        reader.join(60)
+        waiter.join(60)
+        assert time.monotonic() - started < 15
+        error = json.loads(events[-2])["error"]
+        assert events[-1] == "[DONE]" and "shut down" in error["message"]
+        assert whole["r"].status_code == 503 and "shut down" in whole["r"].json()["error"]["message"]
+        assert s.proc.wait(30) == 0
+    finally:
+        s.stop()
 
 
 # ---- in this process, over the tiny model: faults a server process cannot be given ------------

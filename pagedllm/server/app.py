@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -54,6 +55,7 @@ def create_app(
     app.state.model_name = model_name
     app.state.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-tokenize")
     app.state.shutdown_timeout = shutdown_timeout
+    app.state.draining = False  # set by drain(): new generation requests get 503, /health too
     app.add_middleware(Guards, api_key=api_key, max_body_bytes=max_body_bytes, on_error=metrics.count_error)
     app.include_router(router)
     return app
@@ -75,6 +77,28 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     engine.abort_all()
     engine.stop()
     state.tokenizer_thread.shutdown(wait=False)
+
+
+def drain(app: FastAPI, on_done: Callable[[], None]) -> None:
+    """Graceful shutdown, in a thread: new generation requests get 503 with Retry-After (and
+    /health says so, for load balancers) while the ones in flight finish, for up to
+    ``shutdown_timeout`` seconds; then the rest end with a 503 error each, and ``on_done`` runs
+    (the CLI stops the HTTP server then, and exits 0)."""
+    state = app.state
+    engine: AsyncEngine = state.engine
+
+    def run() -> None:
+        deadline = time.monotonic() + state.shutdown_timeout
+        while engine.num_unfinished and time.monotonic() < deadline:
+            time.sleep(0.05)
+        engine.abort_all()
+        answered = time.monotonic() + 10  # let the handlers write the errors out
+        while engine.num_unfinished and time.monotonic() < answered:
+            time.sleep(0.05)
+        on_done()
+
+    state.draining = True
+    threading.Thread(target=run, name="pagedllm-drain", daemon=True).start()
 
 
 # ---- errors: OpenAI's error body, counted by status ----------------------------------------------

@@ -166,9 +166,11 @@ class AsyncEngine:
             elif isinstance(op, _Abort):
                 self._deliver(self.engine.abort(op.request_id))
                 self._sinks.pop(op.request_id, None)
-            else:
+            else:  # shutdown: each request still running ends with an error saying so
                 for rid in list(self.engine.requests):
-                    self._deliver(self.engine.abort(rid))
+                    self.engine.abort(rid)  # frees its blocks
+                    error = "the server shut down before this request finished; retry on another"
+                    self._deliver([RequestOutput.failed(rid, [], error, kind="shutdown")])
                 with self._lock:
                     self._aborts_all -= 1
 
@@ -182,7 +184,7 @@ class AsyncEngine:
         self._sinks[op.request_id] = op.sink
         if aborted:
             error = "the server is shutting down; the request was aborted before it started"
-            self._deliver([RequestOutput.failed(op.request_id, op.prompt, error, kind="engine")])
+            self._deliver([RequestOutput.failed(op.request_id, op.prompt, error, kind="shutdown")])
             return
         try:
             self.engine.add_request(op.prompt, op.params, request_id=op.request_id, arrival_time=op.arrival)

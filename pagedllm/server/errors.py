@@ -46,4 +46,6 @@ def failed(out: RequestOutput) -> APIError:
     message = out.error or "request failed"
     if out.error_kind == "rejected":
         return APIError(400, message)
+    if out.error_kind == "shutdown":
+        return APIError(503, message, "server_error", headers={"Retry-After": "1"})
     return APIError(500, message, "server_error")

@@ -46,6 +46,10 @@ async def generate(
     prompt is held to; ``tools``: the chat request's tools, whose calls the answer reads."""
     state = request.app.state
     engine: AsyncEngine = state.engine
+    if state.draining:
+        raise APIError(
+            503, "the server is shutting down; retry on another", "server_error", headers={"Retry-After": "1"}
+        )
     created = int(time.time())
     base, ids, sink = submit(engine, req, prompts, max_tokens, logprobs, constraint)
     reply = Reply(

@@ -32,6 +32,8 @@ async def health(request: Request):
     engine: AsyncEngine = request.app.state.engine
     if engine.error is not None:
         return JSONResponse({"status": "error", "error": str(engine.error)}, status_code=503)
+    if request.app.state.draining:
+        return JSONResponse({"status": "draining"}, status_code=503, headers={"Retry-After": "1"})
     return {"status": "ok"}
 
 
