@@ -84,31 +84,39 @@ def test_any_interleaving_keeps_the_invariants_and_ends_every_request_once(tiny_
     loaded = _loaded(tiny_checkpoints)
     engine = LLMEngine(loaded, block_size=4, num_blocks=24, max_batch_tokens=16, max_num_seqs=4, max_model_len=96)
     prefixes = [[7] * 9, [8, 9] * 6, [10] * 3, [11] * 17, [12]]
-    ended: dict[str, int] = {}
+    ended: dict[tuple[str, int], int] = {}
+    finals: dict[tuple[str, int], object] = {}
+    asked: dict[str, tuple[list[int], SamplingParams]] = {}
     ids = []
-    for op, which, length in ops:
-        if op == "add":
-            ids.append(
-                engine.add_request(
-                    prefixes[which] + [13] * (length % 7),
-                    SamplingParams(
-                        max_tokens=1 + length % 9, temperature=length % 2, ignore_eos=True, n=1 + length % 3
-                    ),
-                )
-            )
-        elif op == "abort" and ids:
-            for out in engine.abort(ids[which % len(ids)]):
-                ended[out.request_id, out.index] = ended.get((out.request_id, out.index), 0) + 1
-        else:
-            for out in engine.step():
-                if out.finished:
-                    ended[out.request_id, out.index] = ended.get((out.request_id, out.index), 0) + 1
-        engine.check_invariants()
-    while engine.has_unfinished():
-        for out in engine.step():
+
+    def record(outs):
+        for out in outs:
             if out.finished:
                 ended[out.request_id, out.index] = ended.get((out.request_id, out.index), 0) + 1
+                finals[out.request_id, out.index] = out
+
+    for op, which, length in ops:
+        if op == "add":
+            prompt = prefixes[which] + [13] * (length % 7)
+            params = SamplingParams(
+                max_tokens=1 + length % 9, temperature=length % 2, ignore_eos=True, n=1 + length % 3
+            )
+            ids.append(engine.add_request(prompt, params))
+            asked[ids[-1]] = (prompt, params)
+        elif op == "abort" and ids:
+            record(engine.abort(ids[which % len(ids)]))
+        else:
+            record(engine.step())
         engine.check_invariants()
+    while engine.has_unfinished():
+        record(engine.step())
+        engine.check_invariants()
+    # what it computed from adopted blocks is what it computes from scratch: every greedy sample
+    # that was not aborted equals the request run alone without the cache
+    for (rid, _), out in finals.items():
+        prompt, params = asked[rid]
+        if params.greedy and out.finish_reason != "abort":
+            assert out.token_ids == _alone(loaded, prompt, params.max_tokens), rid
     # every sample ends exactly once; each request's samples are 0..k-1 (fewer than n only if
     # it was aborted before its prompt was computed)
     assert {rid for rid, _ in ended} == set(ids) and set(ended.values()) <= {1}
@@ -118,7 +126,19 @@ def test_any_interleaving_keeps_the_invariants_and_ends_every_request_once(tiny_
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
-_cache = {}
+_cache: dict = {}
+
+
+def _alone(loaded, prompt: list[int], max_tokens: int) -> list[int]:
+    key = (tuple(prompt), max_tokens)
+    if key not in _cache:
+        solo = LLMEngine(loaded, block_size=4, num_blocks=64, max_model_len=96, enable_prefix_caching=False)
+        solo.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        while solo.has_unfinished():
+            for out in solo.step():
+                if out.finished:
+                    _cache[key] = out.token_ids
+    return _cache[key]
 
 
 def _loaded(tiny_checkpoints):
