@@ -346,7 +346,9 @@ def test_sigterm_refuses_new_requests_finishes_those_in_flight_and_exits_0(tiny_
         events: list[str] = []
         reader = stream_started(s.url, events, LONG)
         s.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.2)  # the signal handler runs between the server's loop iterations
+        deadline = time.monotonic() + 10  # the handler runs between the server's loop iterations
+        while httpx.get(s.url + "/health", timeout=10).status_code != 503 and time.monotonic() < deadline:
+            time.sleep(0.02)
         refused = httpx.post(s.url + "/v1/completions", json=TINY_BODY, timeout=10)
         assert refused.status_code == 503 and refused.headers["Retry-After"], refused.text
         assert httpx.get(s.url + "/health", timeout=10).status_code == 503
@@ -377,7 +379,9 @@ def test_after_the_shutdown_timeout_what_is_left_ends_with_an_error_and_the_serv
             target=lambda: whole.update(r=httpx.post(s.url + "/v1/completions", json=LONG, timeout=120))
         )
         waiter.start()
-        time.sleep(0.5)
+        deadline = time.monotonic() + 30
+        while s.metric("pagedllm_requests_running") < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)  # both requests running before the signal
         started = time.monotonic()
         s.proc.send_signal(signal.SIGTERM)
         reader.join(60)

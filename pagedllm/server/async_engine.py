@@ -202,6 +202,6 @@ class AsyncEngine:
             sink = self._sinks.get(out.request_id)
             if sink is None:
                 continue
-            if out.request_finished:
-                del self._sinks[out.request_id]
             sink.put(out)
+            if out.request_finished:  # after the put: num_unfinished == 0 means all is delivered
+                del self._sinks[out.request_id]
