@@ -7,9 +7,11 @@ import contextlib
 import json
 import logging
 import signal
+import socket
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 from .errors import PagedLLMError
 from .sizes import KV_CACHE_DTYPES, QUANTIZATIONS
@@ -190,7 +192,17 @@ def cmd_serve(args) -> int:
         server.should_exit = True
 
     app.state.engine.on_failure.append(engine_failed)
-    server.run()
+    # The socket is bound here, before serving: with --port 0 the kernel picks a free port, and
+    # whoever started us reads it from --port-file (no pick-a-port-then-bind race).
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    port = sock.getsockname()[1]
+    if args.port_file:
+        Path(args.port_file).write_text(f"{port}\n")
+    print(f"pagedllm serve: listening on http://{args.host}:{port}", file=sys.stderr, flush=True)
+    server.run(sockets=[sock])
     if failed:
         print(f"pagedllm serve: the engine failed ({failed[0]!r}); exiting 1", file=sys.stderr)
         return 1
@@ -346,7 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
     serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=int, default=8000, help="0: any free port (see --port-file)")
+    serve.add_argument("--port-file", default=None, help="write the port listened on here, once listening")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $PAGEDLLM_API_KEY)")
     serve.add_argument("--served-model-name", default=None, help="the model id clients use")
     serve.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429")

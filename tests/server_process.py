@@ -9,19 +9,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 import httpx
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -39,10 +32,12 @@ def parse_metrics(text: str) -> dict[str, float]:
 class ServerProcess:
     def __init__(self, *args: str, startup_timeout: float = 300, prelude: str = ""):
         """``prelude``: Python run in the server's process before the CLI (a test's fault)."""
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
+        # port 0: the server binds any free port and writes it to port_file (no pick-then-bind race)
+        self.port_file = tempfile.NamedTemporaryFile(prefix="pagedllm-port-", delete=False).name
+        os.unlink(self.port_file)
         launcher = ["-c", f"import sys\n{prelude}\nfrom pagedllm.cli import main\nsys.exit(main(sys.argv[1:]))"]
-        self.command = [sys.executable, *launcher, "serve", "--port", str(port), *args]
+        self.command = [sys.executable, *launcher, "serve", "--port", "0", "--port-file", self.port_file, *args]
+        self.url = ""
         self.log = tempfile.NamedTemporaryFile("w+", prefix="pagedllm-serve-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ.copy())
         self.pid = self.proc.pid
@@ -53,6 +48,13 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited early ({self.proc.returncode}):\n{self.log_tail()}")
+            if not self.url:
+                if os.path.exists(self.port_file) and open(self.port_file).read().endswith("\n"):
+                    self.url = f"http://127.0.0.1:{int(open(self.port_file).read())}"
+                    os.unlink(self.port_file)
+                else:
+                    time.sleep(0.05)
+                    continue
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
                     return
