@@ -16,6 +16,7 @@ def tokenizer(default_llm):
     return default_llm.tokenizer
 
 
+@pytest.mark.slow  # loads the default model
 def test_standard_workload_spreads_prompt_lengths_and_is_reproducible(tokenizer):
     w = workloads.standard(tokenizer, n=16, new_tokens=8)
     lengths = sorted(len(p) for p in w.prompts)
@@ -25,6 +26,7 @@ def test_standard_workload_spreads_prompt_lengths_and_is_reproducible(tokenizer)
     assert [len(p) for p in w.prompts] != lengths  # shuffled
 
 
+@pytest.mark.slow  # loads the default model
 def test_shared_prefix_workload_shares_a_long_prefix(tokenizer):
     w = workloads.shared_prefix(tokenizer, n=4, new_tokens=8)
     first, second = w.prompts[0], w.prompts[1]
@@ -32,6 +34,7 @@ def test_shared_prefix_workload_shares_a_long_prefix(tokenizer):
     assert common >= 500 and all(p[:common] == first[:common] for p in w.prompts)
 
 
+@pytest.mark.slow  # loads the default model
 def test_jsonl_workload(tmp_path, tokenizer):
     f = tmp_path / "w.jsonl"
     f.write_text(

@@ -5,6 +5,8 @@ import pytest
 
 from pagedllm import SamplingParams
 
+pytestmark = pytest.mark.slow  # loads the default model
+
 HI = [{"role": "user", "content": "Hi"}]
 
 

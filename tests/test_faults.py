@@ -78,6 +78,7 @@ class FlakyTokenizer:
         return getattr(self.inner, name)
 
 
+@pytest.mark.slow  # loads the default model
 def test_a_tokenizer_that_fails_on_one_output_fails_that_request_only(default_llm):
     engine = default_llm.engine
     prompts = [
@@ -100,6 +101,7 @@ def test_a_tokenizer_that_fails_on_one_output_fails_that_request_only(default_ll
     assert engine.blocks.num_used == 0 and not engine.has_unfinished()
 
 
+@pytest.mark.slow  # loads the default model
 @pytest.mark.parametrize("prompt", ["\ud800", "broken \udfff surrogate"])
 def test_text_the_tokenizer_cannot_encode_is_rejected_and_changes_nothing(default_llm, prompt):
     engine = default_llm.engine

@@ -100,6 +100,7 @@ def test_corrupt_gguf_names_the_file(tmp_path, content):
         load(path)
 
 
+@pytest.mark.slow  # reads the default model's GGUF
 def test_truncated_gguf(tmp_path):
     path = tmp_path / "half.gguf"
     with open(default_gguf_path(), "rb") as f:

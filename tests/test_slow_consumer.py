@@ -3,6 +3,8 @@ bounded (one merged output per sample), while the text it finally reads is exact
 
 import asyncio
 
+import pytest
+
 from pagedllm import SamplingParams
 from pagedllm.outputs import RequestOutput
 from pagedllm.server.async_engine import AsyncEngine
@@ -29,6 +31,7 @@ def test_unread_outputs_merge_into_one_per_sample():
         assert out.token_ids == [999]
 
 
+@pytest.mark.slow  # loads the default model
 def test_a_reader_that_stalls_gets_the_whole_text_in_few_pieces(default_llm):
     engine = AsyncEngine(default_llm.engine)
     engine.start()

@@ -136,6 +136,7 @@ def theirs_render(theirs, messages, **kwargs):
 # ---- the default model's tokenizer --------------------------------------------------------------
 
 
+@pytest.mark.slow  # loads the default model
 def test_load_tokenizer_returns_pagedllms_tokenizer_for_a_tokenizer_json(model_dir):
     assert isinstance(load_tokenizer(model_dir), Tokenizer)
 
@@ -243,6 +244,7 @@ def test_empty_conversations_and_missing_templates_are_value_errors(both_with, o
         ours.apply_chat_template(CONVERSATIONS[1])
 
 
+@pytest.mark.slow  # loads the default model
 def test_loading_and_using_the_tokenizer_never_imports_transformers(model_dir):
     code = (
         "import sys; from pathlib import Path; from pagedllm.loading import load_tokenizer; "
