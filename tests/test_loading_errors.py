@@ -156,3 +156,22 @@ def test_memory_fraction_through_llm_plans_within_that_share_of_free_memory(tiny
     assert 0.04 * free_before <= share <= 0.06 * free_before
     assert plan.total_bytes <= plan.budget_bytes
     assert llm.generate([[1, 2, 3]])[0].token_ids
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_gguf_files_load_and_generate_what_transformers_does(tmp_path, arch):
+    """Qwen2/Qwen3 GGUFs take their own conversion path: no rope permutation, q/k/v biases
+    (qwen2), q/k norms and a head_dim other than hidden / heads (qwen3)."""
+    from greedy import assert_greedy_matches, hf_greedy
+    from tiny_models import save_tiny_gguf
+
+    from pagedllm import LLM, SamplingParams
+
+    path = tmp_path / f"tiny-{arch}.gguf"
+    hf = save_tiny_gguf(arch, path)
+    llm = LLM(path)
+    assert llm.loaded.config.head_dim == (getattr(hf.config, "head_dim", None) or 64 // 4)
+    prompts = [[5, 17, 99, 3], [42] * 9, list(range(30, 60))]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    assert_greedy_matches([o.token_ids for o in outs], [hf_greedy(hf, p, 16) for p in prompts])
+    assert llm.tokenizer.decode(llm.tokenizer.encode("tea at ten")) == "tea at ten"

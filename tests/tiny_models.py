@@ -69,3 +69,67 @@ def save_tiny_model(name: str, directory: Path, seed: int = 0):
     model = build_hf_model(name, seed)
     model.save_pretrained(directory, safe_serialization=True)
     return model
+
+
+def _byte_level_vocab(size: int) -> tuple[list[str], list[str]]:
+    """A GPT-2-style byte-level vocabulary of ``size`` tokens: the 256 bytes, then merges of
+    letter pairs (each merge's result is a token, as a BPE tokenizer requires)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars, n = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + n)
+            n += 1
+    tokens = [chars[b] for b in range(256)]
+    letters = "etaoinshrdlucmfw"
+    merges = []
+    for a in letters:
+        for b in letters:
+            if len(tokens) == size:
+                return tokens, merges
+            merges.append(f"{a} {b}")
+            tokens.append(a + b)
+    return tokens, merges
+
+
+def save_tiny_gguf(name: str, path: Path, seed: int = 0):
+    """A tiny model of ``name`` ("qwen2" or "qwen3") as a float32 GGUF file, named and laid out
+    the way llama.cpp's converter writes these architectures (the gguf package's own tensor name
+    map, no rope permutation), with a byte-level BPE tokenizer; returns the transformers model."""
+    import gguf
+    import torch
+
+    model = build_hf_model(name, seed)
+    cfg = model.config
+    arch = {"qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}[name]
+    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    tokens, merges = _byte_level_vocab(cfg.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(name)
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * len(tokens))
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        base, _, suffix = hf_name.rpartition(".")
+        writer.add_tensor(f"{names.get_name(base)}.{suffix}", tensor.to(torch.float32).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return model
