@@ -447,7 +447,7 @@ def test_an_engine_that_dies_fails_every_request_with_500_and_health_says_503(ti
     assert health.status_code == 503 and "injected engine bug" in health.json()["error"]
 
 
-def test_abort_all_ends_running_requests_and_fails_queued_ones(tiny_checkpoints):
+def test_abort_all_fails_running_and_queued_requests_with_a_shutdown_error(tiny_checkpoints):
     from pagedllm import LLM, SamplingParams
     from pagedllm.server.async_engine import AsyncEngine
 
@@ -475,8 +475,9 @@ def test_abort_all_ends_running_requests_and_fails_queued_ones(tiny_checkpoints)
         return failed, aborted
 
     failed, aborted = asyncio.run(main())
-    assert (failed.finish_reason, failed.error_kind) == ("error", "engine") and "shutting down" in failed.error
-    assert aborted.finish_reason == "abort"
+    assert (failed.finish_reason, failed.error_kind) == ("error", "shutdown") and "shutting down" in failed.error
+    # a running request ends with an error saying the server shut down (a 503 for its client)
+    assert (aborted.finish_reason, aborted.error_kind) == ("error", "shutdown") and "shut down" in aborted.error
     assert llm.engine.blocks.num_used == 0 and not llm.engine.has_unfinished()
 
 
