@@ -314,6 +314,13 @@ LONG = {
 }  # (logprobs: the tiny model has no text to stream)
 
 
+def slow_server(tiny_checkpoints, shutdown_timeout: float) -> ServerProcess:
+    """The tiny qwen2 model served with slowed steps (SLOW_STEPS), so requests stay in flight."""
+    model = str(tiny_checkpoints["qwen2"][0])
+    args = ("--model", model, "--max-model-len", "512", "--shutdown-timeout", str(shutdown_timeout))
+    return ServerProcess(*args, prelude=SLOW_STEPS)
+
+
 def stream_started(url: str, events: list, body: dict) -> threading.Thread:
     """A streaming request on its own thread; returns once its first chunk has arrived."""
     first = threading.Event()
@@ -333,15 +340,7 @@ def stream_started(url: str, events: list, body: dict) -> threading.Thread:
 
 
 def test_sigterm_refuses_new_requests_finishes_those_in_flight_and_exits_0(tiny_checkpoints):
-    s = ServerProcess(
-        "--model",
-        str(tiny_checkpoints["qwen2"][0]),
-        "--max-model-len",
-        "512",
-        "--shutdown-timeout",
-        "60",
-        prelude=SLOW_STEPS,
-    )
+    s = slow_server(tiny_checkpoints, shutdown_timeout=60)
     try:
         events: list[str] = []
         reader = stream_started(s.url, events, LONG)
@@ -362,15 +361,7 @@ def test_sigterm_refuses_new_requests_finishes_those_in_flight_and_exits_0(tiny_
 
 
 def test_after_the_shutdown_timeout_what_is_left_ends_with_an_error_and_the_server_exits_0(tiny_checkpoints):
-    s = ServerProcess(
-        "--model",
-        str(tiny_checkpoints["qwen2"][0]),
-        "--max-model-len",
-        "512",
-        "--shutdown-timeout",
-        "1",
-        prelude=SLOW_STEPS,
-    )
+    s = slow_server(tiny_checkpoints, shutdown_timeout=1)
     try:
         events: list[str] = []
         reader = stream_started(s.url, events, LONG)

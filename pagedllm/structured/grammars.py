@@ -82,6 +82,7 @@ class Grammars:
         self._cache_bytes = 0
         self._lock = threading.Lock()
         self.compiled = 0  # grammars compiled (cache misses), for tests and the bench
+        self._bitmask: torch.Tensor | None = None  # reused step to step (the engine thread's only)
 
     # ---- compile ---------------------------------------------------------------------------------
 
@@ -135,7 +136,9 @@ class Grammars:
         if not rows:
             return
         xgr = self._xgr
-        bitmask = xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)
+        if self._bitmask is None or self._bitmask.shape[0] < logits.shape[0]:
+            self._bitmask = xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)
+        bitmask = self._bitmask[: logits.shape[0]]  # every row used is filled whole below
         for i in rows:
             matchers[i].fill_next_token_bitmask(bitmask, i)  # type: ignore[union-attr]
         ops = compiled_ops()
