@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from greedy import assert_greedy_matches, hf_greedy
+from greedy import Precision, assert_greedy_matches, assert_steps_match, hf_greedy, reference_step_logits
 from tiny_models import ARCHS
 
 from pagedllm import LLM, SamplingParams
@@ -51,32 +51,67 @@ def test_logits_equal_transformers_in_fp32(tiny_checkpoints, arch, kernels):
     torch.testing.assert_close(logits, hf_logits(hf, batch), atol=1e-4, rtol=0)
 
 
+# What a correct run at each lower precision may differ by from transformers (see greedy.Precision).
+# bf16 weights are compared with transformers in bf16, a KV cache in another dtype with transformers
+# in fp32. Measured on these models: logits 2.2-4.0% of the largest logit from transformers' bf16;
+# KV bf16 1.7%, int8 3.4%, fp8 e4m3 12.8% from fp32. Steps exact along our greedy path, by the
+# same-context comparison: bf16 97.8-98.7%, KV bf16 98-99%, int8 97-99%, fp8 87-92% (fp8 keeps
+# 3 bits of mantissa).
+BF16_WEIGHTS = Precision(logit_tolerance=0.05, min_exact_steps=0.95)
+KV_PRECISION = {
+    "bfloat16": Precision(logit_tolerance=0.03, min_exact_steps=0.95),
+    "int8": Precision(logit_tolerance=0.05, min_exact_steps=0.95),
+    "fp8": Precision(logit_tolerance=0.16, min_exact_steps=0.8),
+}
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_bf16_logits_are_as_close_to_fp32_as_transformers_bf16(tiny_checkpoints, arch, kernels):
     """bf16 rounds differently in any two implementations; ours may be no further from the fp32
-    logits than transformers' own bf16 run is (measured: 0.67-1.31x of it over these models)."""
+    logits than transformers' own bf16 run is (measured: 0.67-1.31x of it over these models), and
+    within the stated tolerance of transformers' bf16 logits."""
     directory, hf = tiny_checkpoints[arch]
     batch, ours = our_logits(directory, "bfloat16", "bfloat16")
     truth = hf_logits(hf, batch)
     theirs = hf_logits(copy.deepcopy(hf).to(torch.bfloat16), batch)
     assert (ours - truth).abs().max() <= 1.5 * (theirs - truth).abs().max()
+    assert (ours - theirs).abs().max() <= BF16_WEIGHTS.logit_tolerance * theirs.abs().max()
 
 
-# Largest logit error allowed, as a share of the largest logit, for a KV cache in another dtype
-# than the fp32 weights (measured on these models: bf16 1.7%, int8 3.4%, fp8 e4m3 12.8%).
-KV_TOLERANCE = {"bfloat16": 0.03, "int8": 0.05, "fp8": 0.16}
-
-
-@pytest.mark.parametrize("kv_dtype", sorted(KV_TOLERANCE))
+@pytest.mark.parametrize("kv_dtype", sorted(KV_PRECISION))
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_kv_cache_in_another_dtype_stays_close_to_transformers_fp32(tiny_checkpoints, arch, kv_dtype, kernels):
     directory, hf = tiny_checkpoints[arch]
     batch, ours = our_logits(directory, "float32", kv_dtype)
     truth = hf_logits(hf, batch)
-    assert (ours - truth).abs().max() <= KV_TOLERANCE[kv_dtype] * truth.abs().max()
+    assert (ours - truth).abs().max() <= KV_PRECISION[kv_dtype].logit_tolerance * truth.abs().max()
     # and bf16 weights over an fp32 cache run too (the kernel computes in the cache's dtype)
     _, mixed = our_logits(directory, "bfloat16", "float32")
     assert torch.isfinite(mixed).all()
+
+
+LOWER_PRECISIONS = {
+    "bf16": ("bfloat16", "bfloat16", torch.bfloat16, BF16_WEIGHTS),
+    **{f"kv-{kv}": ("float32", kv, torch.float32, precision) for kv, precision in KV_PRECISION.items()},
+}
+
+
+@pytest.mark.parametrize("precision", LOWER_PRECISIONS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_at_a_lower_precision_agrees_with_transformers_at_every_step(tiny_checkpoints, arch, precision, kernels):
+    """The engine generates greedily in bf16 (or over a lower-precision KV cache); transformers then
+    reads each whole sequence and every step is judged in the same context (greedy.compare_steps),
+    so one early near-tie does not hide the rest of the sequence."""
+    directory, hf = tiny_checkpoints[arch]
+    dtype, kv_dtype, reference_dtype, rule = LOWER_PRECISIONS[precision]
+    llm = LLM(directory, dtype=dtype, kv_cache_dtype=kv_dtype, block_size=8, num_blocks=128)
+    assert {p.dtype for p in llm.loaded.model.parameters()} == {getattr(torch, dtype)}
+    batch = prompts(llm.loaded.config.vocab_size, seed=2)
+    outs = llm.generate(batch, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    reference = copy.deepcopy(hf).to(reference_dtype)
+    ours = [o.token_ids for o in outs]
+    report = assert_steps_match(ours, [reference_step_logits(reference, p, t) for p, t in zip(batch, ours)], rule)
+    print(arch, precision, report)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -98,16 +133,3 @@ def test_logits_are_computed_only_for_sampled_rows(tiny_checkpoints):
     rows = torch.tensor([19])
     logits = loaded.model(torch.arange(1, 21), torch.arange(20), PagedAttention(cache, layout), rows)
     assert logits.shape == (1, loaded.config.vocab_size)
-
-
-def test_bfloat16_loads_and_generates_close_to_fp32(tiny_checkpoints):
-    """bf16 is not bit-equal to fp32; it must load as bf16 and mostly agree on the first tokens."""
-    directory, _ = tiny_checkpoints["qwen3"]
-    llm = LLM(directory, dtype="bfloat16")
-    assert {p.dtype for p in llm.loaded.model.parameters()} == {torch.bfloat16}
-    assert llm.engine.kv_cache.dtype == torch.bfloat16
-    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    batch = prompts(llm.loaded.config.vocab_size, seed=4)
-    bf16 = [o.token_ids[0] for o in llm.generate(batch, params)]
-    fp32 = [o.token_ids[0] for o in LLM(directory).generate(batch, params)]
-    assert sum(a == b for a, b in zip(bf16, fp32)) >= len(batch) - 2
