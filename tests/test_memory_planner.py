@@ -54,12 +54,12 @@ def test_step_memory_prediction_covers_quantized_weights_and_kv_cache(tiny_check
 
 def test_activation_peak_bounds_the_heaviest_steps(tiny_checkpoints):
     """What the planner reserves for activations covers the worst steps the limits allow."""
-    llm = LLM(tiny_checkpoints["qwen3"][0], max_batch_tokens=256, max_num_seqs=32, max_model_len=512, num_blocks=1200)
+    llm = LLM(tiny_checkpoints["qwen3"][0], max_batch_tokens=256, max_num_seqs=32, max_model_len=256, num_blocks=600)
     engine, reserve = llm.engine, llm.memory_plan.activation_bytes
     g = torch.Generator().manual_seed(0)
     full = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.5, repetition_penalty=1.2, logprobs=5, ignore_eos=True)
     for _ in range(32):
-        engine.add_request(torch.randint(3, 300, (480,), generator=g).tolist(), full)
+        engine.add_request(torch.randint(3, 300, (240,), generator=g).tolist(), full)
     peaks = []
     while engine.has_unfinished():
         with track_peak() as m:

@@ -124,7 +124,7 @@ def test_32_streaming_clients_with_a_quarter_disconnecting_free_every_block(serv
         body = {
             "model": MODEL,
             "messages": [{"role": "user", "content": f"Count from {i} to {i + 40}."}],
-            "max_tokens": 48,
+            "max_tokens": 24,
             "temperature": 0,
             "stream": True,
             "ignore_eos": True,
