@@ -93,17 +93,23 @@ def test_response_format_json_object_and_vllm_fields_on_both_endpoints(client):
         model=MODEL,
         messages=[{"role": "user", "content": "Describe Paris."}],
         max_tokens=200,
+        temperature=0,  # the model's own sampling defaults would make the length a draw
         response_format={"type": "json_object"},
     )
     assert isinstance(json.loads(r.choices[0].message.content), dict)
     r = client.completions.create(
-        model=MODEL, prompt="Is the sky blue? Answer:", max_tokens=5, extra_body={"guided_choice": ["yes", "no"]}
+        model=MODEL,
+        prompt="Is the sky blue? Answer:",
+        max_tokens=5,
+        temperature=0,
+        extra_body={"guided_choice": ["yes", "no"]},
     )
     assert r.choices[0].text in ("yes", "no")
     r = client.completions.create(
         model=MODEL,
         prompt="A date:",
         max_tokens=20,
+        temperature=0,
         extra_body={"structured_outputs": {"regex": "20[0-9]{2}-[01][0-9]-[0-3][0-9]"}},
     )
     assert len(r.choices[0].text) == 10 and r.choices[0].text.startswith("20")
@@ -111,6 +117,7 @@ def test_response_format_json_object_and_vllm_fields_on_both_endpoints(client):
         model=MODEL,
         prompt="A city as JSON:",
         max_tokens=100,
+        temperature=0,
         extra_body={
             "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMAS["weather"]}}
         },
