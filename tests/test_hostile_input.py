@@ -223,7 +223,7 @@ TINY_VALID = (C, {"prompt": [1, 2, 3], "max_tokens": 4})
 
 def test_fuzzed_requests_to_the_tiny_model_get_documented_statuses_only(tiny_server, tmp_path):
     run_schemathesis(
-        tiny_server, tmp_path, max_examples=50, hooks=CAP_MAX_TOKENS_HOOK.format(cap=8, context=TINY_CONTEXT)
+        tiny_server, tmp_path, max_examples=25, hooks=CAP_MAX_TOKENS_HOOK.format(cap=8, context=TINY_CONTEXT)
     )
     assert_still_serving(tiny_server, TINY_VALID)
 
