@@ -87,14 +87,15 @@ def drain(app: FastAPI, on_done: Callable[[], None]) -> None:
     state = app.state
     engine: AsyncEngine = state.engine
 
-    def run() -> None:
-        deadline = time.monotonic() + state.shutdown_timeout
+    def until_idle(seconds: float) -> None:
+        deadline = time.monotonic() + seconds
         while engine.num_unfinished and time.monotonic() < deadline:
             time.sleep(0.05)
+
+    def run() -> None:
+        until_idle(state.shutdown_timeout)
         engine.abort_all()
-        answered = time.monotonic() + 10  # let the handlers write the errors out
-        while engine.num_unfinished and time.monotonic() < answered:
-            time.sleep(0.05)
+        until_idle(10)  # the handlers write the errors out
         on_done()
 
     state.draining = True

@@ -35,6 +35,12 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+def unavailable(message: str, retry_after_s: int = 1) -> APIError:
+    """503: this server cannot take the request now (shutting down, or its engine failed); the
+    client should retry, here after ``retry_after_s`` or on another server."""
+    return APIError(503, message, "server_error", headers={"Retry-After": str(retry_after_s)})
+
+
 def rejected(e: RequestRejected) -> APIError:
     """A request the engine refused before queueing it: the client's fault, naming the field."""
     return APIError(e.status, e.message, param=e.param, code=e.code)
@@ -47,5 +53,5 @@ def failed(out: RequestOutput) -> APIError:
     if out.error_kind == "rejected":
         return APIError(400, message)
     if out.error_kind == "shutdown":
-        return APIError(503, message, "server_error", headers={"Retry-After": "1"})
+        return unavailable(message)
     return APIError(500, message, "server_error")

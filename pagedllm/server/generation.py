@@ -22,7 +22,7 @@ from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams, StructuredOutput
 from ..structured.tool_calls import ToolUse
 from .async_engine import AsyncEngine, EngineStopped, QueueFull
-from .errors import APIError, failed, rejected
+from .errors import APIError, failed, rejected, unavailable
 from .mailbox import Mailbox
 from .metrics import Metrics
 from .protocol import SamplingFields
@@ -47,9 +47,7 @@ async def generate(
     state = request.app.state
     engine: AsyncEngine = state.engine
     if state.draining:
-        raise APIError(
-            503, "the server is shutting down; retry on another", "server_error", headers={"Retry-After": "1"}
-        )
+        raise unavailable("the server is shutting down; retry on another")
     created = int(time.time())
     base, ids, sink = submit(engine, req, prompts, max_tokens, logprobs, constraint)
     reply = Reply(
@@ -145,7 +143,7 @@ def submit(
             429, f"server busy: {e}; retry later", "rate_limit_error", headers={"Retry-After": "1"}
         ) from None
     except EngineStopped as e:  # the process is on its way out; its supervisor starts a new one
-        raise APIError(503, f"{e}; retry on a restarted server", "server_error", headers={"Retry-After": "5"}) from None
+        raise unavailable(f"{e}; retry on a restarted server", retry_after_s=5) from None
     return base, ids, sink
 
 
