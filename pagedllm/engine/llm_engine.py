@@ -19,6 +19,7 @@ import torch
 from ..errors import RequestRejected
 from ..kernels import compiled_ops
 from ..layers.kv_cache import KVCache
+from ..layers.onednn_probe import dispatched_gemm_isa
 from ..layers.sampler import Sampler
 from ..loading import LoadedModel
 from ..memory.footprint import StepShape
@@ -80,15 +81,17 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         if plan is None:  # the model is loaded already: the baseline is what the process holds besides it
             weights = loaded.model.weight_bytes()
+            dtype = dtype_name(next(loaded.model.parameters()).dtype)
             plan = plan_engine(
                 cfg,
                 model_name=loaded.name,
-                dtype=dtype_name(next(loaded.model.parameters()).dtype),
+                dtype=dtype,
                 already_loaded=weights,
                 baseline_bytes=max(0, resident_bytes()[0] - weights),
                 kernels="compiled" if compiled_ops() is not None else "torch",
                 weights_bytes=weights,
                 quantized_weights=loaded.model.quantized(),
+                gemm_kind=dispatched_gemm_isa() if dtype == "bfloat16" else None,
                 **sizes,
             )
         self.memory_plan = plan

@@ -31,9 +31,9 @@ With N = KV-cache blocks, M = ``max_batch_tokens``, S = ``max_num_seqs``, L = ``
 - ``buffers``: the step's index tensors (token ids, positions, slot mapping: 8 bytes each per
   token; 8 bytes per context block gathered; a 1-byte padding mask per (decode row, key slot),
   which is bilinear in S and L: the one bilinear term, bounded by S · L).
-- On bf16, oneDNN's GEMM kernels take a scratch buffer from torch's allocator; measured on this
-  torch build, it is at most ``128 · (2 · min(K, 512) + 17 + 4 · (min(rows, 256) - 1))`` bytes
-  (+128 KiB for K > 1024) for a [rows, K] input. On fp32 there is none.
+- On bf16, oneDNN's GEMM kernels take a scratch buffer from torch's allocator, of a size that
+  depends on the kind of kernel the CPU runs (AMX, AVX-512 with or without bf16; none on AVX2)
+  and on the threads: ``gemm_scratch``. On fp32 there is none.
 
 ``step_transient_bytes`` predicts the peak of one concrete step (its shape: tokens, sampled
 rows, decode groups, prefill chunks); ``activation_peak`` is its maximum over every step the
@@ -139,14 +139,14 @@ class EngineSettings:
     max_model_len: int | None = None  # default: the model's
     pairs_budget: int = PAIRS_BUDGET
     gather_budget: int = GATHER_BUDGET
-    amx: bool = False  # the CPU has AMX, so oneDNN's bf16 GEMMs take other scratch (gemm_scratch)
+    gemm_isa: str = "avx512_bf16"  # what oneDNN's bf16 GEMMs run on (machine.GEMM_ISAS): their scratch
     kernels: str = "compiled"  # "compiled" (pagedllm.kernels) or "torch": the attention and norm workspaces differ
     threads: int = 1  # torch threads: the compiled attention keeps scratch per thread
     packed: bool = True  # bf16 weights prepacked for oneDNN (pagedllm.layers.linear): less GEMM scratch
     quantization: str | None = None  # as load_decoder takes it
     weights_bytes: int | None = None  # exact, from the checkpoint's header, when it is at hand
     quantized_weights: bool = False  # the linear layers run on quantized weights (layers/quantized.py)
-    quant_tiles: bool = False  # and bf16 rows of any count run on AMX tiles (no dequantized layer)
+    quant_tiles: bool = False  # and bf16 rows of any count run on the compiled kernels' AMX tiles
     grammar_cache_bytes: int = 0  # structured output's compiled-grammar caches, at their bound
 
     @property
@@ -154,24 +154,35 @@ class EngineSettings:
         return self.kv_dtype or self.dtype
 
 
-def gemm_scratch(rows: int, k: int, n: int, dtype: str, amx: bool = False, packed: bool = True) -> int:
+def gemm_scratch(
+    rows: int, k: int, n: int, dtype: str, isa: str = "avx512_bf16", packed: bool = True, threads: int = 1
+) -> int:
     """oneDNN's bf16 GEMM scratch for a [rows, k] x [k, n] product (none on fp32, which runs on
-    MKL's sgemm), as measured on torch 2.13.
+    MKL's sgemm), as measured on torch 2.13 for each kind of kernel (``machine.GEMM_ISAS``;
+    docs/memory.md has the tables). ``packed``: the weights prepacked for oneDNN
+    (``pagedllm.layers.linear``), else plain (``F.linear``); ``threads``: torch's threads.
 
-    - ``packed`` (``pagedllm.layers.linear`` prepacks bf16 weights once) with AMX: a few KiB up
-      to 32 rows, then 256 bytes a row; oneDNN sometimes picks a kernel that also packs the
-      input, so the bound adds rows x k x 4 bytes (measured on k in [64, 2048], n in [64, 49152],
-      rows in [1, 512]).
-    - plain weights (``F.linear``, when packing is unavailable) with AMX: oneDNN picks among
-      kernels by shape, and above 32 rows its scratch is bounded by an A-packing term (rows x k)
-      plus a B-packing term (k x n, blocked at 512 x 4096) (docs/memory.md).
-    - without AMX it depends on rows and k only (measured with plain weights)."""
-    if dtype_bytes(dtype) == 4 or rows == 0:
+    - ``amx``, packed: a few KiB up to 32 rows, then 256 bytes a row; oneDNN sometimes picks a
+      kernel that also packs the input, so the bound adds rows x k x 4 bytes (measured on k in
+      [64, 2048], n in [64, 49152], rows in [1, 512], 2 threads).
+    - ``amx``, plain: oneDNN picks among kernels by shape, and above 32 rows its scratch is
+      bounded by an A-packing term (rows x k) plus a B-packing term (k x n, blocked at 512 x 4096).
+    - ``avx512_bf16`` (no AMX): each thread accumulates a block of up to 256 rows x 64 columns
+      in fp32; plain weights add each thread's copy of an input block (k up to 512 columns, up to
+      1024 above 1024) (measured on k in [64, 8192], n in [32, 49152], rows in [1, 512], 1-8 threads).
+    - ``avx512`` (no bf16 instructions): the whole output in fp32, whatever the threads.
+    - ``avx2``: torch's own bf16 GEMM, no scratch."""
+    if dtype_bytes(dtype) == 4 or rows == 0 or isa == "avx2":
         return 0
-    if not amx:
-        if k < 32:
-            return 0
-        return 128 * (2 * min(k, 512) + 17 + 4 * (min(rows, 256) - 1)) + (131072 if k > 1024 else 0)
+    if isa == "avx512":
+        return 4 * rows * n + (384 if rows == 1 and not packed else 128)
+    if isa == "avx512_bf16":
+        scratch = threads * (256 * min(rows, 256) + 640) + 384
+        if not packed:
+            scratch += threads * 128 * (min(k, 512) if k <= 1024 or rows == 1 else 1024)
+        return scratch
+    if isa != "amx":
+        raise ValueError(f"gemm isa {isa!r}: choose one of amx, avx512_bf16, avx512, avx2")
     if packed:
         if rows <= 16:
             return 128 * 45
@@ -288,9 +299,9 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
                 return rows * out * 4 + (rows * out * e + (0 if tiles else rows * k * 4) if e != 4 else 0)
             chunk = min(out, DEQUANT_CHUNK_ELEMENTS // k)  # one dequantized chunk, a plain GEMM
             slices = rows * out * e + (rows * chunk * e if chunk < out else 0)  # output, a chunk's result
-            return slices + chunk * k * e + gemm_scratch(rows, k, chunk, s.dtype, s.amx, packed=False)
+            return slices + chunk * k * e + gemm_scratch(rows, k, chunk, s.dtype, s.gemm_isa, False, s.threads)
         copy = (2 * padded - rows) * k * e if padded != rows else 0
-        return padded * out * e + copy + gemm_scratch(padded, k, out, s.dtype, s.amx, packed)
+        return padded * out * e + copy + gemm_scratch(padded, k, out, s.dtype, s.gemm_isa, packed, s.threads)
 
     if cfg.tie_word_embeddings:  # a tied lm_head stays plain (DecoderLM.pack): no padding
         np_ = n

@@ -15,7 +15,7 @@ from ..errors import CacheDoesNotFitError
 from ..sizes import ceil_div, dtype_bytes, gib, kv_dtype_name, kv_element_bytes
 from .budget import resolve_budget
 from .footprint import EngineSettings, activation_peak, kv_bytes_per_block, loader_bytes, weight_bytes
-from .machine import cpu_has_amx, expected_kernels, usable_cpus
+from .machine import expected_kernels, gemm_isa, usable_cpus
 
 # What the process holds beyond the tensors the footprint itemises, under load: library code
 # paged in by the first steps, the allocator's kept memory, the capped GEMM kernel caches,
@@ -445,6 +445,7 @@ def plan_engine(
     weights_bytes: int | None = None,
     quantized_weights: bool | None = None,
     grammar_cache_bytes: int = 0,
+    gemm_kind: str | None = None,
 ) -> MemoryPlan:
     """The plan an engine starts from: the budget, then ``plan``.
 
@@ -459,25 +460,29 @@ def plan_engine(
     budget given, a solved cache is capped at what ``max_num_seqs`` requests of ``max_model_len``
     tokens can use at once, so a small model does not reserve the whole host.
     ``grammar_cache_bytes``: the bound of structured output's caches (``LLM`` passes it when
-    structured output is on), counted in the overhead.
+    structured output is on), counted in the overhead. ``gemm_kind``: what oneDNN's bf16 GEMMs run
+    on (``machine.GEMM_ISAS``; ``LLM`` asks oneDNN, ``layers.onednn_probe``); default: what the
+    CPU's flags and ONEDNN_MAX_CPU_ISA say (``machine.gemm_isa``).
     """
     measured = baseline_bytes is not None
     baseline = baseline_bytes if baseline_bytes is not None else ESTIMATED_BASELINE_BYTES
     budget, source = resolve_budget(memory, memory_fraction, device, already_loaded)
     if memory is None:
         budget, source = budget + baseline, f"{source} + the process baseline"
+    isa = gemm_kind or gemm_isa()
     settings = EngineSettings(
         dtype=dtype,
         kv_dtype=kv_dtype_name(kv_cache_dtype) if kv_cache_dtype else None,
         block_size=block_size,
         max_model_len=max_model_len,
-        amx=cpu_has_amx(),
+        gemm_isa=isa,
         kernels=kernels or expected_kernels(),
         threads=usable_cpus(),
         quantization=quantization,
         weights_bytes=weights_bytes,
         quantized_weights=quantization in ("int8", "int4") if quantized_weights is None else quantized_weights,
-        quant_tiles=(kernels or expected_kernels()) == "compiled" and cpu_has_amx(),
+        packed=isa != "avx2",  # oneDNN packs bf16 weights from AVX-512 up (layers.linear)
+        quant_tiles=(kernels or expected_kernels()) == "compiled" and isa == "amx",
         grammar_cache_bytes=grammar_cache_bytes,
     )
     seqs = max_num_seqs or AUTO_MAX_NUM_SEQS

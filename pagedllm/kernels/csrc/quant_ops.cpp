@@ -23,6 +23,10 @@
 #define PAGEDLLM_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include <cctype>
+#include <cstdlib>
+#include <string>
 #endif
 
 namespace {
@@ -234,11 +238,25 @@ void channels_vnni(const QuantMatrix& m, const Int8Rows& xr, int64_t n0, int64_t
 // weights once per step and writes nothing but the output. The arithmetic is that of the float
 // GEMM on bf16-dequantized weights.
 
+// oneDNN's switch, obeyed here too: ONEDNN_MAX_CPU_ISA (or its old name DNNL_MAX_CPU_ISA) set to
+// an instruction set below AMX runs the machine as one without it (memory/machine.py reads it the
+// same way for the planner).
+bool isa_cap_allows_amx() {
+  for (const char* name : {"ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"}) {
+    const char* value = std::getenv(name);
+    if (value == nullptr || *value == '\0') continue;
+    std::string cap(value);
+    for (char& c : cap) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+    return cap == "ALL" || cap == "DEFAULT" || cap.find("AMX") != std::string::npos;
+  }
+  return true;
+}
+
 // Linux hands out AMX state only on request, once per process.
 bool amx_ready() {
   static const bool ok = [] {
     constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+    return isa_cap_allows_amx() && syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
   }();
   return ok;
 }
