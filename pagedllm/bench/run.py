@@ -99,13 +99,19 @@ def table(results: list[dict]) -> str:
 
 
 def machine() -> str:
+    """The facts a figure depends on: bf16 runs on other kernels with and without AMX."""
     import torch
     import transformers
 
+    from ..layers.onednn_probe import dispatched_gemm_isa
+    from ..memory.machine import cpu_flags
+
+    simd = sorted(f for f in cpu_flags() if f.startswith(("avx512_bf16", "avx512_vnni", "amx_", "avx2")))
     return (
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, Python "
         f"{platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"{torch.get_num_threads()} torch threads"
+        f"{torch.get_num_threads()} torch threads, CPU flags {' '.join(simd) or 'none of avx2/avx512/amx'}, "
+        f"bf16 GEMMs on {dispatched_gemm_isa()}"
     )
 
 
