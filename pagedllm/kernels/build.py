@@ -1,9 +1,9 @@
 """Builds ``csrc/*.cpp`` with torch's C++ extension tooling and loads it as ``torch.ops.pagedllm``.
 
 The library lands in ``$PAGEDLLM_CACHE/kernels/<key>``, the key hashing the source, the torch
-version and the CPU's vector capability, so a second start loads it in milliseconds and a torch
-upgrade or another CPU rebuilds it. Compiled for this machine (``-march=native``) with ATen's
-vector types at the width torch itself uses here.
+version, the CPU's vector capability and the target, so a second start loads it in milliseconds
+and a torch upgrade or another CPU rebuilds it. Compiled for this machine (``-march=native``,
+or ``PAGEDLLM_KERNEL_TARGET``) with ATen's vector types at the width torch itself uses here.
 """
 
 from __future__ import annotations
@@ -69,16 +69,27 @@ def compiled_ops() -> Any | None:
     return _state["ops"]
 
 
+# x86-64 micro-architecture levels and the vector width ATen's headers use at each.
+_LEVEL_CAPABILITY = {"x86-64-v4": "AVX512", "x86-64-v3": "AVX2"}
+
+
+def build_target() -> str:
+    """The CPU the kernels are built for: this one ('native'), or ``PAGEDLLM_KERNEL_TARGET``
+    (x86-64-v3: AVX2 without AVX-512), so a machine with AVX-512 can build and test the paths
+    other CPUs take."""
+    return os.environ.get("PAGEDLLM_KERNEL_TARGET", "").strip() or "native"
+
+
 def _capability() -> str:
     import torch
 
-    return torch.backends.cpu.get_cpu_capability()
+    return _LEVEL_CAPABILITY.get(build_target()) or torch.backends.cpu.get_cpu_capability()
 
 
 def _flags(capability: str) -> list[str]:
     flags = ["-O3", "-fopenmp"]
     if platform.machine() in ("x86_64", "AMD64"):
-        flags.append("-march=native")
+        flags.append(f"-march={build_target()}")
     if capability in ("AVX512", "AVX2"):  # ATen's Vectorized<float> at this width
         flags += [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
     return flags
@@ -90,7 +101,7 @@ def build_dir() -> Path:
     capability = _capability()
     key = hashlib.sha256(
         b"".join(p.read_bytes() for p in _sources_and_headers())
-        + f"|{torch.__version__}|{capability}|{platform.machine()}".encode()
+        + f"|{torch.__version__}|{capability}|{platform.machine()}|{build_target()}".encode()
     ).hexdigest()[:16]
     return cache_root() / "kernels" / f"cpu_ops-{key}"
 
