@@ -162,11 +162,10 @@ def gemm_scratch(
     docs/memory.md has the tables). ``packed``: the weights prepacked for oneDNN
     (``pagedllm.layers.linear``), else plain (``F.linear``); ``threads``: torch's threads.
 
-    - ``amx``, packed: a few KiB up to 32 rows, then 256 bytes a row; oneDNN sometimes picks a
-      kernel that also packs the input, so the bound adds rows x k x 4 bytes (measured on k in
-      [64, 2048], n in [64, 49152], rows in [1, 512], 2 threads).
-    - ``amx``, plain: oneDNN picks among kernels by shape, and above 32 rows its scratch is
-      bounded by an A-packing term (rows x k) plus a B-packing term (k x n, blocked at 512 x 4096).
+    - ``amx``: a bound, not a fit: oneDNN picks among kernels by shape, some of which pack the
+      input (rows x k x 4 bytes, more with more threads) and, on plain weights, the weights
+      (k x n, blocked at 512 x 4096); per thread a few KiB of tiles up to 32 rows, then 128
+      bytes a row (measured on k in [64, 4096], n in [64, 49152], rows in [1, 512], 1-8 threads).
     - ``avx512_bf16`` (no AMX): each thread accumulates a block of up to 256 rows x 64 columns
       in fp32; plain weights add each thread's copy of an input block (k up to 512 columns, up to
       1024 above 1024) (measured on k in [64, 8192], n in [32, 49152], rows in [1, 512], 1-8 threads).
@@ -183,19 +182,20 @@ def gemm_scratch(
         return scratch
     if isa != "amx":
         raise ValueError(f"gemm isa {isa!r}: choose one of amx, avx512_bf16, avx512, avx2")
-    if packed:
-        if rows <= 16:
-            return 128 * 45
-        if rows <= 32:
-            return 128 * 77
-        return 128 * 77 + 256 * rows + 4 * rows * k
-    if rows == 1:
-        return 128 * (2 * k + 77)
-    if rows <= 16:
-        return 128 * (k + 45)
+    # AMX: a bound over every kernel oneDNN picked for the measured shapes (1, 2, 4, 8 threads)
+    t = threads
     if rows <= 32:
-        return 128 * (k + 77)
-    return 128 * (2 * k + 77) + 4 * rows * k + 4 * min(n, 4096) * min(k, 512)
+        tiles = 128 * (3 + (21 if rows <= 16 and (packed or rows > 1) else 37) * t)
+    else:
+        tiles = 128 * (4 + 37 * t) + 128 * t * rows
+    packs_input = rows > 32 or t >= 4  # ... sometimes, for these shapes
+    input_copy = 4 * rows * k * ceil_div(t, 4) + (128 * t * rows if t > 4 else 0) if packs_input else 0
+    if packed:
+        return tiles + input_copy
+    weight_copy = (64 if 1 < rows <= 32 else 128) * t * k  # plain weights are packed per call
+    if rows > 32:
+        weight_copy += 4 * min(n, 4096) * min(k, 512) * ceil_div(t, 2)
+    return tiles + input_copy + weight_copy
 
 
 def _norm_transient(rows: int, width: int, e: int) -> int:
