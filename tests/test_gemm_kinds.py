@@ -176,3 +176,49 @@ def test_torch_runs_on_the_kind_this_process_detects():
     if not torch.backends.mkldnn.is_available():
         pytest.skip("torch without oneDNN")
     assert dispatched_gemm_isa() == machine.gemm_isa()
+
+
+def scratch_taken(x: torch.Tensor, weight: torch.Tensor, packed: bool) -> int:
+    """Bytes one bf16 GEMM takes from torch's allocator beyond its output (warmed up first)."""
+    import torch.nn.functional as F
+
+    from pagedllm.memory.tracker import track_peak
+
+    if packed:
+        w = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        call = lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")  # noqa: E731
+    else:
+        call = lambda: F.linear(x, weight)  # noqa: E731
+    call()
+    with track_peak() as m:
+        call()
+    return m.peak_bytes - x.shape[0] * weight.shape[0] * 2
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_gemm_scratch_bounds_what_onednn_takes_at_each_thread_count(threads):
+    """One bf16 GEMM at a time on this process's kind of kernel: never above ``gemm_scratch``
+    for torch's thread count (more threads than cores take the same memory, so 4 is measurable
+    on 2 cores; the grids run 2); on AVX512-BF16 with prepacked weights whose 64-column blocks
+    divide among the threads, exactly it."""
+    from pagedllm.memory.footprint import gemm_scratch
+
+    kind, previous = machine.gemm_isa(), torch.get_num_threads()
+    g = torch.Generator().manual_seed(0)
+    torch.set_num_threads(threads)
+    try:
+        for k, n in [(64, 576), (576, 3072), (1536, 64)]:
+            weight = torch.randn(n, k, generator=g).bfloat16()
+            for rows in [1, 16, 33, 256]:
+                x = torch.randn(rows, k, generator=g).bfloat16()
+                for packed in [False, True] if kind != "avx2" else [False]:
+                    taken, bound = (
+                        scratch_taken(x, weight, packed),
+                        gemm_scratch(rows, k, n, "bfloat16", kind, packed, threads),
+                    )
+                    shape = (kind, threads, rows, k, n, "packed" if packed else "plain")
+                    assert taken <= bound, (shape, taken, bound)
+                    if kind == "avx512_bf16" and packed and (n // 64) % threads == 0:
+                        assert taken == bound, (shape, taken, bound)
+    finally:
+        torch.set_num_threads(previous)

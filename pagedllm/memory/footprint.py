@@ -169,12 +169,13 @@ def gemm_scratch(
     - ``avx512_bf16`` (no AMX): each thread accumulates a block of up to 256 rows x 64 columns
       in fp32; plain weights add each thread's copy of an input block (k up to 512 columns, up to
       1024 above 1024) (measured on k in [64, 8192], n in [32, 49152], rows in [1, 512], 1-8 threads).
-    - ``avx512`` (no bf16 instructions): the whole output in fp32, whatever the threads.
+    - ``avx512`` (no bf16 instructions): the whole output in fp32, whatever the threads (and,
+      for a few rows on plain weights, 256 bytes a thread).
     - ``avx2``: torch's own bf16 GEMM, no scratch."""
     if dtype_bytes(dtype) == 4 or rows == 0 or isa == "avx2":
         return 0
-    if isa == "avx512":
-        return 4 * rows * n + (384 if rows == 1 and not packed else 128)
+    if isa == "avx512":  # few rows on plain weights: a reduction buffer per thread besides
+        return 4 * rows * n + (128 * (2 * threads - 1) if rows < 16 and not packed else 128)
     if isa == "avx512_bf16":
         scratch = threads * (256 * min(rows, 256) + 640) + 384
         if not packed:
