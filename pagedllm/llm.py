@@ -21,7 +21,7 @@ from .config import ModelConfig
 from .engine import LLMEngine
 from .engine.llm_engine import stop_token_ids
 from .kernels import compiled_ops
-from .layers.onednn_probe import dispatched_gemm_isa
+from .layers.onednn_probe import gemm_kind_to_plan
 from .memory.machine import (
     bound_allocator_slack,
     bound_kernel_caches,
@@ -100,7 +100,7 @@ class LLM:
             weights_bytes=weights_bytes,
             quantized_weights=quantized,
             grammar_cache_bytes=structured.GRAMMAR_CACHE_BYTES if with_grammars else 0,
-            gemm_kind=dispatched_gemm_isa() if dtype_name(dtype) == "bfloat16" else None,
+            gemm_kind=gemm_kind_to_plan(dtype_name(dtype)),
         )
         self.loaded = loading.load_dir(model_dir, name, dtype, tokenizer=tokenizer, quantization=quantization)
         self.tokenizer = self.loaded.tokenizer

@@ -124,6 +124,14 @@ def check_grid(loaded, dtype: str, kv_dtype: str | None = None) -> None:
         assert p.measured <= p.predicted <= 1.10 * p.measured + SCALAR_SLACK + p.scratch_bound, report
 
 
+def check_grids(grids: list[tuple[str, str | None, str | None]]) -> None:
+    """``check_grid`` in bf16 for each (checkpoint path, quantization, KV dtype)."""
+    from pagedllm import loading
+
+    for path, quantization, kv_dtype in grids:
+        check_grid(loading.load(path, "bfloat16", quantization=quantization), "bfloat16", kv_dtype)
+
+
 def _gemm_slack(cfg, s: EngineSettings, shape) -> int:
     """How far the predicted GEMM scratch may exceed oneDNN's, where ``gemm_scratch`` is a bound:
     on AMX, the whole scratch of the step's largest GEMM (oneDNN picks among kernels by shape);

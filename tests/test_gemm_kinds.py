@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from memory_grid import check_grid
+from memory_grid import check_grids
 
-from pagedllm import loading
 from pagedllm.config import ModelConfig
 from pagedllm.memory import machine
 from pagedllm.memory.footprint import EngineSettings, activation_peak, step_phases, worst_step
@@ -148,10 +147,8 @@ GRIDS = [("llama3-rope-tied", None, None), ("qwen3", "int4", "int8")]
 CHILD = """
 import sys
 sys.path.insert(0, {tests!r})
-from memory_grid import check_grid
-from pagedllm import loading
-for path, quantization, kv in {grids!r}:
-    check_grid(loading.load(path, "bfloat16", quantization=quantization), "bfloat16", kv)
+from memory_grid import check_grids
+check_grids({grids!r})
 """
 
 
@@ -161,8 +158,7 @@ def test_step_memory_prediction_holds_on_each_kind_of_gemm_kernel(tiny_checkpoin
     runnable(kind)
     grids = [(str(tiny_checkpoints[arch][0]), q, kv) for arch, q, kv in GRIDS]
     if kind == machine.gemm_isa():  # this process's own kind
-        for path, quantization, kv in grids:
-            check_grid(loading.load(path, "bfloat16", quantization=quantization), "bfloat16", kv)
+        check_grids(grids)
         return
     code = CHILD.format(tests=str(TESTS), grids=grids)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=child_env(kind))

@@ -19,7 +19,7 @@ import torch
 from ..errors import RequestRejected
 from ..kernels import compiled_ops
 from ..layers.kv_cache import KVCache
-from ..layers.onednn_probe import dispatched_gemm_isa
+from ..layers.onednn_probe import gemm_kind_to_plan
 from ..layers.sampler import Sampler
 from ..loading import LoadedModel
 from ..memory.footprint import StepShape
@@ -91,7 +91,7 @@ class LLMEngine:
                 kernels="compiled" if compiled_ops() is not None else "torch",
                 weights_bytes=weights,
                 quantized_weights=loaded.model.quantized(),
-                gemm_kind=dispatched_gemm_isa() if dtype == "bfloat16" else None,
+                gemm_kind=gemm_kind_to_plan(dtype),
                 **sizes,
             )
         self.memory_plan = plan

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import tempfile
 
 import torch
@@ -50,8 +51,6 @@ def dispatched_gemm_isa() -> str:
     with tempfile.TemporaryFile(mode="w+b") as log:
         saved = os.dup(1)
         try:
-            import sys
-
             sys.stdout.flush()
             os.dup2(log.fileno(), 1)
             with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
@@ -69,3 +68,9 @@ def dispatched_gemm_isa() -> str:
     if others:
         os.write(1, others.encode())
     return kind_of(text)
+
+
+def gemm_kind_to_plan(dtype: str) -> str | None:
+    """What the planner should take the bf16 GEMMs to run on (None: let it read the CPU's
+    flags). Only bf16 steps take GEMM scratch, so only they pay for the probe."""
+    return dispatched_gemm_isa() if dtype == "bfloat16" else None
