@@ -1,5 +1,5 @@
 """One short request while other processes keep every core busy: the engine's thread governor
-(engine/threads.py) against a fixed thread count, each in its own process, one after another.
+(backends/cpu_threads.py) against a fixed thread count, each in its own process, one after another.
 
     .venv/bin/python benchmarks/busy_neighbour.py [--dtype float32] [--busy N]
 

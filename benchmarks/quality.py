@@ -40,7 +40,7 @@ from safetensors.torch import save_file
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench import workloads
-from pagedllm.layers.attention import PagedAttention, SequenceSlice, StepLayout
+from pagedllm.layers.attention import SequenceSlice, StepLayout
 from pagedllm.loading import load_tokenizer
 from pagedllm.loading.default_model import default_gguf_path
 from pagedllm.loading.gguf_convert import converted_dir
@@ -87,17 +87,17 @@ def perplexity(llm: LLM, ids: list[int], chunk: int = CHUNK) -> float:
             for start in range(0, len(ids) - 1, chunk):
                 end = min(start + chunk, len(ids) - 1)  # the last token is only ever a target
                 engine.kv_cache.copy_blocks(blocks.prepare_write(seq_id, start, end))  # no copies: not forked
-                layout = StepLayout(
+                layout = StepLayout.from_slices(
                     [SequenceSlice(0, end - start, end, blocks.table(seq_id))],
                     engine.kv_cache.block_size,
                     cfg.num_heads // cfg.num_kv_heads,
-                    runner.pairs_budget,
-                    runner.gather_budget,
+                    pairs_budget=runner.pairs_budget,
+                    gather_budget=runner.gather_budget,
                 )
                 logits = model(
                     torch.tensor(ids[start:end]),
                     torch.arange(start, end),
-                    PagedAttention(engine.kv_cache, layout),
+                    engine.backend.attention(engine.kv_cache, layout),
                     torch.arange(end - start),
                 )
                 targets = torch.tensor(ids[start + 1 : end + 1])

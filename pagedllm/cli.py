@@ -13,52 +13,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from .engine_config import EngineConfig
+from .engine_config import add_flags as add_engine_flags
 from .errors import PagedLLMError
-from .sizes import KV_CACHE_DTYPES, QUANTIZATIONS
-
-
-def _engine_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model and engine")
-    g.add_argument(
-        "--model",
-        default=None,
-        help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct); "
-        "for plan, a config.json is enough",
-    )
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    g.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks")
-    g.add_argument("--max-batch-tokens", type=int, default=None, help="tokens computed per step")
-    g.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step")
-    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output")
-    g.add_argument(
-        "--kv-cache-dtype",
-        default=None,
-        choices=list(KV_CACHE_DTYPES),
-        help="KV cache dtype (default: as --dtype); int8 and fp8 (e4m3) keep one float32 scale per token and head",
-    )
-    g.add_argument(
-        "--quantization",
-        default=None,
-        choices=list(QUANTIZATIONS),
-        help="weights: int8 / int4 quantize a float checkpoint at load; none dequantizes a GGUF's "
-        "(default: as stored: a GGUF's quantized tensors run quantized)",
-    )
-    g.add_argument(
-        "--no-prefix-caching",
-        dest="enable_prefix_caching",
-        action="store_false",
-        help="do not reuse the KV blocks of prompt prefixes seen before",
-    )
-    m = g.add_mutually_exclusive_group()
-    m.add_argument("--memory", default=None, help="the whole engine's budget, e.g. 6GiB")
-    m.add_argument(
-        "--memory-fraction",
-        type=float,
-        default=None,
-        help="fraction of the memory free at start (default 0.9, cache capped at what "
-        "max_num_seqs full-length requests can use)",
-    )
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -125,23 +82,7 @@ def _params(args):
 def _llm(args):
     from .llm import LLM
 
-    return LLM(args.model, **_engine_kwargs(args))
-
-
-def _engine_kwargs(args) -> dict:
-    return dict(
-        enable_prefix_caching=args.enable_prefix_caching,
-        dtype=args.dtype,
-        kv_cache_dtype=args.kv_cache_dtype,
-        quantization=args.quantization,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        max_batch_tokens=args.max_batch_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        memory=args.memory,
-        memory_fraction=args.memory_fraction,
-    )
+    return LLM(config=EngineConfig.from_args(args))
 
 
 def cmd_serve(args) -> int:
@@ -219,9 +160,9 @@ def cmd_plan(args) -> int:
     from .errors import CacheDoesNotFitError
     from .memory.planner import plan_engine
 
+    config = EngineConfig.from_args(args)
     path = Path(args.model) if args.model else None
-    kwargs = _engine_kwargs(args)
-    kwargs.pop("enable_prefix_caching")
+    facts: dict = {}
     if path is not None and path.is_file() and path.suffix == ".json":
         cfg, name = ModelConfig.from_file(path), (path.parent.name if path.name == "config.json" else path.stem)
     elif path is not None and (path / "config.json").is_file():
@@ -231,11 +172,11 @@ def cmd_plan(args) -> int:
 
         model_dir, name = resolve_model_dir(args.model)
         cfg = ModelConfig.from_file(model_dir)
-        kwargs["weights_bytes"], kwargs["quantized_weights"] = checkpoint_weights(
-            model_dir, args.dtype, args.quantization
+        facts["weights_bytes"], facts["quantized_weights"] = checkpoint_weights(
+            model_dir, config.dtype, config.quantization
         )
     try:
-        result = plan_engine(cfg, model_name=name, **kwargs)
+        result = plan_engine(cfg, config, model_name=name, **facts)
     except CacheDoesNotFitError as e:
         if args.json:
             print(
@@ -349,13 +290,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, no chat template")
     gen.add_argument("--input", help="JSONL file of requests (batch job)")
     gen.add_argument("--output", help="JSONL file for the results (default: stdout)")
-    _engine_flags(gen)
+    add_engine_flags(gen)
     _sampling_flags(gen)
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="interactive chat, streaming")
     chat.add_argument("--system", default=None, help="system prompt")
-    _engine_flags(chat)
+    add_engine_flags(chat)
     _sampling_flags(chat)
     chat.set_defaults(func=cmd_chat)
     serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
@@ -372,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds to finish in-flight requests on SIGTERM before aborting them",
     )
-    _engine_flags(serve)
+    add_engine_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="offline throughput, against peers on the same workload")
@@ -400,12 +341,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--timeout", type=float, default=3600, help="seconds per engine")
     bench.add_argument("--repeats", type=int, default=5, help="structured: runs of each pair (medians)")
     bench.add_argument("--json", default=None, help="also write the results here")
-    _engine_flags(bench)
+    add_engine_flags(bench)
     bench.set_defaults(func=lambda args: __import__("pagedllm.bench.run", fromlist=["main"]).main(args))
 
     plan = sub.add_parser("plan", help="what the engine needs and what fits, from config.json alone")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
-    _engine_flags(plan)
+    add_engine_flags(plan)
     plan.set_defaults(func=cmd_plan)
     return parser
 

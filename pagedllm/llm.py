@@ -14,14 +14,11 @@ from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
-import torch
-
-from . import loading, structured
+from . import backends, loading, structured
 from .config import ModelConfig
 from .engine import LLMEngine
-from .engine.llm_engine import stop_token_ids
-from .kernels import compiled_ops
-from .layers.onednn_probe import gemm_kind_to_plan
+from .engine.llm_engine import plan_for, stop_token_ids
+from .engine_config import EngineConfig
 from .memory.machine import (
     bound_allocator_slack,
     bound_kernel_caches,
@@ -29,33 +26,17 @@ from .memory.machine import (
     resident_bytes,
     return_freed_heap,
 )
-from .memory.planner import plan_engine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
-from .sizes import dtype_name
 
 Prompt = str | list[int]
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | Path | None = None,
-        *,
-        dtype: str | torch.dtype = "float32",
-        kv_cache_dtype: str | None = None,
-        quantization: str | None = None,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        max_batch_tokens: int | None = None,
-        max_num_seqs: int | None = None,
-        max_model_len: int | None = None,
-        memory: str | int | None = None,
-        memory_fraction: float | None = None,
-        enable_prefix_caching: bool = True,
-        structured_output: bool = True,
-    ):
-        """``memory="6GiB"`` bounds the whole process's peak resident memory (what it holds
+    def __init__(self, model: str | Path | None = None, *, config: EngineConfig | None = None, **options):
+        """``LLM(model, **options)``: the options are ``EngineConfig``'s fields (or pass ``config``).
+
+        ``memory="6GiB"`` bounds the whole process's peak resident memory (what it holds
         before this call included); ``memory_fraction=0.9`` lets the engine take that fraction of
         what is free now. Whatever of num_blocks / max_batch_tokens / max_model_len is left unset
         is solved for. ``quantization``: None runs a checkpoint's weights as stored (a GGUF's stay
@@ -65,53 +46,44 @@ class LLM:
         budget, the KV cache is committed at once. ``structured_output``: constrained requests are
         served (with xgrammar installed); under a budget xgrammar loads now, so its ~30 MiB count
         in the measured process, otherwise at the first constrained request (it takes ~1.2 s to
-        import). False leaves it out and rejects constrained requests.
+        import). False leaves it out and rejects constrained requests. ``backend``: what computes
+        (``pagedllm.backends``), chosen once here.
         """
-        model_dir, name = loading.resolve_model_dir(model)  # a GGUF file is converted in a child process
+        if config is None:
+            config = EngineConfig.from_options(model, **options)
+        elif model is not None or options:
+            raise TypeError("give either config or model and options, not both")
+        self.config = config
+        model_dir, name = loading.resolve_model_dir(config.model)  # a GGUF file is converted in a child process
         tokenizer = loading.load_tokenizer(model_dir)  # before measuring: it belongs to the baseline
-        config = ModelConfig.from_file(model_dir)
-        kernels = "compiled" if compiled_ops() is not None else "torch"  # built or loaded before measuring
-        budgeted = memory is not None or memory_fraction is not None
+        model_config = ModelConfig.from_file(model_dir)
+        backend = backends.get(config.backend)  # kernels built or loaded before measuring
         grammars = None
-        with_grammars = structured_output and tokenizer is not None and structured.available()
-        if with_grammars and budgeted:  # before measuring too; without a budget, at the first constrained request
-            grammars = structured.Grammars(tokenizer, config.vocab_size, stop_token_ids(config, tokenizer))
+        with_grammars = config.structured_output and tokenizer is not None and structured.available()
+        if with_grammars and config.budgeted:  # before measuring too; else at the first constrained request
+            eos = stop_token_ids(model_config, tokenizer)
+            grammars = structured.Grammars(tokenizer, model_config.vocab_size, eos)
             return_freed_heap()  # building it parsed the vocabulary and the tokenizer's JSON: temporaries
-        if budgeted:
+        if config.budgeted:
             bound_allocator_slack()
             bound_kernel_caches()
             release_library_pages()
-        weights_bytes, quantized = loading.checkpoint_weights(model_dir, dtype_name(dtype), quantization)
-        self.memory_plan = plan_engine(
+        weights_bytes, quantized = loading.checkpoint_weights(model_dir, config.dtype, config.quantization)
+        self.memory_plan = plan_for(
             config,
-            model_name=name,
-            dtype=dtype_name(dtype),
-            kv_cache_dtype=kv_cache_dtype,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            max_batch_tokens=max_batch_tokens,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            memory=memory,
-            memory_fraction=memory_fraction,
-            baseline_bytes=resident_bytes()[0],
-            kernels=kernels,
-            quantization=quantization,
+            model_config,
+            name,
+            backend,
+            with_grammars=tokenizer is not None,
             weights_bytes=weights_bytes,
             quantized_weights=quantized,
-            grammar_cache_bytes=structured.GRAMMAR_CACHE_BYTES if with_grammars else 0,
-            gemm_kind=gemm_kind_to_plan(dtype_name(dtype)),
+            baseline_bytes=resident_bytes()[0],
         )
-        self.loaded = loading.load_dir(model_dir, name, dtype, tokenizer=tokenizer, quantization=quantization)
+        self.loaded = loading.load_dir(
+            model_dir, name, config.dtype, tokenizer=tokenizer, quantization=config.quantization, backend=backend
+        )
         self.tokenizer = self.loaded.tokenizer
-        self.engine = LLMEngine(
-            self.loaded,
-            plan=self.memory_plan,
-            enable_prefix_caching=enable_prefix_caching,
-            resident_cache=budgeted,
-            grammars=grammars,
-            structured_output=structured_output,
-        )
+        self.engine = LLMEngine(self.loaded, config, plan=self.memory_plan, grammars=grammars)
 
     @property
     def stats(self):

@@ -6,6 +6,8 @@ imports it only when asked.
 
 from __future__ import annotations
 
+import re
+
 GiB = 1024**3
 INDEX_BYTES = 8  # int64 index tensors
 # A checkpoint tensor stored in another dtype than the one loaded is converted through a buffer
@@ -75,3 +77,31 @@ def gib(nbytes: int | float, width: int = 0) -> str:
 def ceil_div(n: int, d: int) -> int:
     """Blocks of ``d`` needed for ``n`` items (rounding up)."""
     return -(-n // d)
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+
+
+def parse_memory(text: str | int) -> int:
+    """'6GiB', '512MiB', '8GB', '1.5 GiB' or a byte count."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"memory {text!r}: expected a size like '6GiB', '512MiB' or '8GB'")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])

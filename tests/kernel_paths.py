@@ -1,11 +1,12 @@
-"""Running one call on the pure-PyTorch path, to compare the compiled kernels with it."""
+"""The two CPU backends side by side, to compare the compiled kernels with the PyTorch
+arithmetic they replace (the ``ops`` fixture makes sure the kernels build first)."""
 
-from pagedllm.kernels import select
+from pagedllm import backends
 
 
-def on_torch_path(fn, *args):
-    previous = select("torch")
-    try:
-        return fn(*args)
-    finally:
-        select(previous)
+def torch_backend():
+    return backends.get("cpu-torch")
+
+
+def compiled_backend():
+    return backends.get("cpu-compiled")

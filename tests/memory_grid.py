@@ -15,10 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.engine import LLMEngine
-from pagedllm.kernels import compiled_ops
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.onednn_probe import dispatched_gemm_isa
-from pagedllm.layers.quantized import tiles_available as quantized_tiles
 from pagedllm.layers.workspace import DEQUANT_CHUNK_ELEMENTS, padded_rows
 from pagedllm.memory.footprint import SCALAR_SLACK, EngineSettings, gemm_scratch, step_phases
 from pagedllm.memory.tracker import track_peak
@@ -76,7 +74,7 @@ def run_grid(loaded, dtype: str, seed: int = 0, kv_dtype: str | None = None) -> 
     g = torch.Generator().manual_seed(seed)
     prompt = lambda n: torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist()  # noqa: E731
     packed = any(isinstance(m, Linear) and m.packed for m in loaded.model.modules())
-    kernels = "compiled" if compiled_ops() else "torch"
+    kernels = loaded.model.backend.kernels
     settings = EngineSettings(
         dtype=dtype,
         gemm_isa=dispatched_gemm_isa(),  # oneDNN's own word on what its bf16 GEMMs run on
@@ -84,7 +82,7 @@ def run_grid(loaded, dtype: str, seed: int = 0, kv_dtype: str | None = None) -> 
         kernels=kernels,
         packed=packed,
         quantized_weights=loaded.model.quantized(),
-        quant_tiles=quantized_tiles(),
+        quant_tiles=getattr(loaded.model.backend, "quant_tiles", False),
         kv_dtype=kv_dtype,
     )
     warm = LLMEngine(loaded, num_blocks=64, max_model_len=256, kv_cache_dtype=kv_dtype)

@@ -1,6 +1,9 @@
 """The import graph points one way: the data path's stages, from facts at the bottom to the user's
 entry points at the top. A module may import its own component or a lower level, never a higher
-one, so a reader (and the next kernel, quantized layer or grammar) finds each stage by its place."""
+one, so a reader (and the next kernel, quantized layer or grammar) finds each stage by its place.
+
+An import under ``if TYPE_CHECKING:`` is a name for a type, not a dependency: a layer is handed
+its backend at construction and names the interface it calls, whose implementations sit above."""
 
 from __future__ import annotations
 
@@ -13,9 +16,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pagedllm"
 LEVELS = [
     {"errors", "sizes", "paths"},  # facts every stage shares
     {"kernels"},  # compiled CPU kernels: built on first use, or absent
-    {"config", "sampling_params", "outputs"},  # what a model and a request are
+    {"config", "engine_config", "sampling_params", "outputs"},  # what a model, an engine and a request are
     {"structured"},  # constraints compiled to grammars that mask logits; tool calls
     {"layers"},  # attention over the paged cache, the cache, the sampler, norm/rotary/mlp
+    {"backends"},  # the device: which kernels compute each layer's ops, the KV layout, threads
     {"models"},  # decoders built from layers
     {"memory"},  # the planner (pure arithmetic), the budget, the peak tracker
     {"loading"},  # checkpoints and GGUF files into models
@@ -36,7 +40,16 @@ def imports_of(path: Path) -> set[str]:
     module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(n)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+        for n in ast.walk(block)
+    }
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - node.level + 1]

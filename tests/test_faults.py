@@ -121,10 +121,10 @@ def oom_points(engine):
     """Where an allocation can fail inside a step, each as (object, attribute name): attention in
     a middle layer, the lm head, the sampler after it drew the random numbers, the copy of a
     block shared by a request's samples."""
-    from pagedllm.layers import attention, sampler
+    from pagedllm.layers import sampler
 
     return {
-        "attention": (attention.PagedAttention, "attend"),
+        "attention": (type(engine.backend.attention(engine.kv_cache, None)), "attend"),
         "lm_head": (engine.loaded.model.lm_head, "forward"),
         "sampler_after_draws": (sampler, "_logprobs"),
         "copy_on_write": (engine.kv_cache, "copy_blocks"),

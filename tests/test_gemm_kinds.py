@@ -15,7 +15,9 @@ import pytest
 import torch
 from memory_grid import check_grids
 
+from pagedllm.backends import PlanFacts
 from pagedllm.config import ModelConfig
+from pagedllm.engine_config import EngineConfig
 from pagedllm.memory import machine
 from pagedllm.memory.footprint import EngineSettings, activation_peak, step_phases, worst_step
 from pagedllm.memory.planner import plan_engine
@@ -43,16 +45,17 @@ PROBE = """
 import json, torch
 from pagedllm.memory.machine import gemm_isa
 from pagedllm.layers.onednn_probe import dispatched_gemm_isa
+from pagedllm import backends
 from pagedllm.layers import quantized as Q
-from pagedllm.kernels import compiled_ops
 g = torch.Generator().manual_seed(0)
+backend = backends.get()
 w = Q.QuantizedWeight(torch.randint(0, 256, (48, 256), generator=g, dtype=torch.uint8),
                       torch.rand(48, 16, generator=g) / 50, None, 4, 32)
 x = torch.randn(17, 512, generator=g)
-exact = x @ Q.dequantize(w, torch.float32).T
-got = Q.quantized_matmul(x.bfloat16(), w).float()
-print(json.dumps(dict(flags=gemm_isa(), onednn=dispatched_gemm_isa(), compiled=compiled_ops() is not None,
-                      tiles=Q.tiles_available(), error=float((got - exact).norm() / exact.norm()))))
+exact = x @ Q.dequantize_reference(w, torch.float32).T
+got = backend.quantized_matmul(x.bfloat16(), w).float()
+print(json.dumps(dict(flags=gemm_isa(), onednn=dispatched_gemm_isa(), compiled=backend.name == "cpu-compiled",
+                      tiles=getattr(backend, "quant_tiles", False), error=float((got - exact).norm() / exact.norm()))))
 """
 
 
@@ -101,7 +104,9 @@ def test_the_planner_reserves_the_scratch_of_the_kind_it_detects(monkeypatch):
         for kind, flags in FLAGS.items():
             fake_cpu(monkeypatch, flags)
             assert machine.gemm_isa() == kind
-            plan = plan_engine(cfg, dtype="bfloat16", memory="200GiB", max_model_len=4096, kernels="torch")
+            facts = PlanFacts(kernels="torch", gemm_kind=None, quant_tiles=False)  # the kind: from the flags
+            asked = EngineConfig(dtype="bfloat16", memory="200GiB", max_model_len=4096)
+            plan = plan_engine(cfg, asked, backend=facts)
             settings = EngineSettings(
                 dtype="bfloat16",
                 max_model_len=4096,

@@ -8,13 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from kernel_paths import on_torch_path
+from kernel_paths import compiled_backend, torch_backend
 
-from pagedllm.layers.attention import PagedAttention, SequenceSlice, StepLayout
+from pagedllm.layers.attention import SequenceSlice, StepLayout
 from pagedllm.layers.kv_cache import KVCache
-from pagedllm.layers.mlp import silu_mul
-from pagedllm.layers.norm import RMSNorm, add_rms_norm
-from pagedllm.layers.rotary import apply_rotary_
 
 
 def random_cache(kv_heads, num_blocks, block_size, d, dtype, seed):
@@ -60,10 +57,10 @@ def run_both_paths(dtype, cache_dtype, heads, kv_heads, window):
     q = qkv[:, : heads * d].view(t, heads, d)
     k = qkv[:, heads * d : (heads + kv_heads) * d].view(t, kv_heads, d)
     v = qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d)
-    layout = StepLayout(slices, bs, heads // kv_heads)
+    layout = StepLayout.from_slices(slices, bs, heads // kv_heads)
     expected_cache = clone(cache)
-    expected = on_torch_path(PagedAttention(expected_cache, layout).attend, 0, q, k, v, d**-0.5, window)
-    got = PagedAttention(cache, layout).attend(0, q, k, v, d**-0.5, window)
+    expected = torch_backend().attention(expected_cache, layout).attend(0, q, k, v, d**-0.5, window)
+    got = compiled_backend().attention(cache, layout).attend(0, q, k, v, d**-0.5, window)
     return got, expected, cache, expected_cache
 
 
@@ -116,24 +113,25 @@ def test_pointwise_kernels_match_the_torch_path(ops, dtype):
     rows, h = 37, 576
     x = torch.randn(rows, h, generator=g).to(dtype)
     residual = torch.randn(rows, h, generator=g).to(dtype)
-    norm = RMSNorm(h, 1e-5)
-    norm.weight.data = torch.rand(h, generator=g).to(dtype) + 0.5
+    weight = torch.rand(h, generator=g).to(dtype) + 0.5
     exact = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=0, rtol=2**-7)
+    compiled, reference = compiled_backend(), torch_backend()
 
-    torch.testing.assert_close(norm(x), on_torch_path(norm, x), **exact)
+    torch.testing.assert_close(compiled.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5), **exact)
 
     r1, r2 = residual.clone(), residual.clone()
-    torch.testing.assert_close(add_rms_norm(r1, x, norm), on_torch_path(add_rms_norm, r2, x, norm), **exact)
+    got, want = compiled.add_rms_norm(r1, x, weight, 1e-5), reference.add_rms_norm(r2, x, weight, 1e-5)
+    torch.testing.assert_close(got, want, **exact)
     assert torch.equal(r1, r2)
 
     gate_up = torch.randn(rows, 2 * 96, generator=g).to(dtype)
-    torch.testing.assert_close(silu_mul(gate_up), on_torch_path(silu_mul, gate_up), **exact)
+    torch.testing.assert_close(compiled.silu_mul(gate_up), reference.silu_mul(gate_up), **exact)
 
     qkv1 = torch.randn(rows, (4 + 2 * 2) * 32, generator=g).to(dtype)
     qkv2 = qkv1.clone()
     cos, sin = torch.randn(rows, 32, generator=g).to(dtype), torch.randn(rows, 32, generator=g).to(dtype)
-    for qkv, rotate in ((qkv1, apply_rotary_), (qkv2, lambda *a: on_torch_path(apply_rotary_, *a))):
-        rotate(qkv[:, :128].view(rows, 4, 32), qkv[:, 128:192].view(rows, 2, 32), cos, sin)
+    for qkv, backend in ((qkv1, compiled), (qkv2, reference)):
+        backend.rotary_(qkv[:, :128].view(rows, 4, 32), qkv[:, 128:192].view(rows, 2, 32), cos, sin)
     torch.testing.assert_close(qkv1, qkv2, **exact)
 
 
@@ -149,8 +147,9 @@ def test_bf16_weights_are_packed_once_not_per_call():
 
     code = """
 import torch
+from pagedllm import backends
 from pagedllm.layers.linear import Linear
-layer = Linear(576, [1536], bias=False)
+layer = Linear(576, [1536], bias=False, backend=backends.get("cpu-torch"))
 layer.weight.data = torch.randn(1536, 576).to(torch.bfloat16)
 layer.pack()
 assert layer.packed
@@ -174,16 +173,17 @@ for _ in range(3):
 
 
 def test_linear_falls_back_to_f_linear_without_the_packing_ops(monkeypatch):
-    from pagedllm.layers import linear as linear_module
+    from pagedllm.backends import cpu_torch
+    from pagedllm.layers.linear import Linear
 
     def missing(*args, **kwargs):
         raise AttributeError("_reorder_linear_weight is not in this torch")
 
-    layer = linear_module.Linear(64, [32, 16], bias=True)
+    layer = Linear(64, [32, 16], bias=True, backend=torch_backend())
     g = torch.Generator().manual_seed(0)
     layer.weight.data = torch.randn(48, 64, generator=g).to(torch.bfloat16)
     layer.bias.data = torch.randn(48, generator=g).to(torch.bfloat16)
-    monkeypatch.setattr(linear_module, "_reorder", missing)
+    monkeypatch.setattr(cpu_torch, "_reorder", missing)
     layer.pack()
     assert not layer.packed
     x = torch.randn(3, 64, generator=g).to(torch.bfloat16)

@@ -14,6 +14,7 @@ from memory_grid import check_grid
 
 from pagedllm import LLM, CacheDoesNotFitError, SamplingParams, loading
 from pagedllm.config import ModelConfig
+from pagedllm.engine_config import EngineConfig
 from pagedllm.memory.budget import _cgroup_free, parse_memory, resolve_budget
 from pagedllm.memory.footprint import EngineSettings, activation_peak, kv_bytes_per_block, parameter_count
 from pagedllm.memory.planner import OVERHEAD_BYTES, plan
@@ -240,7 +241,8 @@ def test_plan_is_checked_before_any_weight_is_loaded(tiny_checkpoints, monkeypat
     baseline = e.value.breakdown["baseline"]
     assert 50 * 1024**2 < baseline <= resident_bytes()[0]
     cfg = ModelConfig.from_file(tiny_checkpoints["llama"][0])
-    fits = plan_engine(cfg, memory=e.value.suggestions["memory_bytes"], baseline_bytes=baseline, max_model_len=512)
+    asked = EngineConfig(memory=e.value.suggestions["memory_bytes"], max_model_len=512)
+    fits = plan_engine(cfg, asked, baseline_bytes=baseline)
     assert fits.total_bytes <= e.value.suggestions["memory_bytes"] and fits.max_model_len == 512
 
 
@@ -299,11 +301,11 @@ def test_a_step_that_runs_out_of_memory_is_retried_smaller_and_loses_nothing(tin
     llm = LLM(directory, max_batch_tokens=512)
     real_run, failures = llm.engine.runner.run, []
 
-    def run_or_fail(batch):
+    def run_or_fail(batch, seqs):
         if batch.total_tokens > 100:
             failures.append(batch.total_tokens)
             raise torch.OutOfMemoryError("injected: step too large")
-        return real_run(batch)
+        return real_run(batch, seqs)
 
     llm.engine.runner.run = run_or_fail
     outs = llm.generate(prompts, params)

@@ -8,7 +8,7 @@ from greedy import Precision, assert_greedy_matches, assert_steps_match, hf_gree
 from tiny_models import ARCHS
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.layers.attention import PagedAttention, SequenceSlice, StepLayout
+from pagedllm.layers.attention import SequenceSlice, StepLayout
 from pagedllm.layers.kv_cache import KVCache
 from pagedllm.loading import load
 
@@ -32,9 +32,12 @@ def our_logits(directory, dtype: str = "float32", kv_dtype="float32") -> tuple[l
         block += n_blocks
         ids += p
         positions += range(len(p))
-    layout = StepLayout(slices, 8, loaded.config.num_heads // loaded.config.num_kv_heads)
+    layout = StepLayout.from_slices(slices, 8, loaded.config.num_heads // loaded.config.num_kv_heads)
     logits = loaded.model(
-        torch.tensor(ids), torch.tensor(positions), PagedAttention(cache, layout), torch.arange(len(ids))
+        torch.tensor(ids),
+        torch.tensor(positions),
+        loaded.model.backend.attention(cache, layout),
+        torch.arange(len(ids)),
     )
     return batch, logits.float()
 
@@ -131,7 +134,7 @@ def test_logits_are_computed_only_for_sampled_rows(tiny_checkpoints):
     directory, _ = tiny_checkpoints["llama"]
     loaded = load(directory)
     cache = KVCache(loaded.config, num_blocks=8, block_size=8, dtype=torch.float32)
-    layout = StepLayout([SequenceSlice(0, 20, 20, [0, 1, 2])], 8, 2)
+    layout = StepLayout.from_slices([SequenceSlice(0, 20, 20, [0, 1, 2])], 8, 2)
     rows = torch.tensor([19])
-    logits = loaded.model(torch.arange(1, 21), torch.arange(20), PagedAttention(cache, layout), rows)
+    logits = loaded.model(torch.arange(1, 21), torch.arange(20), loaded.model.backend.attention(cache, layout), rows)
     assert logits.shape == (1, loaded.config.vocab_size)

@@ -110,11 +110,11 @@ def test_a_step_that_runs_out_of_memory_after_forking_loses_no_copy(llm):
     expected = [o.token_ids for o in llm.generate([prompt], sampled(seed=5, n=3)).pop().outputs]
     real_run, failed = llm.engine.runner.run, []
 
-    def fail_once_when_copying(batch):
+    def fail_once_when_copying(batch, seqs):
         if batch.copies and not failed:
             failed.append(len(batch.copies))
             raise torch.OutOfMemoryError("injected")
-        return real_run(batch)
+        return real_run(batch, seqs)
 
     llm.engine.runner.run = fail_once_when_copying
     try:

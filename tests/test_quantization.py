@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from kernel_paths import on_torch_path
+from kernel_paths import compiled_backend, torch_backend
 
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.layers import quantized as Q
@@ -21,7 +21,7 @@ def test_quantize_keeps_every_weight_within_half_a_step(scheme):
     w = torch.randn(48, 256) * torch.linspace(0.01, 3, 48)[:, None]  # rows of very different scales
     qw = Q.quantize(w, scheme)
     step = qw.scale.repeat_interleave(qw.group, dim=1)
-    assert (Q.dequantize(qw, torch.float32) - w).abs().le(step / 2 + 1e-6).all()
+    assert (compiled_backend().dequantize(qw, torch.float32) - w).abs().le(step / 2 + 1e-6).all()
     assert qw.nbytes() < w.numel() * (1.26 if scheme == "int8" else 0.76)
 
 
@@ -48,22 +48,22 @@ def test_quantized_matmul_equals_dequantize_then_gemm(ops, bits, group, zero, ro
     1% of the exact product."""
     w = random_quantized(36, 512, bits, group, zero)
     x = torch.randn(rows, 512)
-    exact = x @ on_torch_path(Q.dequantize, w, torch.float32).T
-    torch.testing.assert_close(Q.quantized_matmul(x, w), exact, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(on_torch_path(Q.quantized_matmul, x, w), exact, rtol=1e-4, atol=1e-4)
-    got = Q.quantized_matmul(x.bfloat16(), w).float()
+    exact = x @ torch_backend().dequantize(w, torch.float32).T
+    torch.testing.assert_close(compiled_backend().quantized_matmul(x, w), exact, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch_backend().quantized_matmul(x, w), exact, rtol=1e-4, atol=1e-4)
+    got = compiled_backend().quantized_matmul(x.bfloat16(), w).float()
     assert got.dtype == torch.float32 and (got - exact).norm() < 0.01 * exact.norm()
 
 
 def test_dequantize_kernel_equals_the_torch_path_and_picks_rows(ops):
     for bits, group, zero in FORMATS:
         w = random_quantized(40, 256, bits, group, zero)
-        full = on_torch_path(Q.dequantize, w, torch.float32)
-        torch.testing.assert_close(Q.dequantize(w, torch.float32), full, rtol=1e-6, atol=1e-7)
+        full = torch_backend().dequantize(w, torch.float32)
+        torch.testing.assert_close(compiled_backend().dequantize(w, torch.float32), full, rtol=1e-6, atol=1e-7)
         rows = torch.tensor([39, 0, 7, 7])
-        torch.testing.assert_close(Q.dequantize(w, torch.bfloat16, rows=rows), full[rows].bfloat16())
+        torch.testing.assert_close(compiled_backend().dequantize(w, torch.bfloat16, rows=rows), full[rows].bfloat16())
     with pytest.raises(RuntimeError, match="out of range"):
-        Q.dequantize(w, torch.float32, rows=torch.tensor([40]))
+        compiled_backend().dequantize(w, torch.float32, rows=torch.tensor([40]))
 
 
 # ---- GGUF files ---------------------------------------------------------------------------
@@ -145,13 +145,13 @@ def converted(tmp_path, monkeypatch):
 
 
 def logits_of(model, ids):
-    from pagedllm.layers.attention import PagedAttention, SequenceSlice, StepLayout
+    from pagedllm.layers.attention import SequenceSlice, StepLayout
     from pagedllm.layers.kv_cache import KVCache
 
     cache = KVCache(model.config, num_blocks=4, block_size=16, dtype=torch.float32)
-    layout = StepLayout([SequenceSlice(0, len(ids), len(ids), [0, 1, 2, 3][: -(-len(ids) // 16)])], 16, 2)
+    layout = StepLayout.from_slices([SequenceSlice(0, len(ids), len(ids), [0, 1, 2, 3][: -(-len(ids) // 16)])], 16, 2)
     rows = torch.arange(len(ids))
-    return model(torch.tensor(ids), rows, PagedAttention(cache, layout), rows)
+    return model(torch.tensor(ids), rows, model.backend.attention(cache, layout), rows)
 
 
 def test_every_supported_gguf_type_runs_quantized_as_the_dequantized_model(converted, kernels):
@@ -196,9 +196,9 @@ def test_a_float_checkpoint_quantized_at_load_is_its_float_self_rounded(tiny_che
     assert quantized.weight_bytes() < rounded.weight_bytes() / (3 if scheme == "int8" else 4)
     for name, layer in rounded.linear_layers().items():
         w = layer.weight.data
-        w.copy_(Q.dequantize(Q.quantize(w, "int8" if name == "lm_head" else scheme), torch.float32))
+        w.copy_(compiled_backend().dequantize(Q.quantize(w, "int8" if name == "lm_head" else scheme), torch.float32))
     embed = rounded.model.embed_tokens.weight.data
-    embed.copy_(Q.dequantize(Q.quantize(embed, "int8"), torch.float32))
+    embed.copy_(compiled_backend().dequantize(Q.quantize(embed, "int8"), torch.float32))
     ids = list(range(5, 30))
     for n in (1, len(ids)):  # the kernel, then dequantize + GEMM
         torch.testing.assert_close(logits_of(quantized, ids[:n]), logits_of(rounded, ids[:n]), rtol=1e-4, atol=1e-4)

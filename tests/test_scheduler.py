@@ -11,8 +11,9 @@ from typing import NamedTuple
 import pytest
 
 from pagedllm.engine.block_manager import BlockManager
-from pagedllm.engine.scheduler import ScheduledBatch, Scheduler
+from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Finish, Sequence, Status
+from pagedllm.engine.step import SchedulerOutput
 from pagedllm.sampling_params import SamplingParams
 
 TOKEN = 7  # what the fake step samples
@@ -37,7 +38,7 @@ class Row(NamedTuple):
 
 
 class Step(NamedTuple):
-    batch: ScheduledBatch
+    batch: SchedulerOutput
     rows: list[Row]
 
 
@@ -60,8 +61,8 @@ def add(sched: Scheduler, request_id: str, prompt: int | list[int], max_tokens=4
     return seq
 
 
-def rows_of(batch: ScheduledBatch) -> list[Row]:
-    return [Row(e.seq.request_id, e.seq.index, e.start, e.num_tokens, e.samples) for e in batch.entries]
+def rows_of(batch: SchedulerOutput) -> list[Row]:
+    return [Row(e.request_id, e.index, e.start, e.num_tokens, e.samples) for e in batch.rows]
 
 
 def step(sched: Scheduler, token: int = TOKEN, failed: tuple[int, ...] = ()) -> Step:
@@ -139,7 +140,7 @@ def test_a_long_prompt_is_computed_in_chunks_and_only_the_last_chunk_samples():
     expected = [(Row("a", 0, 0, 4, False), 1), (Row("a", 0, 4, 4, False), 2), (Row("a", 0, 8, 2, True), 3)]
     for row, table_len in expected:
         s = step(sched)
-        assert s.rows == [row] and len(s.batch.entries[0].block_table) == table_len
+        assert s.rows == [row] and len(s.batch.rows[0].block_table) == table_len
         assert seq.num_computed_tokens == row.start + row.num_tokens
         assert seq.output_token_ids == ([TOKEN] if row.samples else [])
     assert sched.counters.prompt_tokens_computed == 10 and sched.counters.tokens_generated == 1
@@ -154,7 +155,7 @@ def test_after_its_prompt_a_sequence_decodes_one_token_per_step():
     assert step(sched, token=10).rows == [Row("a", 0, 0, 3, True)]
     for k, table_len in zip(range(1, 5), [1, 2, 2, 2]):
         s = step(sched, token=10 + k)
-        assert s.rows == [Row("a", 0, 2 + k, 1, True)] and len(s.batch.entries[0].block_table) == table_len
+        assert s.rows == [Row("a", 0, 2 + k, 1, True)] and len(s.batch.rows[0].block_table) == table_len
     assert seq.output_token_ids == [10, 11, 12, 13, 14] and seq.num_computed_tokens == 7
     assert seq.finish_reason == "length" and sched.counters.requests_finished == 1
     assert_all_free(sched)  # freed in the step it finished, not later
@@ -171,7 +172,7 @@ def test_the_newest_request_is_preempted_to_make_room_and_goes_back_to_the_front
     assert sched.blocks.num_free == 0
     c = add(sched, "c", 2, max_tokens=1)
     s = step(sched)
-    assert s.batch.preempted == [b] and s.rows == [Row("a", 0, 4, 1, True)]
+    assert s.batch.preempted == [b.seq_id] and s.rows == [Row("a", 0, 4, 1, True)]
     assert list(sched.waiting) == [b, c] and sched.running == [a]  # c was not admitted in this step
     assert b.status is Status.WAITING and b.num_computed_tokens == 0 and b.num_preemptions == 1
     assert sched.blocks.table(b.seq_id) == [] and b.output_token_ids == [TOKEN]  # its token is kept
@@ -190,7 +191,7 @@ def test_no_request_is_admitted_in_a_step_that_preempted_even_one_that_would_fit
     assert step(sched).rows == [Row("a", 0, 3, 1, True), Row("b", 0, 2, 2, True)]
     assert sched.blocks.num_free == 0
     s = step(sched)  # a needs a block: b gives back two, a takes one
-    assert s.batch.preempted == [b] and s.rows == [Row("a", 0, 4, 1, True)]
+    assert s.batch.preempted == [b.seq_id] and s.rows == [Row("a", 0, 4, 1, True)]
     # a chunk of b's (2 tokens, 1 block) would fit the budget and the free block, but not now
     assert sched.blocks.num_free == 1 and list(sched.waiting) == [b] and sched.running == [a]
     assert step(sched).rows == [Row("a", 0, 5, 1, True), Row("b", 0, 0, 2, False)]
@@ -219,7 +220,7 @@ def test_preempted_requests_resume_in_their_admission_order_before_newer_ones():
     step(sched)
     assert sched.blocks.num_free == 0
     s = step(sched)  # a takes d's blocks; b takes the one a left; c then preempts itself
-    assert s.batch.preempted == [d, c] and s.rows == [Row("a", 0, 4, 1, True), Row("b", 0, 4, 1, True)]
+    assert s.batch.preempted == [d.seq_id, c.seq_id] and s.rows == [Row("a", 0, 4, 1, True), Row("b", 0, 4, 1, True)]
     assert sched.counters.preemptions == 2
     e = add(sched, "e", 4, max_tokens=1)
     assert list(sched.waiting) == [c, d, e]
@@ -235,11 +236,11 @@ def test_a_request_starts_after_the_cached_prefix_it_shares_with_an_earlier_one(
     sched = make(block_size=4)
     prompt = list(range(10))
     add(sched, "a", prompt, max_tokens=1)
-    first = step(sched).batch.entries[0].block_table
+    first = step(sched).batch.rows[0].block_table
     b = add(sched, "b", prompt[:8] + [100, 101, 102], max_tokens=1)
     s = step(sched)
     assert s.rows == [Row("b", 0, 8, 3, True)]
-    assert s.batch.entries[0].block_table[:2] == first[:2]
+    assert s.batch.rows[0].block_table[:2] == first[:2]
     assert b.num_computed_tokens == 11
     stats = sched.blocks.prefix_stats
     assert (stats.queried_tokens, stats.hit_tokens) == (10 + 11, 8)
@@ -256,7 +257,7 @@ def test_a_request_adopts_blocks_another_running_request_still_holds():
     s = step(sched)
     assert s.rows == [Row("a", 0, 9, 1, True), Row("b", 0, 8, 1, True)]
     shared = sched.blocks.table(a.seq_id)[:2]
-    assert s.batch.entries[1].block_table[:2] == shared and b.is_finished
+    assert s.batch.rows[1].block_table[:2] == shared and b.is_finished
     assert [sched.blocks.ref_counts[x] for x in shared] == [1, 1]  # b gave them back when it finished
     run_to_end(sched)
 
@@ -272,7 +273,7 @@ def test_n_samples_fork_before_the_last_prompt_token_and_copy_the_shared_partial
     full, partial = sched.blocks.table(first.seq_id)
     s = step(sched)
     assert s.rows == [Row("r", i, 5, 1, True) for i in range(3)]
-    tables = [e.block_table for e in s.batch.entries]
+    tables = [e.block_table for e in s.batch.rows]
     # the first two samples copy the shared partial block; the last holds it alone and writes in place
     assert s.batch.copies == [(partial, tables[0][1]), (partial, tables[1][1])]
     assert tables[2] == [full, partial] and all(t[0] == full for t in tables)
@@ -291,7 +292,7 @@ def test_forking_at_a_block_boundary_copies_nothing():
     (full,) = sched.blocks.table(first.seq_id)
     s = step(sched)
     assert s.rows == [Row("r", 0, 4, 1, True), Row("r", 1, 4, 1, True)] and s.batch.copies == []
-    tables = [e.block_table for e in s.batch.entries]
+    tables = [e.block_table for e in s.batch.rows]
     assert tables[0][0] == tables[1][0] == full and tables[0][1] != tables[1][1]
     assert sched.counters.blocks_copied == 0
     assert_all_free(sched)
@@ -304,7 +305,7 @@ def test_update_from_output_commits_tokens_frees_finished_sequences_and_counts()
     sched = make(block_size=4)
     a, b = add(sched, "a", 6, max_tokens=1), add(sched, "b", 3, max_tokens=3)
     batch = sched.schedule()
-    assert [e.seq for e in batch.entries] == [a, b] and sched.blocks.num_used == 3
+    assert [e.seq_id for e in batch.rows] == [a.seq_id, b.seq_id] and sched.blocks.num_used == 3
     assert a.num_computed_tokens == 0  # nothing is committed by schedule
     changed = sched.update_from_output(batch, FakeResult([0, 1], [11, 12], [{"lp": 1}, None]))
     sched.check_invariants()
@@ -333,7 +334,7 @@ def test_a_row_with_non_finite_logits_fails_only_its_sequence_and_its_blocks_are
     sched = make(block_size=4)
     a, b = add(sched, "a", 5, max_tokens=3), add(sched, "b", 6, max_tokens=3)
     s = step(sched, failed=(1,))
-    poisoned = s.batch.entries[1].block_table
+    poisoned = s.batch.rows[1].block_table
     assert (b.finish_reason, b.error_kind) == ("error", "model") and "non-finite" in b.error
     assert b.output_token_ids == [] and "b" not in sched.requests and sched.counters.requests_failed == 1
     assert a.output_token_ids == [TOKEN] and sched.running == [a]
@@ -373,7 +374,7 @@ def test_a_retried_step_carries_the_failed_steps_copies_and_zeros_again():
     add(sched, "bad", 5, max_tokens=2)
     add(sched, "r", 6, max_tokens=2, n=2)
     s = step(sched, failed=(0,))  # bad fails; r computes its prompt up to the last token
-    poisoned = s.batch.entries[0].block_table
+    poisoned = s.batch.rows[0].block_table
     failed = sched.schedule()  # r forks: one copy-on-write copy, plus bad's blocks to zero
     assert len(failed.copies) == 1 and sorted(failed.zeros) == sorted(poisoned)
     assert failed.total_tokens == 2

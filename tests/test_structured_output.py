@@ -8,7 +8,7 @@ import re
 import jsonschema
 import pytest
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, SamplingParams, backends
 from pagedllm.bench.schemas import SCHEMAS
 from pagedllm.errors import RequestRejected
 from pagedllm.sampling_params import StructuredOutput
@@ -215,7 +215,8 @@ def test_the_mask_kernel_and_the_pytorch_fallback_mask_the_same_tokens(default_l
     vocab = default_llm.loaded.config.vocab_size
     logits = torch.randn(3, vocab)
     before = logits.clone()
-    grammars.mask_logits(logits, matchers)
+    backend = backends.get({"compiled": "cpu-compiled", "torch": "cpu-torch"}[kernels])
+    grammars.mask_logits(logits, matchers, backend)
     assert torch.equal(logits[1], before[1]), "an unconstrained row is untouched"
     allowed = {r: set(torch.isfinite(logits[r]).nonzero().flatten().tolist()) for r in (0, 2)}
     assert allowed[0] and allowed[2] and allowed[0] != allowed[2]

@@ -10,14 +10,15 @@ import time
 import pytest
 import torch
 
-from pagedllm.engine.threads import CHECK_INTERVAL_S, ThreadGovernor, allowed_cpus, physical_cores
-from pagedllm.kernels import compiled_ops
+from pagedllm import backends
+from pagedllm.backends.cpu_threads import CHECK_INTERVAL_S, allowed_cpus, physical_cores
 
 
 def test_default_is_one_thread_per_physical_core_and_the_callers_thread_stays_free():
-    governor = ThreadGovernor()
+    backend = backends.get()
+    governor = backend.thread_policy()
     assert governor.threads == torch.get_num_threads() == len(physical_cores(allowed_cpus()))
-    assert governor.pinned == (compiled_ops() is not None)
+    assert governor.pinned == (backend.name == "cpu-compiled")  # pinning is the compiled kernels' op
     with governor.running():
         if governor.pinned:
             assert os.sched_getaffinity(0) == {governor.cores[0]}
@@ -33,7 +34,8 @@ def wait_for(governor, condition, seconds=15.0):
 
 
 def test_threads_step_down_next_to_busy_processes_and_come_back():
-    governor = ThreadGovernor()
+    backend = backends.get()
+    governor = backend.thread_policy()
     if governor.max_threads < 2:
         pytest.skip("a single core: nothing to give up")
     governor.after_step()  # first reading
@@ -46,4 +48,4 @@ def test_threads_step_down_next_to_busy_processes_and_come_back():
             p.kill()
             p.wait()
     assert wait_for(governor, lambda: governor.threads == governor.max_threads), "never came back"
-    assert governor.pinned == (compiled_ops() is not None)
+    assert governor.pinned == (backend.name == "cpu-compiled")

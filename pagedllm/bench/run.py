@@ -3,6 +3,7 @@ table (with pagedllm's ratio to each peer)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -11,6 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..engine_config import EngineConfig
 from . import workloads
 
 PEERS = ("hf-static", "hf-cb", "vllm", "llama.cpp")
@@ -133,20 +135,11 @@ def main(args) -> int:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(workload.to_json(), f)
         workload_file = f.name
+    # every engine flag the user set, but the ones each variant sets itself (dtype, quantization, kv dtype)
     engine_options = {
-        k: v
-        for k, v in dict(
-            memory=args.memory,
-            memory_fraction=args.memory_fraction,
-            num_blocks=args.num_blocks,
-            max_batch_tokens=args.max_batch_tokens,
-            max_num_seqs=args.max_num_seqs,
-            block_size=args.block_size,
-            max_model_len=args.max_model_len,
-            kv_cache_dtype=args.kv_cache_dtype,
-            enable_prefix_caching=args.enable_prefix_caching,
-        ).items()
-        if v is not None
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(EngineConfig)
+        if f.name not in ("model", "dtype", "quantization", "kv_cache_dtype") and getattr(args, f.name) != f.default
     }
     gguf = args.gguf
     if gguf is None and args.model is None:

@@ -16,10 +16,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..errors import RequestRejected
-from ..kernels import compiled_ops
-from ..layers.kv_cache import KVCache
-from ..layers.onednn_probe import gemm_kind_to_plan
+from .. import structured
+from ..backends import Backend
+from ..config import ModelConfig
+from ..engine_config import ConfigError, EngineConfig
+from ..errors import CacheDoesNotFitError, RequestRejected
 from ..layers.sampler import Sampler
 from ..loading import LoadedModel
 from ..memory.footprint import StepShape
@@ -28,13 +29,12 @@ from ..memory.planner import MemoryPlan, plan_engine
 from ..outputs import RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
 from ..sizes import dtype_name
-from ..structured import Grammars
+from ..structured import GRAMMAR_CACHE_BYTES, Grammars
 from .block_manager import BlockManager
 from .detokenizer import Detokenizer
 from .model_runner import ModelRunner
 from .scheduler import Scheduler, SchedulerCounters
 from .sequence import Sequence
-from .threads import ThreadGovernor
 
 log = logging.getLogger(__name__)
 
@@ -58,54 +58,62 @@ class EngineStats(SchedulerCounters):
 
 
 class LLMEngine:
-    """Give it a loaded model and either a ``plan`` (from ``memory.planner.plan_engine``) or the
-    same knobs ``plan_engine`` takes; the plan is checked before the KV cache is allocated."""
+    """Give it a loaded model and an ``EngineConfig`` (or its fields as keyword arguments), and
+    optionally the ``plan`` made for them (``LLM`` plans before loading); without one it plans
+    now, from what the process holds. The plan is checked before the KV cache is allocated.
+
+    The backend is the model's (``loaded.model.backend``): the cache, the attention and the
+    threads are the same device's."""
 
     def __init__(
         self,
         loaded: LoadedModel,
+        config: EngineConfig | None = None,
         *,
         plan: MemoryPlan | None = None,
-        enable_prefix_caching: bool = True,
-        resident_cache: bool = False,
         grammars: Grammars | None = None,
-        structured_output: bool = True,
-        **sizes,
+        **options,
     ):
-        """``resident_cache``: commit the whole KV cache now (``LLM`` does when given a budget).
-        ``grammars``: the structured-output compiler for this tokenizer (``LLM`` builds it before
-        measuring the process); without one, the first constrained request builds it.
-        ``structured_output=False`` rejects constrained requests instead."""
+        """``grammars``: the structured-output compiler for this tokenizer (``LLM`` builds it
+        before measuring the process); without one, the first constrained request builds it.
+        With a budget (``config.memory``/``memory_fraction``) the whole KV cache is committed now."""
         cfg = loaded.config
+        model_dtype = dtype_name(next(loaded.model.parameters()).dtype)
+        config = config or EngineConfig.from_options(**{"dtype": model_dtype, **options})
+        if config.dtype != model_dtype:
+            raise ConfigError("dtype", f"{config.dtype} asked for, but the loaded model is {model_dtype}")
+        self.config = config
         self.loaded = loaded
+        self.backend = loaded.model.backend
         self.tokenizer = loaded.tokenizer
         if plan is None:  # the model is loaded already: the baseline is what the process holds besides it
             weights = loaded.model.weight_bytes()
-            dtype = dtype_name(next(loaded.model.parameters()).dtype)
-            plan = plan_engine(
+            plan = plan_for(
+                config,
                 cfg,
-                model_name=loaded.name,
-                dtype=dtype,
-                already_loaded=weights,
-                baseline_bytes=max(0, resident_bytes()[0] - weights),
-                kernels="compiled" if compiled_ops() is not None else "torch",
+                loaded.name,
+                self.backend,
+                with_grammars=loaded.tokenizer is not None,
                 weights_bytes=weights,
                 quantized_weights=loaded.model.quantized(),
-                gemm_kind=gemm_kind_to_plan(dtype),
-                **sizes,
+                baseline_bytes=max(0, resident_bytes()[0] - weights),
+                already_loaded=weights,
             )
         self.memory_plan = plan
         self.max_model_len = plan.max_model_len
         self.eos_token_ids = stop_token_ids(cfg, self.tokenizer)
         self.detokenizer = Detokenizer(self.tokenizer, self.eos_token_ids, plan.max_model_len)
-        self.blocks = BlockManager(plan.num_blocks, plan.block_size, enable_prefix_caching)
+        self.blocks = BlockManager(plan.num_blocks, plan.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, plan.max_batch_tokens, plan.max_num_seqs, self.detokenizer.check_stop)
-        self.kv_cache = KVCache(cfg, plan.num_blocks, plan.block_size, plan.kv_dtype, resident=resident_cache)
+        self.kv_cache = self.backend.allocate_kv_cache(
+            cfg, plan.num_blocks, plan.block_size, plan.kv_dtype, resident=config.budgeted
+        )
         self._grammars = grammars
-        self.structured_output = structured_output
+        self.structured_output = config.structured_output
         self._grammars_lock = threading.Lock()
-        self.runner = ModelRunner(loaded.model, self.kv_cache, Sampler(self.eos_token_ids, grammars))
-        self.threads = ThreadGovernor()
+        sampler = Sampler(self.eos_token_ids, grammars, self.backend)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, sampler, self.backend)
+        self.threads = self.backend.thread_policy(config.threads)
         # Debug mode (the test suite runs with it): verify every step's bookkeeping.
         self.check_invariants_every_step = os.environ.get("PAGEDLLM_CHECK_INVARIANTS", "") not in ("", "0")
         self.record_step_shapes = False  # the memory tests turn it on to read last_step_shape
@@ -223,23 +231,26 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one step; returns an output for every sample that produced text or finished.
         A step that runs out of memory commits nothing and is retried smaller next time."""
-        batch = self.scheduler.schedule()
+        out = self.scheduler.schedule()
         outputs = []
-        if batch:
+        if out:
+            seqs = self.scheduler.sequences(out)
             # A seeded sample's draws must not depend on a failed try: its generator is rewound.
-            seeded = [(e.seq.generator, e.seq.generator.get_state()) for e in batch.entries if e.seq.generator]
+            seeded = [(s.generator, s.generator.get_state()) for s in seqs if s.generator]
             try:
                 with self.threads.running():
-                    result = self.runner.run(batch)
+                    result = self.runner.run(out, seqs)
+            except CacheDoesNotFitError:
+                raise  # a planning error, never a step's: nothing to retry smaller
             except (torch.OutOfMemoryError, MemoryError) as e:
                 for generator, state in seeded:
                     generator.set_state(state)
-                self.scheduler.recover_from_oom(batch, e)
+                self.scheduler.recover_from_oom(out, e)
             else:
                 if self.record_step_shapes:
-                    self.last_step_shape = self.runner.step_shape(batch, result)
-                outputs = self._outputs(self.scheduler.update_from_output(batch, result))
-        self._refresh_stats(batch.total_tokens)
+                    self.last_step_shape = self.runner.step_shape(out, seqs)
+                outputs = self._outputs(self.scheduler.update_from_output(out, result))
+        self._refresh_stats(out.total_tokens)
         self.threads.after_step()
         if self.check_invariants_every_step:
             self.check_invariants()
@@ -304,3 +315,32 @@ def stop_token_ids(cfg, tokenizer) -> tuple[int, ...]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
     return tuple(sorted(eos))
+
+
+def plan_for(
+    config: EngineConfig,
+    cfg: ModelConfig,
+    model_name: str,
+    backend: Backend,
+    *,
+    with_grammars: bool,
+    weights_bytes: int | None,
+    quantized_weights: bool | None,
+    baseline_bytes: int,
+    already_loaded: int = 0,
+) -> MemoryPlan:
+    """The one way an engine is planned (``LLM`` before loading, ``LLMEngine`` after): the
+    config, the backend's facts, the checkpoint's weights, the structured-output caches when
+    they can be used (``with_grammars``: there is a tokenizer)."""
+    grammar_bytes = GRAMMAR_CACHE_BYTES if config.structured_output and with_grammars and structured.available() else 0
+    return plan_engine(
+        cfg,
+        config,
+        model_name=model_name,
+        backend=backend.plan_facts(config.dtype),
+        baseline_bytes=baseline_bytes,
+        already_loaded=already_loaded,
+        weights_bytes=weights_bytes,
+        quantized_weights=quantized_weights,
+        grammar_cache_bytes=grammar_bytes,
+    )

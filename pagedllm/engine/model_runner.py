@@ -1,10 +1,19 @@
-"""ModelRunner: runs one scheduled batch through the model and the sampler. Commits nothing.
+"""ModelRunner: turns a scheduled step into tensors, runs the model, samples. Commits nothing.
 
-It gets everything from the batch: the tokens to compute, each sequence's block table, and the
-cache maintenance to do first (zeroing blocks whose K/V may be non-finite, copy-on-write
-copies). It never sees the block manager. A sequence gets a logits row only when this step
-computes its last known token, i.e. when a token is to be sampled for it; earlier prompt chunks
-produce none.
+Three parts, so a step can be split across processes or devices (``engine.step``):
+
+- ``prepare(out) -> StepInput``: the scheduler's plain rows as the step's tensors, on the
+  backend's device (token ids, positions, query starts, context lengths, block tables, the rows
+  to sample, the blocks to copy and zero);
+- ``execute(step) -> logits``: the part every rank or device runs: the cache maintenance
+  (zeroing blocks whose K/V may be non-finite, copy-on-write copies), the attention metadata
+  and the forward pass. It reads nothing but ``step`` and its own weights and cache;
+- ``sample(logits, out, seqs) -> RunResult``: on the driver, which holds each request's live
+  state (seeded generators, grammar matchers) in its ``Sequence``.
+
+A sequence gets a logits row only when this step computes its last known token, i.e. when a
+token is to be sampled for it; earlier prompt chunks produce none. The runner never sees the
+block manager.
 """
 
 from __future__ import annotations
@@ -13,22 +22,23 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layers.attention import PagedAttention, SequenceSlice, StepLayout
+from ..backends import Backend
+from ..layers.attention import StepLayout, block_tables
 from ..layers.kv_cache import KVCache
 from ..layers.sampler import Sampler, needs_full_path
 from ..layers.workspace import GATHER_BUDGET, PAIRS_BUDGET, SAMPLER_CHUNK_ROWS
 from ..memory.footprint import StepShape
 from ..models import DecoderLM
-from .scheduler import ScheduledBatch
+from .sequence import Sequence
+from .step import SchedulerOutput, StepInput
 
 
 @dataclass
 class RunResult:
-    sampled: list[int]  # indices into batch.entries that got a token
+    sampled: list[int]  # indices into out.rows that got a token
     token_ids: list[int]
     logprobs: list[dict | None]
-    failed: list[int]  # indices into batch.entries whose logits were not finite (NaN/inf)
-    layout: StepLayout
+    failed: list[int]  # indices into out.rows whose logits were not finite (NaN/inf)
 
 
 class ModelRunner:
@@ -37,41 +47,70 @@ class ModelRunner:
         model: DecoderLM,
         kv_cache: KVCache,
         sampler: Sampler,
+        backend: Backend,
         pairs_budget: int = PAIRS_BUDGET,
         gather_budget: int = GATHER_BUDGET,
     ):
         self.model = model
         self.kv_cache = kv_cache
         self.sampler = sampler
+        self.backend = backend
         self.pairs_budget = pairs_budget
         self.gather_budget = gather_budget
+        cfg = model.config
+        self.group_size = cfg.num_heads // cfg.num_kv_heads
 
-    def run(self, batch: ScheduledBatch) -> RunResult:
-        # Before anything computes: a source block may be rewritten by its new owner this step.
-        self.kv_cache.zero_blocks(batch.zeros)
-        self.kv_cache.copy_blocks(batch.copies)
+    def run(self, out: SchedulerOutput, seqs: list[Sequence]) -> RunResult:
+        """prepare -> execute -> sample: one step on this process. ``seqs``: the live sequences
+        of ``out.rows``, in order."""
+        return self.sample(self.execute(self.prepare(out)), out, seqs)
+
+    def prepare(self, out: SchedulerOutput) -> StepInput:
+        device = self.backend.device
         input_ids: list[int] = []
         positions: list[int] = []
-        slices: list[SequenceSlice] = []
+        starts: list[int] = []
         logits_rows: list[int] = []
-        rows_of: list[int] = []  # entry index of each logits row
-        for i, e in enumerate(batch.entries):
-            slices.append(SequenceSlice(len(input_ids), e.num_tokens, e.end, e.block_table))
-            input_ids.extend(e.seq.tokens(e.start, e.end))
-            positions.extend(range(e.start, e.end))
-            if e.samples:
+        for row in out.rows:
+            starts.append(len(input_ids))
+            input_ids.extend(row.token_ids)
+            positions.extend(range(row.start, row.end))
+            if row.samples:
                 logits_rows.append(len(input_ids) - 1)
-                rows_of.append(i)
-        cfg = self.model.config
-        layout = StepLayout(
-            slices, self.kv_cache.block_size, cfg.num_heads // cfg.num_kv_heads, self.pairs_budget, self.gather_budget
+        starts.append(len(input_ids))
+
+        def longs(values: list) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        return StepInput(
+            input_ids=longs(input_ids),
+            positions=longs(positions),
+            query_start=torch.tensor(starts, dtype=torch.int32, device=device),
+            context_lens=torch.tensor([r.end for r in out.rows], dtype=torch.int32, device=device),
+            block_tables=block_tables(
+                [r.block_table for r in out.rows], [r.end for r in out.rows], self.kv_cache.block_size, device
+            ),
+            logits_rows=longs(logits_rows),
+            copies=longs(out.copies).view(-1, 2),
+            zeros=longs(out.zeros),
+            block_size=self.kv_cache.block_size,
+            pairs_budget=self.pairs_budget,
+            gather_budget=self.gather_budget,
         )
-        logits = self.model(
-            torch.tensor(input_ids, dtype=torch.long),
-            torch.tensor(positions, dtype=torch.long),
-            PagedAttention(self.kv_cache, layout),
-            torch.tensor(logits_rows, dtype=torch.long),
+
+    def execute(self, step: StepInput) -> torch.Tensor:
+        """Float32 logits [R, vocab] of the step's sampled rows."""
+        # Before anything computes: a source block may be rewritten by its new owner this step.
+        self.kv_cache.zero_blocks(step.zeros.tolist())
+        self.kv_cache.copy_blocks([(s, d) for s, d in step.copies.tolist()])
+        layout = self.backend.attention_metadata(step, self.group_size)
+        return self.model(
+            step.input_ids, step.positions, self.backend.attention(self.kv_cache, layout), step.logits_rows
         )
+
+    def sample(self, logits: torch.Tensor, out: SchedulerOutput, seqs: list[Sequence]) -> RunResult:
+        """A token for every sampled row whose logits are finite; the others fail alone."""
+        rows_of = out.sampling_rows  # row index of each logits row
         # a row is finite iff its max and min are (NaN propagates): no [S, vocab] temporaries
         finite = (torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))).tolist()
         good = [i for i, ok in zip(rows_of, finite) if ok]
@@ -80,14 +119,13 @@ class ModelRunner:
             logits = logits[[r for r, ok in enumerate(finite) if ok]]
         tokens, logprobs = [], []
         if good:
-            sampled = self.sampler(logits, [batch.entries[i].seq for i in good])
+            sampled = self.sampler(logits, [seqs[i] for i in good])
             tokens, logprobs = sampled.token_ids, sampled.logprobs
-        return RunResult(good, tokens, logprobs, failed, layout)
+        return RunResult(good, tokens, logprobs, failed)
 
-    @staticmethod
-    def step_shape(batch: ScheduledBatch, result: RunResult) -> StepShape:
+    def step_shape(self, out: SchedulerOutput, seqs: list[Sequence]) -> StepShape:
         """This step as the memory planner sees it (checked against measured peaks in tests)."""
-        sampled = [batch.entries[i].seq for i in sorted(result.sampled + result.failed)]
+        sampled = [seqs[i] for i in out.sampling_rows]
         full, penalized = [], []
         for c0 in range(0, len(sampled), SAMPLER_CHUNK_ROWS):
             chunk = sampled[c0 : c0 + SAMPLER_CHUNK_ROWS]
@@ -98,9 +136,9 @@ class ModelRunner:
                 for s in chunk
                 if s.params.repetition_penalty != 1 or s.params.presence_penalty or s.params.frequency_penalty
             ]
-        layout = result.layout
+        layout = StepLayout.from_step(self.prepare(out), self.group_size)
         return StepShape(
-            tokens=batch.total_tokens,
+            tokens=out.total_tokens,
             sampled=len(sampled),
             decode_groups=[(g.blocks.shape[0], g.keys, True) for g in layout.decode_groups],
             prefills=[(p.length, p.context_len) for p in layout.prefills],

@@ -11,11 +11,11 @@ A request for n samples is admitted as one sequence holding n of the ``max_num_s
 its prompt is computed once, and it forks into n sequences just before its last prompt token
 (see ``pagedllm.engine.sequence``). The blocks it shares are copied on first write (``copies``).
 
-The step's shape (as in nano-vllm and vLLM)::
+The step's shape (as in nano-vllm and vLLM; ``engine.step`` has the data that crosses)::
 
-    batch = scheduler.schedule()               # tokens, block tables, cache copies and zeroing
-    result = runner.run(batch)                 # forward pass and sampling; nothing committed
-    scheduler.update_from_output(batch, result)  # tokens appended, blocks registered, stops
+    out = scheduler.schedule()                 # plain data: tokens, block tables, copies, zeroing
+    result = runner.run(out, scheduler.sequences(out))  # prepare -> execute -> sample; nothing committed
+    scheduler.update_from_output(out, result)  # tokens appended, blocks registered, stops
 
 Nothing changes state between ``schedule`` and ``update_from_output`` except the blocks the
 batch took, so a step that runs out of memory is retried smaller (``recover_from_oom``).
@@ -26,11 +26,12 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from .block_manager import BlockManager
 from .sequence import Finish, Sequence, Status
+from .step import ScheduledRow, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -38,50 +39,13 @@ log = logging.getLogger(__name__)
 StopCheck = Callable[[Sequence], "Finish | None"]
 
 
-@dataclass
-class ScheduledSeq:
-    """One sequence's share of a step: tokens [start, start + num_tokens) with their K/V going
-    to ``block_table`` (a snapshot: the runner never asks the block manager)."""
-
-    seq: Sequence
-    start: int
-    num_tokens: int
-    block_table: list[int]
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
-
-    @property
-    def samples(self) -> bool:
-        """This step computes the sequence's last known token, so a token is sampled for it."""
-        return self.end == self.seq.num_tokens
-
-
-@dataclass
-class ScheduledBatch:
-    """What one step computes, and the cache maintenance to do before it computes anything."""
-
-    entries: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) blocks
-    zeros: list[int] = field(default_factory=list)  # blocks whose K/V may be non-finite
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(e.num_tokens for e in self.entries)
-
-    def __bool__(self) -> bool:
-        return bool(self.entries)
-
-
 class StepResult(Protocol):
     """What ``update_from_output`` needs of a step (``ModelRunner.run`` returns one)."""
 
-    sampled: list[int]  # indices into batch.entries that got a token
+    sampled: list[int]  # indices into out.rows that got a token
     token_ids: list[int]
     logprobs: list[dict | None]
-    failed: list[int]  # indices into batch.entries whose logits were not finite
+    failed: list[int]  # indices into out.rows whose logits were not finite
 
 
 @dataclass
@@ -107,6 +71,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.stop_check = stop_check
         self.requests: dict[str, Sequence] = {}  # request id -> its first sample, until all finish
+        self.live: dict[int, Sequence] = {}  # seq id -> every unfinished sample (the step names them by id)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.counters = SchedulerCounters()
@@ -117,6 +82,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.requests[seq.request_id] = seq
+        self.live[seq.seq_id] = seq
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -147,6 +113,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.free(seq.seq_id)
+        self.live.pop(seq.seq_id, None)
         seq.mark_finished(finish)
         if finish.reason == "error":
             self.counters.requests_failed += 1
@@ -157,8 +124,12 @@ class Scheduler:
 
     # ---- the step ---------------------------------------------------------------------------
 
-    def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch()
+    def sequences(self, out: SchedulerOutput) -> list[Sequence]:
+        """The live sequences of ``out``'s rows, in order (the driver's side of the step)."""
+        return [self.live[r.seq_id] for r in out.rows]
+
+    def schedule(self) -> SchedulerOutput:
+        batch = SchedulerOutput()
         budget = self.max_batch_tokens
         i = 0
         while i < len(self.running) and budget > 0:
@@ -170,7 +141,7 @@ class Scheduler:
             while not self.blocks.can_write(seq.seq_id, start, start + n):
                 victim = self.running[-1]
                 self._preempt(victim)
-                batch.preempted.append(victim)
+                batch.preempted.append(victim.seq_id)
                 if victim is seq:
                     break
             if seq.status is not Status.RUNNING:
@@ -186,7 +157,7 @@ class Scheduler:
         self.counters.preemptions += len(batch.preempted)
         return batch
 
-    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+    def _admit(self, batch: SchedulerOutput, budget: int) -> None:
         slots = self.slots_used
         while self.waiting and budget > 0 and slots + self.waiting[0].width <= self.max_num_seqs:
             seq = self.waiting[0]
@@ -207,7 +178,7 @@ class Scheduler:
                 self._add(batch, seq, n)
                 budget -= n
 
-    def update_from_output(self, batch: ScheduledBatch, result: StepResult) -> list[Sequence]:
+    def update_from_output(self, batch: SchedulerOutput, result: StepResult) -> list[Sequence]:
         """Commits a computed step: its tokens' K/V count as cached (full blocks become prefixes
         others can adopt), each sampled token is appended, and a sequence that is done (EOS, a
         stop token or string, max_tokens, the context) finishes. A sequence whose logits were
@@ -217,21 +188,21 @@ class Scheduler:
         c.steps += 1
         c.tokens_computed += batch.total_tokens
         c.blocks_copied += len(batch.copies)
-        for e in batch.entries:
-            seq = e.seq
+        seqs = self.sequences(batch)
+        for e, seq in zip(batch.rows, seqs):
             c.prompt_tokens_computed += max(0, min(seq.num_prompt_tokens, e.end) - e.start)
             seq.num_computed_tokens = e.end
             self.blocks.register_computed(seq.seq_id, seq.tokens, e.end)
         changed: dict[int, Sequence] = {}
         for i in result.failed:
-            seq = batch.entries[i].seq
+            seq = seqs[i]
             self._to_zero += self.blocks.release_poisoned(seq.seq_id)
             self.finish(
                 seq, Finish("error", "the model produced non-finite logits (NaN/inf) for this request", "model")
             )
             changed[i] = seq
         for i, token, logprob in zip(result.sampled, result.token_ids, result.logprobs):
-            seq = batch.entries[i].seq
+            seq = seqs[i]
             accepted = seq.append_token(token, logprob)
             c.tokens_generated += 1
             stop = (
@@ -242,7 +213,7 @@ class Scheduler:
             changed[i] = seq
         return [changed[i] for i in sorted(changed)]
 
-    def recover_from_oom(self, batch: ScheduledBatch, error: BaseException) -> None:
+    def recover_from_oom(self, batch: SchedulerOutput, error: BaseException) -> None:
         """Halves the step budget so the same work is retried as smaller steps next time.
 
         Nothing was committed: sequences keep their state and blocks, and the next schedule
@@ -265,16 +236,22 @@ class Scheduler:
             self.max_batch_tokens,
         )
 
-    def _add(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
+    def _add(self, batch: SchedulerOutput, seq: Sequence, n: int) -> None:
         start = seq.num_computed_tokens
         batch.copies += self.blocks.prepare_write(seq.seq_id, start, start + n)
-        batch.entries.append(ScheduledSeq(seq, start, n, list(self.blocks.table(seq.seq_id))))
+        table = list(self.blocks.table(seq.seq_id))
+        samples = start + n == seq.num_tokens
+        tokens = seq.tokens(start, start + n)
+        batch.rows.append(
+            ScheduledRow(seq.seq_id, seq.request_id, seq.index, start, tokens, table, samples, seq.params)
+        )
 
     def _fork(self, seq: Sequence, at: int) -> None:
         """Splits a sequence into its n samples; they run right after it, sharing its blocks."""
         children = seq.fork()
         for child in children:
             self.blocks.fork(seq.seq_id, child.seq_id)
+            self.live[child.seq_id] = child
             child.status = Status.RUNNING
         self.running[at:at] = children
 
@@ -302,6 +279,8 @@ class Scheduler:
             problems.append(f"requests both running and waiting: {sorted(running & waiting)}")
         if running | waiting != known:
             problems.append(f"queued sequences {sorted(running | waiting)} but live ones {sorted(known)}")
+        if set(self.live) != known:
+            problems.append(f"the step's id lookup holds {sorted(self.live)} but live sequences are {sorted(known)}")
         if self.slots_used > self.max_num_seqs:
             problems.append(f"{self.slots_used} running samples exceed max_num_seqs")
         if set(self.blocks.tables) - running:

@@ -1,11 +1,27 @@
 """pagedllm's compiled CPU kernels (``csrc/``), built on first use into the cache.
 
-The layers ask ``compiled_ops()`` for them and run their pure-PyTorch code when it returns None.
-``PAGEDLLM_KERNELS`` chooses: ``auto`` (default: build or load the kernels; without a compiler,
-the PyTorch path, with one log line), ``compiled`` (the kernels or an error), ``torch`` (never
-build). ``select`` does the same from code (the tests run both paths).
+The ``cpu-compiled`` backend (``pagedllm.backends``) is their only user: it loads them once and
+routes each op to them, or to the PyTorch arithmetic where they lack a case. ``PAGEDLLM_KERNELS``
+chooses what backend ``auto`` means: ``auto`` (default: build or load the kernels; without a
+compiler, the PyTorch path, with one log line), ``compiled`` (the kernels or an error), ``torch``
+(never build). ``select`` does the same from code (the tests run both paths).
 """
 
-from .build import MODES, compiled_ops, select
+from typing import Any
 
-__all__ = ["MODES", "compiled_ops", "select"]
+from . import build
+from .build import MODES, KernelBuildError, compiled_ops, select
+
+
+def kernels_mode() -> str:
+    """What ``PAGEDLLM_KERNELS`` (or the last ``select``) asks for: auto, compiled or torch."""
+    return build._mode()
+
+
+def required_ops() -> Any:
+    """The kernels, built or loaded now; KernelBuildError if they cannot be built here."""
+    ops = compiled_ops() if kernels_mode() != "torch" else None
+    return ops if ops is not None else build._load()
+
+
+__all__ = ["MODES", "KernelBuildError", "compiled_ops", "kernels_mode", "required_ops", "select"]

@@ -1,22 +1,24 @@
 """The attention seam: how the model's attention layers read and write K/V.
 
-The model hands each layer's new q, k, v for the flat token batch to ``PagedAttention.attend``
+The model hands each layer's new q, k, v for the flat token batch to its step's ``attend``
 and gets the attention output back; it never sees blocks, slots or sequences. Where K/V live is
-in ``StepLayout``, built once per step and shared by all layers. A GPU kernel replaces
-``PagedAttention.attend`` and keeps the same inputs.
+in ``StepLayout``, built once per step from the step's input and shared by all layers. The
+backend picks the implementation (``Backend.attention``); a GPU kernel is one more class with
+the same ``attend``.
 
-Two CPU paths, the same arithmetic (HF eager's order: scale after the dot product, float32
+Two CPU implementations, the same arithmetic (HF eager's order: scale after the dot product, float32
 softmax, probabilities in the activation dtype before @ V):
 
-- compiled (``pagedllm.kernels``, the default where a C++ compiler is present): one op per layer
-  writes the step's K/V into the cache and reads every context in place through the block
-  table; work is split over sequences x KV heads x tiles of at most 32 query rows scoring at
+- ``CompiledPagedAttention`` (``cpu-compiled``, the default where a C++ compiler is present):
+  one op per layer writes the step's K/V into the cache and reads every context in place
+  through the block table; work is split over sequences x KV heads x tiles of at most 32 query rows scoring at
   most ``pairs_budget`` pairs, dealt to threads by cost. Its scratch is per thread and bounded by
   the budget, or by one context's scores for a single decode row.
-- PyTorch: matmul / softmax / matmul over a gathered copy of each context. Decode rows are
-  grouped so that a group gathers at most ``gather_budget`` key slots (rows x longest context,
-  in whole blocks; padding keys are masked); a prefill chunk's queries are cut into tiles of at
-  most ``pairs_budget // (group_size * ctx)`` rows, each with its causal mask built on the fly.
+- ``TorchPagedAttention`` (``cpu-torch``): matmul / softmax / matmul over a gathered copy of
+  each context. Decode rows are grouped so that a group gathers at most ``gather_budget`` key
+  slots (rows x longest context, in whole blocks; padding keys are masked); a prefill chunk's
+  queries are cut into tiles of at most ``pairs_budget // (group_size * ctx)`` rows, each with
+  its causal mask built on the fly.
 
 ``pagedllm.memory.footprint`` accounts for either path's workspace term by term.
 """
@@ -28,7 +30,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels import compiled_ops
 from ..sizes import ceil_div
 from .workspace import GATHER_BUDGET, PAIRS_BUDGET
 
@@ -61,7 +62,7 @@ class DecodeGroup:
         if window is None or window >= self.keys:
             return self.masked
         if window not in self._windowed:
-            pos = torch.arange(self.keys)[None, :]
+            pos = torch.arange(self.keys, device=self.masked.device)[None, :]
             self._windowed[window] = self.masked | (pos <= self.context_lens[:, None] - 1 - window)
         return self._windowed[window]
 
@@ -78,60 +79,86 @@ class StepLayout:
     """Where every token of one step reads and writes K/V. Built once, used by every layer.
 
     The compiled kernel reads three small tables: ``query_start`` [S+1] (each sequence's first
-    row in the flat batch), ``context_lens`` [S] and ``block_tables`` [S, max blocks], all int32.
-    The PyTorch path gathers contexts whole blocks at a time (one copy of block_size x head_dim
-    values per index, not one per token); keys past a context's end are masked, and the cache is
+    row in the flat batch), ``context_lens`` [S] and ``block_tables`` [S, max blocks], all int32
+    (the step's input carries them as they are: ``engine.step.StepInput``). The PyTorch path
+    gathers contexts whole blocks at a time (one copy of block_size x head_dim values per index,
+    not one per token); keys past a context's end are masked, and the cache is
     zero-initialised, so what they hold is always finite. Its structures (``slot_mapping``,
     ``decode_groups``, ``prefills``) are built on first use only.
     """
 
     def __init__(
         self,
-        seqs: list[SequenceSlice],
+        query_start: torch.Tensor,
+        context_lens: torch.Tensor,
+        block_tables: torch.Tensor,
         block_size: int,
         group_size: int,
         pairs_budget: int = PAIRS_BUDGET,
         gather_budget: int = GATHER_BUDGET,
     ):
-        self.seqs = seqs
+        self.query_start = query_start
+        self.context_lens = context_lens
+        self.block_tables = block_tables
         self.block_size = block_size
         self.group_size = group_size  # query heads per KV head
         self.pairs_budget = pairs_budget
         self.gather_budget = gather_budget
-        starts = [s.query_start for s in seqs]
-        self.query_start = torch.tensor(
-            starts + [seqs[-1].query_start + seqs[-1].query_len if seqs else 0], dtype=torch.int32
+
+    @classmethod
+    def from_step(cls, step, group_size: int) -> StepLayout:
+        """The layout of a ``StepInput``."""
+        return cls(
+            step.query_start,
+            step.context_lens,
+            step.block_tables,
+            step.block_size,
+            group_size,
+            step.pairs_budget,
+            step.gather_budget,
         )
-        self.context_lens = torch.tensor([s.context_len for s in seqs], dtype=torch.int32)
-        widest = max((ceil_div(s.context_len, block_size) for s in seqs), default=1)
-        self.block_tables = torch.tensor(
-            [_padded(s.block_table, ceil_div(s.context_len, block_size), widest) for s in seqs] or [[0]],
-            dtype=torch.int32,
-        )[: len(seqs)]
+
+    @classmethod
+    def from_slices(cls, seqs: list[SequenceSlice], block_size: int, group_size: int, **budgets) -> StepLayout:
+        """The layout of sequences given one by one (the tests' and benchmarks' way in)."""
+        tables = block_tables([s.block_table for s in seqs], [s.context_len for s in seqs], block_size)
+        starts = [s.query_start for s in seqs] + [seqs[-1].query_start + seqs[-1].query_len if seqs else 0]
+        return cls(
+            torch.tensor(starts, dtype=torch.int32),
+            torch.tensor([s.context_len for s in seqs], dtype=torch.int32),
+            tables,
+            block_size,
+            group_size,
+            **budgets,
+        )
 
     @functools.cached_property
     def slot_mapping(self) -> torch.Tensor:
         """[T] the cache slot of every token of the step."""
         bs = self.block_size
+        starts, lens, tables = self.query_start.tolist(), self.context_lens.tolist(), self.block_tables.tolist()
         slots: list[int] = []
-        for s in self.seqs:
-            for p in range(s.context_len - s.query_len, s.context_len):
-                slots.append(s.block_table[p // bs] * bs + p % bs)
-        return torch.tensor(slots, dtype=torch.long)
+        for i, context_len in enumerate(lens):
+            table = tables[i]
+            for p in range(context_len - (starts[i + 1] - starts[i]), context_len):
+                slots.append(table[p // bs] * bs + p % bs)
+        return torch.tensor(slots, dtype=torch.long, device=self.query_start.device)
 
     @functools.cached_property
     def _torch_path(self) -> tuple[list[DecodeGroup], list[PrefillChunk]]:
         decodes, prefills = [], []
-        for s in self.seqs:
-            table = s.block_table[: ceil_div(s.context_len, self.block_size)]
-            if s.query_len == 1:
-                decodes.append((s.query_start, table, s.context_len))
+        starts, lens, tables = self.query_start.tolist(), self.context_lens.tolist(), self.block_tables.tolist()
+        device = self.query_start.device
+        for i, context_len in enumerate(lens):
+            start, query_len = starts[i], starts[i + 1] - starts[i]
+            table = tables[i][: ceil_div(context_len, self.block_size)]
+            if query_len == 1:
+                decodes.append((start, table, context_len))
             else:
-                prefills.append(
-                    PrefillChunk(s.query_start, s.query_len, s.context_len, torch.tensor(table, dtype=torch.long))
-                )
+                blocks = torch.tensor(table, dtype=torch.long, device=device)
+                prefills.append(PrefillChunk(start, query_len, context_len, blocks))
         packed = _pack_decodes(decodes, self.gather_budget, self.block_size)
-        return [_decode_group(g, self.block_size) for g in packed], prefills
+        return [_decode_group(g, self.block_size, device) for g in packed], prefills
 
     @property
     def decode_groups(self) -> list[DecodeGroup]:
@@ -144,6 +171,13 @@ class StepLayout:
     def query_tile(self, context_len: int) -> int:
         """Rows of a prefill chunk scored at once against ``context_len`` keys."""
         return max(1, self.pairs_budget // (self.group_size * context_len))
+
+
+def block_tables(tables: list[list[int]], context_lens: list[int], block_size: int, device=None) -> torch.Tensor:
+    """[S, widest] int32: each sequence's blocks for its context, padded with block 0."""
+    widest = max((ceil_div(n, block_size) for n in context_lens), default=1)
+    rows = [_padded(t, ceil_div(n, block_size), widest) for t, n in zip(tables, context_lens)]
+    return torch.tensor(rows or [[0]], dtype=torch.int32, device=device)[: len(tables)]
 
 
 def _padded(table: list[int], used: int, width: int) -> list[int]:
@@ -163,19 +197,21 @@ def _pack_decodes(decodes, max_keys: int, block_size: int):
         yield group
 
 
-def _decode_group(group, block_size: int) -> DecodeGroup:
+def _decode_group(group, block_size: int, device) -> DecodeGroup:
     longest = len(group[-1][1])
-    rows = torch.tensor([r for r, _, _ in group], dtype=torch.long)
-    blocks = torch.tensor([t + [t[0]] * (longest - len(t)) for _, t, _ in group], dtype=torch.long)
-    lens = torch.tensor([n for _, _, n in group], dtype=torch.long)
-    masked = torch.arange(longest * block_size)[None, :] >= lens[:, None]
+    rows = torch.tensor([r for r, _, _ in group], dtype=torch.long, device=device)
+    blocks = torch.tensor([t + [t[0]] * (longest - len(t)) for _, t, _ in group], dtype=torch.long, device=device)
+    lens = torch.tensor([n for _, _, n in group], dtype=torch.long, device=device)
+    masked = torch.arange(longest * block_size, device=device)[None, :] >= lens[:, None]
     return DecodeGroup(rows, blocks, lens, masked)
 
 
-class PagedAttention:
-    """Attention over the paged cache for one step: writes the step's K/V, then attends."""
+class CompiledPagedAttention:
+    """The compiled kernel: one op per layer writes the step's K/V into the cache and reads
+    every context in place through the block table."""
 
-    def __init__(self, kv_cache, layout: StepLayout):
+    def __init__(self, ops, kv_cache, layout: StepLayout):
+        self.ops = ops
         self.cache = kv_cache
         self.layout = layout
 
@@ -185,71 +221,91 @@ class PagedAttention:
         """q: [T, H, D]; k, v: [T, KVH, D] for the step's new tokens (each token's heads
         contiguous; views of one qkv row are fine). Returns [T, H, D]."""
         lay, cache = self.layout, self.cache
-        ops = compiled_ops()
-        if ops is not None:
-            eight_bit = cache.quantized
-            step_dtype = q.dtype
-            if not eight_bit and cache.dtype != step_dtype:  # e.g. fp32 weights, a bf16 cache: the
-                q, k, v = (t.to(cache.dtype) for t in (q, k, v))  # kernel computes in the cache's dtype
-            out = ops.paged_attention(
-                q,
-                k,
-                v,
-                cache.k[layer],  # [KVH, slots, D]
-                cache.v[layer],
-                lay.query_start,
-                lay.context_lens,
-                lay.block_tables,
-                lay.block_size,
-                scale,
-                window or 0,
-                lay.pairs_budget,
-                cache.k_scale[layer] if eight_bit else None,
-                cache.v_scale[layer] if eight_bit else None,
-            )
-            return out.to(step_dtype)
-        cache.write(layer, lay.slot_mapping, k, v)
-        kv_heads, d = k.shape[1], k.shape[2]
+        eight_bit = cache.quantized
+        step_dtype = q.dtype
+        if not eight_bit and cache.dtype != step_dtype:  # e.g. fp32 weights, a bf16 cache: the
+            q, k, v = (t.to(cache.dtype) for t in (q, k, v))  # kernel computes in the cache's dtype
+        out = self.ops.paged_attention(
+            q,
+            k,
+            v,
+            cache.k[layer],  # [KVH, slots, D]
+            cache.v[layer],
+            lay.query_start,
+            lay.context_lens,
+            lay.block_tables,
+            lay.block_size,
+            scale,
+            window or 0,
+            lay.pairs_budget,
+            cache.k_scale[layer] if eight_bit else None,
+            cache.v_scale[layer] if eight_bit else None,
+        )
+        return out.to(step_dtype)
+
+
+class TorchPagedAttention:
+    """matmul / softmax / matmul over a gathered copy of each context (see the module docstring)."""
+
+    def __init__(self, kv_cache, layout: StepLayout):
+        self.cache = kv_cache
+        self.layout = layout
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None
+    ) -> torch.Tensor:
+        """As ``CompiledPagedAttention.attend``."""
+        self.cache.write(layer, self.layout.slot_mapping, k, v)
         out = torch.empty_like(q)
+        for g in self.layout.decode_groups:
+            self._decode(layer, g, q, out, scale, window)
+        for p in self.layout.prefills:
+            self._prefill(layer, p, q, out, scale, window)
+        return out
+
+    def _decode(self, layer: int, g: DecodeGroup, q, out, scale: float, window: int | None) -> None:
+        """Rows of one token each, grouped so a group gathers at most ``gather_budget`` keys."""
+        kv_heads, d = self.cache.k[layer].shape[0], q.shape[2]
         group = q.shape[1] // kv_heads
-        for g in lay.decode_groups:
-            b = g.blocks.shape[0]
-            keys, values = cache.gather(layer, g.blocks, q.dtype)
-            keys = keys.view(kv_heads, b, g.keys, d)  # [KVH, B, L, D]
-            values = values.view(kv_heads, b, g.keys, d)
-            queries = q.index_select(0, g.rows)  # [B, H, D]
-            mask = g.mask(window)
+        b = g.blocks.shape[0]
+        keys, values = self.cache.gather(layer, g.blocks, q.dtype)
+        keys = keys.view(kv_heads, b, g.keys, d)  # [KVH, B, L, D]
+        values = values.view(kv_heads, b, g.keys, d)
+        queries = q.index_select(0, g.rows)  # [B, H, D]
+        mask = g.mask(window)
+        for h in range(kv_heads):
+            heads = slice(h * group, (h + 1) * group)
+            scores = torch.bmm(queries[:, heads], keys[h].transpose(1, 2))  # [B, G, L]
+            probs = _softmax(scores, scale, mask[:, None, :])
+            del scores
+            out[g.rows, heads] = torch.bmm(probs, values[h])
+            del probs
+
+    def _prefill(self, layer: int, p: PrefillChunk, q, out, scale: float, window: int | None) -> None:
+        """A prompt chunk, its queries in tiles of at most ``pairs_budget`` scored pairs."""
+        lay = self.layout
+        kv_heads, d = self.cache.k[layer].shape[0], q.shape[2]
+        group = q.shape[1] // kv_heads
+        n = p.blocks.shape[0] * lay.block_size
+        keys, values = self.cache.gather(layer, p.blocks, q.dtype)
+        keys = keys.view(kv_heads, n, d)[:, : p.context_len]  # [KVH, ctx, D]
+        values = values.view(kv_heads, n, d)[:, : p.context_len]
+        tile = lay.query_tile(p.context_len)
+        first_pos = p.context_len - p.length
+        for t0 in range(0, p.length, tile):
+            t1 = min(t0 + tile, p.length)
+            mask = _causal_mask(first_pos + t0, first_pos + t1, p.context_len, window, q.device)
+            rows = slice(p.start + t0, p.start + t1)
             for h in range(kv_heads):
                 heads = slice(h * group, (h + 1) * group)
-                scores = torch.bmm(queries[:, heads], keys[h].transpose(1, 2))  # [B, G, L]
+                queries = q[rows, heads].reshape(-1, d)  # [tile*G, D]
+                scores = torch.mm(queries, keys[h].t()).view(t1 - t0, group, -1)
+                del queries
                 probs = _softmax(scores, scale, mask[:, None, :])
                 del scores
-                out[g.rows, heads] = torch.bmm(probs, values[h])
+                out[rows, heads] = torch.mm(probs.view(-1, probs.shape[-1]), values[h]).view(t1 - t0, group, -1)
                 del probs
-            del keys, values, queries
-        for p in lay.prefills:
-            n = p.blocks.shape[0] * lay.block_size
-            keys, values = cache.gather(layer, p.blocks, q.dtype)
-            keys = keys.view(kv_heads, n, d)[:, : p.context_len]  # [KVH, ctx, D]
-            values = values.view(kv_heads, n, d)[:, : p.context_len]
-            tile = lay.query_tile(p.context_len)
-            first_pos = p.context_len - p.length
-            for t0 in range(0, p.length, tile):
-                t1 = min(t0 + tile, p.length)
-                mask = _causal_mask(first_pos + t0, first_pos + t1, p.context_len, window)
-                rows = slice(p.start + t0, p.start + t1)
-                for h in range(kv_heads):
-                    heads = slice(h * group, (h + 1) * group)
-                    queries = q[rows, heads].reshape(-1, d)  # [tile*G, D]
-                    scores = torch.mm(queries, keys[h].t()).view(t1 - t0, group, -1)
-                    del queries
-                    probs = _softmax(scores, scale, mask[:, None, :])
-                    del scores
-                    out[rows, heads] = torch.mm(probs.view(-1, probs.shape[-1]), values[h]).view(t1 - t0, group, -1)
-                    del probs
-                del mask
-            del keys, values
-        return out
+            del mask
 
 
 def _softmax(scores: torch.Tensor, scale: float, masked: torch.Tensor | None) -> torch.Tensor:
@@ -260,10 +316,10 @@ def _softmax(scores: torch.Tensor, scale: float, masked: torch.Tensor | None) ->
     return torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
 
 
-def _causal_mask(first: int, end: int, context_len: int, window: int | None) -> torch.Tensor:
+def _causal_mask(first: int, end: int, context_len: int, window: int | None, device) -> torch.Tensor:
     """[end - first, context_len] True where query position p may not see key position j."""
-    q_pos = torch.arange(first, end)[:, None]
-    k_pos = torch.arange(context_len)[None, :]
+    q_pos = torch.arange(first, end, device=device)[:, None]
+    k_pos = torch.arange(context_len, device=device)[None, :]
     masked = k_pos > q_pos
     if window is not None:
         masked |= k_pos <= q_pos - window

@@ -31,9 +31,9 @@ EIGHT_BIT = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
 class KVCache:
     """K/V storage for ``num_blocks`` blocks of ``block_size`` slots, for every layer.
 
-    Tensors are kept head-major and flat as ``[num_kv_heads, num_blocks * block_size, head_dim]``:
-    a write is one indexed copy by slot, a read one gather by slot, and each KV head's gathered
-    keys are contiguous, which the bf16 matmul kernels need to avoid copying them again.
+    The backend that reads it decides the layout (``Backend.kv_cache_shape``; the CPU backends'
+    is head-major and flat, ``[num_kv_heads, num_blocks * block_size, head_dim]``, which the
+    methods below assume) and allocates it (``Backend.allocate_kv_cache``).
     """
 
     def __init__(
@@ -44,6 +44,7 @@ class KVCache:
         dtype: torch.dtype | str,
         device: torch.device | str = "cpu",
         resident: bool = False,
+        shape: tuple[int, ...] | None = None,
     ):
         """``resident``: commit every page now (the engine does when a budget is given, so the
         process's memory is what the plan says from the start and load cannot grow it); else
@@ -57,7 +58,7 @@ class KVCache:
             dtype = getattr(torch, dtype)
         self.dtype: torch.dtype = EIGHT_BIT[dtype][0] if isinstance(dtype, str) else dtype
         self.top = EIGHT_BIT[dtype][1] if isinstance(dtype, str) else 0.0
-        shape = (cfg.num_kv_heads, num_blocks * block_size, cfg.head_dim)
+        shape = shape or (cfg.num_kv_heads, num_blocks * block_size, cfg.head_dim)
         self.k = [_zeros(shape, self.dtype, device, resident) for _ in range(cfg.num_layers)]
         self.v = [_zeros(shape, self.dtype, device, resident) for _ in range(cfg.num_layers)]
         layers = range(cfg.num_layers) if self.quantized else range(0)

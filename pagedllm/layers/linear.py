@@ -1,28 +1,21 @@
-"""Linear layers whose weights are stored the way this CPU multiplies them fastest.
+"""Linear layers whose weights are stored the way the backend multiplies them fastest.
 
 A ``Linear`` may hold several checkpoint tensors stacked by rows (q, k and v; gate and up), so a
 sub-layer runs one GEMM where the checkpoint has three. The loader writes each checkpoint tensor
-into its rows (``load_part``); ``pack`` then hands bfloat16 weights to oneDNN once, in its own
-blocked layout, so no call re-lays them out (eager ``F.linear`` in bf16 does, every call). The
-packing ops are private to torch: if they are missing or refuse, the layer stays on ``F.linear``.
-
-fp32 stays on ``F.linear`` (MKL's sgemm): measured here, oneDNN's prepacked fp32 weights were
-slower at one row and no faster at 64 (docs/benchmarks.md). MKL's sgemm needs no per-shape
-kernel; oneDNN's bf16 kernels are built per input shape, so packed layers pad their rows to a
-few buckets (``padded_rows``).
+into its rows (``load_part``); ``pack`` then hands the weights to the backend once
+(``Backend.pack_weight``: on CPU, bf16 weights go to oneDNN's blocked layout, so no call re-lays
+them out as eager ``F.linear`` in bf16 does, every call; fp32 stays on MKL's sgemm).
 """
 
 from __future__ import annotations
 
-import logging
+from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .workspace import padded_rows
-
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from ..backends import Backend
 
 
 class StackedRows(nn.Module):
@@ -46,11 +39,12 @@ class StackedRows(nn.Module):
 
 
 class Linear(StackedRows):
-    def __init__(self, in_features: int, parts: list[int], bias: bool):
+    def __init__(self, in_features: int, parts: list[int], bias: bool, backend: Backend):
         super().__init__(in_features, parts)
         rows = sum(parts)
         self.weight = nn.Parameter(torch.empty(rows, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(rows), requires_grad=False) if bias else None
+        self.backend = backend
         self.packed = False
 
     def part_view(self, name: str, index: int, dtype: torch.dtype) -> torch.Tensor:
@@ -69,42 +63,13 @@ class Linear(StackedRows):
             rows.copy_(tensor)
 
     def pack(self) -> None:
-        """Re-lays bf16 weights out for oneDNN, once. A no-op for other dtypes."""
-        if self.packed or self.weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        """Re-lays the weights out for the backend, once (a no-op where it keeps them as they are)."""
+        if self.packed:
             return
-        try:
-            packed = _reorder(self.weight.data)
-            probe = torch.zeros(1, self.in_features, dtype=torch.bfloat16)
-            expected = F.linear(probe, self.weight.data, None if self.bias is None else self.bias.data)
-            got = torch.ops.mkldnn._linear_pointwise(probe, packed, self.bias, "none", [], "")
-            if not torch.equal(got, expected):
-                raise RuntimeError("packed weights give other results")
-        except (AttributeError, RuntimeError) as e:
-            _warn_once(f"oneDNN weight packing unavailable ({type(e).__name__}: {e}); using F.linear")
-            return
-        self.weight = nn.Parameter(packed, requires_grad=False)
-        self.packed = True
+        packed = self.backend.pack_weight(self.weight.data, None if self.bias is None else self.bias.data)
+        if packed is not None:
+            self.weight = nn.Parameter(packed, requires_grad=False)
+            self.packed = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.packed:
-            return F.linear(x, self.weight, self.bias)
-        rows = x.shape[0]
-        padded = padded_rows(rows)
-        if padded != rows:  # one oneDNN kernel per row bucket, not one per row count
-            x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
-        y = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return y[:rows] if padded != rows else y
-
-
-def _reorder(weight: torch.Tensor) -> torch.Tensor:
-    """oneDNN's blocked layout for ``weight`` (what inductor's freezing emits)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
-
-
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        log.warning(message)
+        return self.backend.linear(x, self.weight, self.bias, self.packed)

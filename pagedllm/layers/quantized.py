@@ -6,25 +6,25 @@ map onto 4-bit q and Q8_0/Q5_K/Q6_K onto 8-bit q exactly (``loading/gguf_quants.
 ``quantize`` makes the same from a float checkpoint tensor (int8: one scale per row, symmetric;
 int4: groups of 32 with scale and offset).
 
-A ``QuantizedLinear`` multiplies in one of two ways per call, by row count: few rows (a decode
-step of a few requests) run the kernel that reads each packed weight once, so a step costs the
-bytes of the 4- or 8-bit weights; many rows dequantize the layer into a transient float buffer
-and run the float GEMM (the dequantize is paid once for all rows). No float copy is kept.
+A ``QuantizedLinear`` multiplies through its backend (``Backend.quantized_matmul``): on the
+compiled CPU kernels, few rows (a decode step of a few requests) run the kernel that reads each
+packed weight once, so a step costs the bytes of the 4- or 8-bit weights; many rows dequantize
+the layer into a transient float buffer and run the float GEMM (the dequantize is paid once for
+all rows). No float copy is kept.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import compiled_ops
 from .linear import StackedRows
-from .workspace import DEQUANT_CHUNK_ELEMENTS
-from .workspace import QUANT_KERNEL_MAX_ROWS as KERNEL_MAX_ROWS
+
+if TYPE_CHECKING:
+    from ..backends import Backend
 
 SCHEMES = ("int8", "int4")
 INT4_GROUP = 32
@@ -114,11 +114,8 @@ def _quantize_rows(weight: torch.Tensor, scheme: str) -> QuantizedWeight:
     return QuantizedWeight(packed.contiguous(), scale.contiguous(), low.contiguous(), 4, INT4_GROUP)
 
 
-def dequantize(w: QuantizedWeight, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """The float values of ``w`` (or of its ``rows``), in ``dtype``."""
-    ops = compiled_ops()
-    if ops is not None:
-        return ops.dequantize(w.qweight, w.scale, w.zero, w.bits, w.group, rows, dtype)
+def dequantize_reference(w: QuantizedWeight, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The float values of ``w`` (or of its ``rows``), in ``dtype``, in plain PyTorch."""
     if rows is not None:
         zero = None if w.zero is None else w.zero[rows]
         w = QuantizedWeight(w.qweight[rows], w.scale[rows], zero, w.bits, w.group)
@@ -134,33 +131,6 @@ def dequantize(w: QuantizedWeight, dtype: torch.dtype, rows: torch.Tensor | None
     return values.view(n, k).to(dtype)
 
 
-@functools.cache
-def tiles_available() -> bool:
-    """Whether the compiled kernels run many bf16 rows on AMX tiles (built with AMX, and the OS
-    grants the process its tile state)."""
-    ops = compiled_ops()
-    return ops is not None and bool(ops.quant_linear_tiles())
-
-
-def quantized_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
-    """x [M, K] @ w^T, in x's dtype: the packed-weight kernel for few rows, and for any number of
-    bf16 rows on AMX tiles (weights dequantized 16 channels at a time into L1); else dequantize
-    the layer + GEMM."""
-    ops = compiled_ops()
-    tiles = x.dtype == torch.bfloat16 and w.shape[1] % 32 == 0 and tiles_available()
-    if ops is not None and (x.shape[0] <= KERNEL_MAX_ROWS or tiles):
-        return ops.quant_linear(x.contiguous(), w.qweight, w.scale, w.zero, w.bits, w.group)
-    n, k = w.shape
-    chunk = max(1, DEQUANT_CHUNK_ELEMENTS // k)
-    if n <= chunk:
-        return F.linear(x, dequantize(w, x.dtype))
-    out = x.new_empty(x.shape[0], n)
-    for start in range(0, n, chunk):
-        stop = min(n, start + chunk)
-        out[:, start:stop] = F.linear(x, dequantize(w.rows(start, stop), x.dtype))
-    return out
-
-
 class QuantizedLinear(StackedRows):
     """A linear layer on quantized weights, stacked by rows like ``Linear`` (q/k/v, gate/up).
 
@@ -170,8 +140,9 @@ class QuantizedLinear(StackedRows):
     6 bits next to q and k in 4).
     """
 
-    def __init__(self, in_features: int, parts: list[int], bias: bool, scheme: str | None):
+    def __init__(self, in_features: int, parts: list[int], bias: bool, scheme: str | None, backend: Backend):
         super().__init__(in_features, parts)
+        self.backend = backend
         self.scheme = scheme  # how float tensors are quantized; None: parts must come quantized
         self.bias = nn.Parameter(torch.empty(sum(parts)), requires_grad=False) if bias else None
         self.pending: dict[int, QuantizedWeight] = {}
@@ -212,7 +183,7 @@ class QuantizedLinear(StackedRows):
         return [*self.segments, *self.pending.values()]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        outs = [quantized_matmul(x, s) for s in self.segments]
+        outs = [self.backend.quantized_matmul(x, s) for s in self.segments]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         if self.bias is not None:
             y += self.bias
@@ -223,8 +194,11 @@ class QuantizedEmbedding(StackedRows):
     """Token embeddings kept quantized: a lookup dequantizes only the rows it reads. A tied
     lm_head multiplies by the same weight (``DecoderLM.tie_embeddings``)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, scheme: str | None, dtype: torch.dtype):
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, scheme: str | None, dtype: torch.dtype, backend: Backend
+    ):
         super().__init__(embedding_dim, [num_embeddings])
+        self.backend = backend
         self.scheme = scheme  # how a float checkpoint tensor is quantized; None: it comes quantized
         self.dtype = dtype  # of the activations a lookup returns
         self.weight_q: QuantizedWeight | None = None
@@ -242,4 +216,4 @@ class QuantizedEmbedding(StackedRows):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         assert self.weight_q is not None, "embeddings not loaded"
-        return dequantize(self.weight_q, self.dtype, rows=ids)
+        return self.backend.dequantize(self.weight_q, self.dtype, rows=ids)

@@ -1,6 +1,6 @@
 """Rotary position embedding: the inverse frequencies with the checkpoint's scaling (default,
-linear, llama3), cos/sin tables computed once per step, and the in-place rotation every layer
-applies. Tables are float32 then cast, as in HF transformers."""
+linear, llama3), cos/sin tables computed once per step (every layer's backend rotates q and k by
+them in place). Tables are float32 then cast, as in HF transformers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig, RopeConfig
-from ..kernels import compiled_ops
 
 
 def rope_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
@@ -50,18 +49,3 @@ class Rotary(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         del freqs
         return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """In place on q [T, H, D] and k [T, KVH, D] (views of one qkv row are fine):
-    x = x * cos + rotate_half(x) * sin."""
-    ops = compiled_ops()
-    if ops is not None:
-        ops.rotary(q, k, cos, sin)
-        return
-    for x in (q, k):
-        half = x.shape[-1] // 2
-        rotated = torch.empty_like(x)
-        torch.neg(x[..., half:], out=rotated[..., :half])
-        rotated[..., half:] = x[..., :half]
-        x.mul_(cos[:, None, :]).add_(rotated.mul_(sin[:, None, :]))

@@ -25,6 +25,7 @@ from ..sampling_params import SamplingParams
 from .workspace import SAMPLER_CHUNK_ROWS as CHUNK_ROWS
 
 if TYPE_CHECKING:
+    from ..backends import Backend
     from ..structured import Grammars
 
 
@@ -57,8 +58,12 @@ def needs_full_path(seq: SamplingRow) -> bool:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: tuple[int, ...], grammars: Grammars | None = None):
+    def __init__(
+        self, eos_token_ids: tuple[int, ...], grammars: Grammars | None = None, backend: Backend | None = None
+    ):
+        """``backend`` applies a grammar's mask (needed once ``grammars`` is set)."""
         self.eos_token_ids = list(eos_token_ids)
+        self.backend = backend
         self.grammars = grammars  # masks constrained rows; None when no request may have a grammar
 
     @torch.inference_mode()
@@ -68,7 +73,8 @@ class Sampler:
         for c0 in range(0, len(seqs), CHUNK_ROWS):
             chunk, rows = logits[c0 : c0 + CHUNK_ROWS], seqs[c0 : c0 + CHUNK_ROWS]
             if self.grammars is not None and any(s.matcher is not None for s in rows):
-                self.grammars.mask_logits(chunk, [s.matcher for s in rows])
+                assert self.backend is not None, "a sampler with grammars needs a backend to mask logits"
+                self.grammars.mask_logits(chunk, [s.matcher for s in rows], self.backend)
             if any(needs_full_path(s) for s in rows):
                 t, lp = self._full(chunk, rows)
             else:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..backends import Backend
 from ..config import ModelConfig
 from ..errors import ModelLoadError
 from ..models import DecoderLM
@@ -58,10 +59,13 @@ def resolve_model_dir(model: str | Path | None) -> tuple[Path, str]:
 
 
 def load(
-    model: str | Path | None = None, dtype: str | torch.dtype = "float32", quantization: str | None = None
+    model: str | Path | None = None,
+    dtype: str | torch.dtype = "float32",
+    quantization: str | None = None,
+    backend: Backend | None = None,
 ) -> LoadedModel:
     model_dir, name = resolve_model_dir(model)
-    return load_dir(model_dir, name, dtype, quantization=quantization)
+    return load_dir(model_dir, name, dtype, quantization=quantization, backend=backend)
 
 
 def load_dir(
@@ -70,10 +74,11 @@ def load_dir(
     dtype: str | torch.dtype = "float32",
     tokenizer: Any = None,
     quantization: str | None = None,
+    backend: Backend | None = None,
 ) -> LoadedModel:
     """Weights (and the tokenizer, unless the caller loaded it already) of an HF-style directory;
-    ``quantization`` as ``checkpoint.load_decoder`` takes it."""
-    decoder = load_decoder(model_dir, torch_dtype(dtype), quantization)
+    ``quantization`` and ``backend`` as ``checkpoint.load_decoder`` takes them."""
+    decoder = load_decoder(model_dir, torch_dtype(dtype), quantization, backend)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
     return LoadedModel(decoder, decoder.config, tokenizer, model_dir, name, sampling_defaults(model_dir))
 

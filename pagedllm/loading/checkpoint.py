@@ -17,10 +17,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..backends import Backend
 from ..config import ModelConfig
 from ..errors import ModelLoadError
 from ..layers.linear import Linear, StackedRows
-from ..layers.quantized import SCHEMES, QuantizedEmbedding, QuantizedLinear, QuantizedWeight, dequantize
+from ..layers.quantized import SCHEMES, QuantizedEmbedding, QuantizedLinear, QuantizedWeight
 from ..memory.machine import return_freed_heap
 from ..models import DecoderLM
 from .gguf_convert import QWEIGHT, SCALE, ZERO
@@ -52,7 +53,15 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_decoder(model_dir: Path, dtype: torch.dtype, quantization: str | None = None) -> DecoderLM:
+def load_decoder(
+    model_dir: Path, dtype: torch.dtype, quantization: str | None = None, backend: Backend | None = None
+) -> DecoderLM:
+    """``backend``: what the model computes with (default: ``backends.get()``, as
+    PAGEDLLM_KERNELS says); weights it re-lays out are packed by it after loading."""
+    if backend is None:
+        from .. import backends
+
+        backend = backends.get()
     if quantization is not None and quantization not in QUANTIZATIONS:
         choices = ", ".join(QUANTIZATIONS)
         raise ValueError(f"quantization {quantization!r}: choose one of {choices} (or None: as stored)")
@@ -61,7 +70,7 @@ def load_decoder(model_dir: Path, dtype: torch.dtype, quantization: str | None =
     headers = [(f, *read_header(f)) for f in files]  # validate every file before reading any
     stored = _stored_quantized(headers)
     with torch.device("meta"):
-        model = DecoderLM(cfg)
+        model = DecoderLM(cfg, backend)
     _choose_quantized(model, stored, quantization, dtype)
     slots = model.checkpoint_slots()
     loaded: set[str] = set()
@@ -102,7 +111,7 @@ def load_decoder(model_dir: Path, dtype: torch.dtype, quantization: str | None =
                     module.load_quantized_part(part or 0, value)
                     loaded.add(name)
                     continue
-                value = dequantize(value, dtype)  # a float layer: "none", or a stack not all quantized
+                value = backend.dequantize(value, dtype)  # a float layer: "none", or a stack not all quantized
             if stacked is not None:
                 stacked.load_part(leaf, part or 0, value)
             else:

@@ -1,37 +1,9 @@
-"""The budget: a size the user gave, or a fraction of the memory free now (host or container)."""
+"""The budget: a size the user gave (``sizes.parse_memory``), or a fraction of the memory free now
+(host or container)."""
 
 from __future__ import annotations
 
-import re
-
-from ..sizes import GiB
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-}
-
-
-def parse_memory(text: str | int) -> int:
-    """'6GiB', '512MiB', '8GB', '1.5 GiB' or a byte count."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"memory {text!r}: expected a size like '6GiB', '512MiB' or '8GB'")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+from ..sizes import GiB, parse_memory
 
 
 def free_memory(device: str = "cpu") -> tuple[int, str]:

@@ -8,14 +8,18 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 from functools import partial
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from ..config import ModelConfig
+from ..engine_config import EngineConfig
 from ..errors import CacheDoesNotFitError
-from ..sizes import ceil_div, dtype_bytes, gib, kv_dtype_name, kv_element_bytes
+from ..sizes import ceil_div, dtype_bytes, gib, kv_element_bytes
 from .budget import resolve_budget
 from .footprint import EngineSettings, activation_peak, kv_bytes_per_block, loader_bytes, weight_bytes
 from .machine import expected_kernels, gemm_isa, usable_cpus
+
+if TYPE_CHECKING:
+    from ..backends import PlanFacts
 
 # What the process holds beyond the tensors the footprint itemises, under load: library code
 # paged in by the first steps, the allocator's kept memory, the capped GEMM kernel caches,
@@ -254,17 +258,7 @@ def plan(
     )
     n, m, max_len = solve(costs)
     if max_num_seqs is None and n < costs.seqs:
-        # Every running sequence holds a block, so no more than N ever run at once: a solved
-        # max_num_seqs above N only reserves logits and sampler rows that never exist. The
-        # largest S whose cache still has S blocks (fewer rows reserved, more blocks).
-        lo, hi = 1, costs.seqs - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if solve(replace(costs, seqs=mid))[0] >= mid:
-                lo = mid
-            else:
-                hi = mid - 1
-        costs = replace(costs, seqs=lo)
+        costs = _fewer_seqs(costs, solve)
         fail.costs = costs
         n, m, max_len = solve(costs)
     source = "given" if given_len else ("the model's" if max_len == model_len else "solved: what the cache holds")
@@ -290,6 +284,20 @@ def plan(
         costs.loader,
         _weights_format(s),
     )
+
+
+def _fewer_seqs(costs: _Costs, solve) -> _Costs:
+    """Every running sequence holds a block, so no more than N ever run at once: a solved
+    max_num_seqs above N only reserves logits and sampler rows that never exist. The largest S
+    whose cache still has S blocks (fewer rows reserved, more blocks)."""
+    lo, hi = 1, costs.seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if solve(replace(costs, seqs=mid))[0] >= mid:
+            lo = mid
+        else:
+            hi = mid - 1
+    return replace(costs, seqs=lo)
 
 
 def _weights_format(s: EngineSettings) -> str:
@@ -426,77 +434,71 @@ class _Failure:
 
 def plan_engine(
     cfg: ModelConfig,
+    config: EngineConfig | None = None,
     *,
     model_name: str = "model",
-    dtype: str = "float32",
-    kv_cache_dtype: str | None = None,
-    block_size: int = 16,
-    num_blocks: int | None = None,
-    max_batch_tokens: int | None = None,
-    max_num_seqs: int | None = None,
-    max_model_len: int | None = None,
-    memory: str | int | None = None,
-    memory_fraction: float | None = None,
-    device: str = "cpu",
+    backend: PlanFacts | None = None,
     baseline_bytes: int | None = None,
     already_loaded: int = 0,
-    kernels: str | None = None,
-    quantization: str | None = None,
     weights_bytes: int | None = None,
     quantized_weights: bool | None = None,
     grammar_cache_bytes: int = 0,
-    gemm_kind: str | None = None,
 ) -> MemoryPlan:
-    """The plan an engine starts from: the budget, then ``plan``.
+    """The plan an engine starts from: the budget, then ``plan``. Everything the user chose is in
+    ``config`` (default: ``EngineConfig()``); the rest are facts of this process and checkpoint.
 
-    ``memory`` bounds the whole process, ``baseline_bytes`` (its resident memory before any
-    weight is loaded; estimated when not given) included. ``memory_fraction`` is a fraction of
-    the memory free now (host or container), which the baseline has already taken, so the
-    process may reach ``baseline + fraction x free``. ``already_loaded``: weights the caller
-    holds already, counted as free. ``kernels``: 'compiled' or 'torch' (default: what
-    ``expected_kernels`` says). ``quantization`` as the loader takes it; ``weights_bytes``: the
-    weights' exact size when the checkpoint is at hand (else computed from the config);
-    ``quantized_weights``: whether they run quantized (default: when ``quantization`` says so). With no
-    budget given, a solved cache is capped at what ``max_num_seqs`` requests of ``max_model_len``
-    tokens can use at once, so a small model does not reserve the whole host.
-    ``grammar_cache_bytes``: the bound of structured output's caches (``LLM`` passes it when
-    structured output is on), counted in the overhead. ``gemm_kind``: what oneDNN's bf16 GEMMs run
-    on (``machine.GEMM_ISAS``; ``LLM`` asks oneDNN, ``layers.onednn_probe``); default: what the
-    CPU's flags and ONEDNN_MAX_CPU_ISA say (``machine.gemm_isa``).
+    ``config.memory`` bounds the whole process, ``baseline_bytes`` (its resident memory before
+    any weight is loaded; estimated when not given) included. ``config.memory_fraction`` is a
+    fraction of the memory free now (host or container), which the baseline has already taken,
+    so the process may reach ``baseline + fraction x free``. ``already_loaded``: weights the
+    caller holds already, counted as free. ``backend``: the kernels, the bf16 GEMMs' kind and
+    whether quantized rows run on AMX tiles (``Backend.plan_facts``; default: what
+    ``expected_kernels`` and the CPU's flags with ONEDNN_MAX_CPU_ISA say, without torch).
+    ``weights_bytes``: the weights' exact size when the checkpoint is at hand (else computed from
+    the config); ``quantized_weights``: whether they run quantized (default: when
+    ``config.quantization`` says so). With no budget given, a solved cache is capped at what
+    ``max_num_seqs`` requests of ``max_model_len`` tokens can use at once, so a small model does
+    not reserve the whole host. ``grammar_cache_bytes``: the bound of structured output's caches
+    (when it is on), counted in the overhead.
     """
+    c = config or EngineConfig()
     measured = baseline_bytes is not None
     baseline = baseline_bytes if baseline_bytes is not None else ESTIMATED_BASELINE_BYTES
-    budget, source = resolve_budget(memory, memory_fraction, device, already_loaded)
-    if memory is None:
+    budget, source = resolve_budget(
+        c.memory, c.memory_fraction, "cpu" if backend is None else backend.device, already_loaded
+    )
+    if c.memory is None:
         budget, source = budget + baseline, f"{source} + the process baseline"
-    isa = gemm_kind or gemm_isa()
+    kernels = backend.kernels if backend is not None else expected_kernels()
+    isa = (backend.gemm_kind if backend is not None else None) or gemm_isa()
+    quant_tiles = backend.quant_tiles if backend is not None else kernels == "compiled" and isa == "amx"
     settings = EngineSettings(
-        dtype=dtype,
-        kv_dtype=kv_dtype_name(kv_cache_dtype) if kv_cache_dtype else None,
-        block_size=block_size,
-        max_model_len=max_model_len,
+        dtype=c.dtype,
+        kv_dtype=c.kv_cache_dtype,
+        block_size=c.block_size,
+        max_model_len=c.max_model_len,
         gemm_isa=isa,
-        kernels=kernels or expected_kernels(),
-        threads=usable_cpus(),
-        quantization=quantization,
+        kernels=kernels,
+        threads=c.threads or usable_cpus(),
+        quantization=c.quantization,
         weights_bytes=weights_bytes,
-        quantized_weights=quantization in ("int8", "int4") if quantized_weights is None else quantized_weights,
-        packed=isa != "avx2",  # oneDNN packs bf16 weights from AVX-512 up (layers.linear)
-        quant_tiles=(kernels or expected_kernels()) == "compiled" and isa == "amx",
+        quantized_weights=c.quantization in ("int8", "int4") if quantized_weights is None else quantized_weights,
+        packed=isa != "avx2",  # oneDNN packs bf16 weights from AVX-512 up (backends.cpu_torch)
+        quant_tiles=quant_tiles,
         grammar_cache_bytes=grammar_cache_bytes,
     )
-    seqs = max_num_seqs or AUTO_MAX_NUM_SEQS
-    longest = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-    cap = seqs * ceil_div(longest, block_size) if memory is None and memory_fraction is None else None
+    seqs = c.max_num_seqs or AUTO_MAX_NUM_SEQS
+    longest = min(c.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    cap = seqs * ceil_div(longest, c.block_size) if not c.budgeted else None
     return plan(
         cfg,
         budget,
         budget_source=source,
         model_name=model_name,
         settings=settings,
-        num_blocks=num_blocks,
-        max_batch_tokens=max_batch_tokens,
-        max_num_seqs=max_num_seqs,
+        num_blocks=c.num_blocks,
+        max_batch_tokens=c.max_batch_tokens,
+        max_num_seqs=c.max_num_seqs,
         cap_blocks=cap,
         baseline_bytes=baseline,
         baseline_source="measured" if measured else "estimated",

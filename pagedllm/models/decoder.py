@@ -16,7 +16,7 @@ those rows only, never for every prompt token.
 
 from __future__ import annotations
 
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -26,22 +26,26 @@ from ..layers.linear import Linear
 from ..layers.mlp import MLP
 from ..layers.norm import RMSNorm, add_rms_norm
 from ..layers.quantized import QuantizedEmbedding, QuantizedLinear
-from ..layers.rotary import Rotary, apply_rotary_
+from ..layers.rotary import Rotary
+
+if TYPE_CHECKING:
+    from ..backends import Backend
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, backend: Backend):
         super().__init__()
         self.layer = layer
+        self.backend = backend
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.window = cfg.sliding_windows[layer] if cfg.sliding_windows else None
         h, d = cfg.hidden_size, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
-        self.qkv_proj = Linear(h, [self.q_size, self.kv_size, self.kv_size], bias=cfg.qkv_bias)
-        self.o_proj = Linear(self.q_size, [h], bias=cfg.o_bias)
-        self.q_norm: RMSNorm | None = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm: RMSNorm | None = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.qkv_proj = Linear(h, [self.q_size, self.kv_size, self.kv_size], bias=cfg.qkv_bias, backend=backend)
+        self.o_proj = Linear(self.q_size, [h], bias=cfg.o_bias, backend=backend)
+        self.q_norm: RMSNorm | None = RMSNorm(d, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
+        self.k_norm: RMSNorm | None = RMSNorm(d, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
 
     def forward(self, x, cos, sin, attn):
         t, dq, dk = x.shape[0], self.q_size, self.kv_size
@@ -51,31 +55,31 @@ class Attention(nn.Module):
         v = qkv[:, dq + dk :].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        apply_rotary_(q, k, cos, sin)
+        self.backend.rotary_(q, k, cos, sin)
         out = attn.attend(self.layer, q, k, v, self.scale, self.window)
         del q, k, v, qkv
         return self.o_proj(out.view(t, dq))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, backend: Backend):
         super().__init__()
-        self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer, backend)
+        self.mlp = MLP(cfg, backend)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
 
 
 class DecoderBody(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, backend: Backend):
         super().__init__()
         # Built empty (the checkpoint fills it): nn.Embedding's own init would draw normal_
         # samples, and on the meta device that imports ~70 MB of torch's decompositions.
         self.embed_tokens = nn.Embedding(
             cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
         )
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.rotary = Rotary(cfg)
 
     def decoder_layers(self) -> list[DecoderLayer]:
@@ -83,11 +87,14 @@ class DecoderBody(nn.Module):
 
 
 class DecoderLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """``backend``: what every layer computes with (``pagedllm.backends``), chosen once."""
+
+    def __init__(self, cfg: ModelConfig, backend: Backend):
         super().__init__()
         self.config = cfg
-        self.model = DecoderBody(cfg)
-        self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], bias=False)
+        self.backend = backend
+        self.model = DecoderBody(cfg, backend)
+        self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], bias=False, backend=backend)
         if cfg.tie_word_embeddings:
             self.tie_embeddings()
 
@@ -95,7 +102,9 @@ class DecoderLM(nn.Module):
         embed = self.model.embed_tokens
         if isinstance(embed, QuantizedEmbedding):
             assert embed.weight_q is not None, "tie after loading"
-            head = QuantizedLinear(self.config.hidden_size, [self.config.vocab_size], bias=False, scheme=None)
+            head = QuantizedLinear(
+                self.config.hidden_size, [self.config.vocab_size], bias=False, scheme=None, backend=self.backend
+            )
             head.segments, head.packed = [embed.weight_q], True
             self.lm_head = head  # type: ignore[assignment]
         else:
@@ -113,10 +122,12 @@ class DecoderLM(nn.Module):
             parent_name, _, leaf = name.rpartition(".")
             parent = self.get_submodule(parent_name) if parent_name else self
             old = getattr(parent, leaf)
-            setattr(parent, leaf, QuantizedLinear(old.in_features, old.parts, old.bias is not None, scheme))
+            new = QuantizedLinear(old.in_features, old.parts, old.bias is not None, scheme, self.backend)
+            setattr(parent, leaf, new)
         if embedding is None or isinstance(embedding, str):
             cfg = self.config
-            self.model.embed_tokens = QuantizedEmbedding(cfg.vocab_size, cfg.hidden_size, embedding, dtype)  # type: ignore[assignment]
+            embed = QuantizedEmbedding(cfg.vocab_size, cfg.hidden_size, embedding, dtype, self.backend)
+            self.model.embed_tokens = embed  # type: ignore[assignment]
 
     def quantized(self) -> bool:
         """Whether its linear layers run on quantized weights."""

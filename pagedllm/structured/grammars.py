@@ -27,11 +27,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from ..errors import RequestRejected
-from ..kernels import compiled_ops
 from ..sampling_params import StructuredOutput
 
 if TYPE_CHECKING:
     import xgrammar
+
+    from ..backends import Backend
 
 # Compiled grammars kept for reuse, by their size as xgrammar reports it (a JSON schema: ~30 KB
 # to a few MB; 64 of the benchmark's schemas: 18 MiB), the least recently used going first.
@@ -129,9 +130,9 @@ class Grammars:
 
     # ---- mask ------------------------------------------------------------------------------------
 
-    def mask_logits(self, logits: torch.Tensor, matchers: list[Matcher | None]) -> None:
-        """Sets the tokens each constrained row's grammar forbids to -inf, in place; rows
-        without a matcher are untouched."""
+    def mask_logits(self, logits: torch.Tensor, matchers: list[Matcher | None], backend: Backend) -> None:
+        """Sets the tokens each constrained row's grammar forbids to -inf, in place (by
+        ``backend``); rows without a matcher are untouched."""
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return
@@ -141,11 +142,7 @@ class Grammars:
         bitmask = self._bitmask[: logits.shape[0]]  # every row used is filled whole below
         for i in rows:
             matchers[i].fill_next_token_bitmask(bitmask, i)  # type: ignore[union-attr]
-        ops = compiled_ops()
-        if ops is not None and logits.dtype == torch.float32 and logits.stride(1) == 1:
-            ops.mask_logits(logits, bitmask, rows, self.vocab_size)  # a word at a time (grammar_ops.cpp)
-        else:
-            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
+        backend.mask_logits(logits, bitmask, rows, self.vocab_size)
 
 
 def _tokenizer_info(xgr, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):

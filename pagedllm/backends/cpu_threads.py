@@ -10,7 +10,7 @@ slower than one thread did. So the engine watches the machine between steps: whe
 processes keep cores busy, it drops to the cores left free and unpins (the scheduler then places
 its threads on whichever cores are idle); when they go quiet, it comes back.
 
-``PAGEDLLM_THREADS=N`` sets the most threads; ``PAGEDLLM_PIN_THREADS=0`` never pins;
+``EngineConfig.threads`` (or ``PAGEDLLM_THREADS=N``) sets the most threads; ``PAGEDLLM_PIN_THREADS=0`` never pins;
 ``PAGEDLLM_ADAPT_THREADS=0`` keeps the count fixed.
 """
 
@@ -20,12 +20,10 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-
-from ..kernels import compiled_ops
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +54,17 @@ def _env_flag(name: str, default: bool) -> bool:
 
 
 class ThreadGovernor:
-    """Sets torch's thread count and affinity at start, then adjusts them between steps."""
+    """Sets torch's thread count and affinity at start, then adjusts them between steps.
 
-    def __init__(self):
+    ``pin(cpus, each)`` binds torch's worker threads (one per CPU of ``cpus`` if ``each``, else
+    all to the set): the compiled kernels' ``pin_threads``. Without it only the count applies."""
+
+    def __init__(self, pin: Callable[[torch.Tensor, bool], int] | None = None, max_threads: int | None = None):
+        self._pin = pin
         self.cpus = allowed_cpus()
         self.cores = physical_cores(self.cpus)
-        self.max_threads = int(os.environ.get("PAGEDLLM_THREADS", 0)) or len(self.cores)
-        self.pin = _env_flag("PAGEDLLM_PIN_THREADS", True)
+        self.max_threads = max_threads or int(os.environ.get("PAGEDLLM_THREADS", 0)) or len(self.cores)
+        self.pin = _env_flag("PAGEDLLM_PIN_THREADS", True) and pin is not None
         self.adapt = _env_flag("PAGEDLLM_ADAPT_THREADS", True) and _proc_stat() is not None
         self.threads = 0
         self.pinned = False
@@ -76,13 +78,12 @@ class ThreadGovernor:
         if threads != self.threads:
             torch.set_num_threads(threads)
             self.threads = threads
-        ops = compiled_ops()
-        if ops is None:  # pinning needs the compiled kernels; the count alone still applies
+        if self._pin is None:  # nothing to pin with; the count alone applies
             return
         if pin:
-            ops.pin_threads(torch.tensor(self.cores[:threads], dtype=torch.long), True)
+            self._pin(torch.tensor(self.cores[:threads], dtype=torch.long), True)
         else:
-            ops.pin_threads(torch.tensor(self.cpus, dtype=torch.long), False)
+            self._pin(torch.tensor(self.cpus, dtype=torch.long), False)
         self.pinned = pin
 
     @contextlib.contextmanager

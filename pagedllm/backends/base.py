@@ -1,0 +1,123 @@
+"""The backend interface: everything the model, the KV cache and the step ask of a device.
+
+A backend is chosen once per engine (``backends.get``) and handed to the loader, which gives it
+to every layer that computes, and to the engine, which allocates the KV cache, builds the
+attention metadata and sets the threads through it. No layer asks a process-wide switch which
+path it is on. A backend implements every method; one whose kernel lacks a case (a layout, a
+dtype) falls back to the reference PyTorch arithmetic for that call only, so one model may mix
+both (``CPUTorchBackend`` is the reference; ``CPUCompiledBackend`` overrides what it compiles).
+
+A ``cuda`` backend implements the same methods: its own attention (and metadata), its KV layout
+(``kv_cache_shape``), its pointwise kernels, its weight format, its thread policy (none) and the
+facts the memory planner needs (``plan_facts``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig
+    from ..engine.step import StepInput
+    from ..layers.attention import StepLayout
+    from ..layers.kv_cache import KVCache
+    from ..layers.quantized import QuantizedWeight
+
+
+@dataclass(frozen=True)
+class PlanFacts:
+    """What the memory planner must know about the backend (``memory.planner.plan_engine``)."""
+
+    kernels: str  # "compiled" or "torch": the attention and norm workspaces differ
+    gemm_kind: str | None  # what oneDNN's bf16 GEMMs run on (``machine.GEMM_ISAS``); None: the CPU's flags say
+    quant_tiles: bool  # bf16 rows of any count run on the compiled kernels' AMX tiles
+    device: str = "cpu"
+
+
+class Attention(Protocol):
+    """One step's attention over the paged cache: writes the step's K/V, then attends."""
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None
+    ) -> torch.Tensor: ...
+
+
+class ThreadPolicy(Protocol):
+    """How many threads a step runs on, and where (``backends.cpu_threads.ThreadGovernor`` on CPU)."""
+
+    def running(self) -> Any: ...  # a context manager around one step
+
+    def after_step(self) -> None: ...
+
+
+class Backend:
+    """The interface; ``backends.cpu_torch.CPUTorchBackend`` is the reference implementation."""
+
+    name: str = "abstract"
+    device: torch.device = torch.device("cpu")
+
+    # ---- the KV cache and attention -------------------------------------------------------
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """The shape of one layer's K (and V) tensor: the layout this backend's attention reads."""
+        raise NotImplementedError
+
+    def allocate_kv_cache(
+        self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype | str, resident: bool
+    ) -> KVCache:
+        raise NotImplementedError
+
+    def attention_metadata(self, step: StepInput, group_size: int) -> StepLayout:
+        """Where every token of the step reads and writes K/V, built once, read by every layer."""
+        raise NotImplementedError
+
+    def attention(self, kv_cache: KVCache, layout: StepLayout) -> Attention:
+        raise NotImplementedError
+
+    # ---- pointwise ------------------------------------------------------------------------
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        raise NotImplementedError
+
+    def add_rms_norm(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``residual += x`` in place, then the norm of ``residual``."""
+        raise NotImplementedError
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def rotary_(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    # ---- weights --------------------------------------------------------------------------
+
+    def pack_weight(self, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """The weight in the layout this device multiplies fastest, or None to keep it as it is."""
+        raise NotImplementedError
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantize(self, w: QuantizedWeight, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def quantized_matmul(self, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+        raise NotImplementedError
+
+    # ---- sampling -------------------------------------------------------------------------
+
+    def mask_logits(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_size: int) -> None:
+        """Sets the tokens a grammar's bitmask forbids to -inf in ``rows`` (xgrammar's layout)."""
+        raise NotImplementedError
+
+    # ---- the machine ----------------------------------------------------------------------
+
+    def thread_policy(self, max_threads: int | None = None) -> ThreadPolicy:
+        """A new policy for one engine; ``max_threads``: ``EngineConfig.threads``."""
+        raise NotImplementedError
+
+    def plan_facts(self, dtype: str) -> PlanFacts:
+        raise NotImplementedError

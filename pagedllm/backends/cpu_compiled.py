@@ -1,0 +1,74 @@
+"""``cpu-compiled``: pagedllm's C++ kernels (``kernels/csrc``, loaded as ``torch.ops.pagedllm``)
+for attention in place over the paged cache, the fused pointwise ops, the quantized GEMMs and
+the grammar mask; anything they do not cover (a layout, a dtype) runs the reference PyTorch
+arithmetic of ``cpu-torch``, for that call only."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..layers import attention
+from ..layers import quantized as quant
+from ..layers.kv_cache import KVCache
+from ..layers.workspace import QUANT_KERNEL_MAX_ROWS
+from .base import Attention, PlanFacts
+from .cpu_threads import ThreadGovernor
+from .cpu_torch import CPUTorchBackend
+
+
+class CPUCompiledBackend(CPUTorchBackend):
+    name = "cpu-compiled"
+    kernels = "compiled"
+
+    def __init__(self, ops: Any):
+        """``ops``: the loaded kernels (``kernels.compiled_ops()``)."""
+        self.ops = ops
+        # Whether many bf16 rows run on AMX tiles: built with AMX, the OS grants the tile state,
+        # and ONEDNN_MAX_CPU_ISA does not cap it away.
+        self.quant_tiles = bool(ops.quant_linear_tiles())
+
+    def attention(self, kv_cache: KVCache, layout: attention.StepLayout) -> Attention:
+        return attention.CompiledPagedAttention(self.ops, kv_cache, layout)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dim() == 2 and x.is_contiguous():
+            return self.ops.rms_norm(x, weight, eps)
+        return super().rms_norm(x, weight, eps)  # q/k norms of Qwen3 run on [T, H, D] views
+
+    def add_rms_norm(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.ops.add_rms_norm(residual, x, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.ops.silu_mul(gate_up)
+
+    def rotary_(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.ops.rotary(q, k, cos, sin)
+
+    def dequantize(
+        self, w: quant.QuantizedWeight, dtype: torch.dtype, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.ops.dequantize(w.qweight, w.scale, w.zero, w.bits, w.group, rows, dtype)
+
+    def quantized_matmul(self, x: torch.Tensor, w: quant.QuantizedWeight) -> torch.Tensor:
+        """The packed-weight kernel for few rows (a step costs the bytes of the 4- or 8-bit
+        weights), and for any number of bf16 rows on AMX tiles (weights dequantized 16 channels
+        at a time into L1); else dequantize the layer + GEMM."""
+        tiles = self.quant_tiles and x.dtype == torch.bfloat16 and w.shape[1] % 32 == 0
+        if x.shape[0] <= QUANT_KERNEL_MAX_ROWS or tiles:
+            return self.ops.quant_linear(x.contiguous(), w.qweight, w.scale, w.zero, w.bits, w.group)
+        return super().quantized_matmul(x, w)
+
+    def mask_logits(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_size: int) -> None:
+        if logits.dtype == torch.float32 and logits.stride(1) == 1:
+            self.ops.mask_logits(logits, bitmask, rows, vocab_size)  # a 32-bit word of the mask at a time
+        else:
+            super().mask_logits(logits, bitmask, rows, vocab_size)
+
+    def thread_policy(self, max_threads: int | None = None) -> ThreadGovernor:
+        return ThreadGovernor(pin=self.ops.pin_threads, max_threads=max_threads)
+
+    def plan_facts(self, dtype: str) -> PlanFacts:
+        facts = super().plan_facts(dtype)
+        return PlanFacts(kernels=self.kernels, gemm_kind=facts.gemm_kind, quant_tiles=self.quant_tiles)

@@ -1,0 +1,142 @@
+"""``cpu-torch``: every op in plain PyTorch. The reference the compiled kernels are tested
+against, and what runs where no C++ compiler is (one log line says so)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from ..layers import attention, pointwise
+from ..layers import quantized as quant
+from ..layers.kv_cache import KVCache
+from ..layers.workspace import DEQUANT_CHUNK_ELEMENTS, padded_rows
+from .base import Attention, Backend, PlanFacts
+from .cpu_threads import ThreadGovernor
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig
+    from ..engine.step import StepInput
+
+
+class CPUTorchBackend(Backend):
+    name = "cpu-torch"
+    device = torch.device("cpu")
+    kernels = "torch"  # what the memory planner's workspace terms follow
+
+    # ---- the KV cache and attention -------------------------------------------------------
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """Head-major and flat, ``[KVH, slots, D]``: a write is one indexed copy by slot, a read one
+        gather by slot, and each KV head's gathered keys are contiguous (the bf16 GEMMs need it)."""
+        return (num_kv_heads, num_blocks * block_size, head_dim)
+
+    def allocate_kv_cache(
+        self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype | str, resident: bool
+    ) -> KVCache:
+        shape = self.kv_cache_shape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        return KVCache(cfg, num_blocks, block_size, dtype, device=self.device, resident=resident, shape=shape)
+
+    def attention_metadata(self, step: StepInput, group_size: int) -> attention.StepLayout:
+        return attention.StepLayout.from_step(step, group_size)
+
+    def attention(self, kv_cache: KVCache, layout: attention.StepLayout) -> Attention:
+        return attention.TorchPagedAttention(kv_cache, layout)
+
+    # ---- pointwise ------------------------------------------------------------------------
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return pointwise.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return pointwise.rms_norm(residual.add_(x), weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return pointwise.silu_mul(gate_up)
+
+    def rotary_(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        pointwise.rotary_(q, k, cos, sin)
+
+    # ---- weights --------------------------------------------------------------------------
+
+    def pack_weight(self, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """bf16 weights in oneDNN's blocked layout, once: eager ``F.linear`` re-lays them out every
+        call. fp32 stays on MKL's sgemm (measured faster at one row, no slower at 64). The packing
+        ops are private to torch: if they are missing or refuse, the layer stays on ``F.linear``."""
+        if weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+            return None
+        try:
+            packed = _reorder(weight)
+            probe = torch.zeros(1, weight.shape[1], dtype=torch.bfloat16)
+            expected = F.linear(probe, weight, bias)
+            got = torch.ops.mkldnn._linear_pointwise(probe, packed, bias, "none", [], "")
+            if not torch.equal(got, expected):
+                raise RuntimeError("packed weights give other results")
+        except (AttributeError, RuntimeError) as e:
+            _warn_once(f"oneDNN weight packing unavailable ({type(e).__name__}: {e}); using F.linear")
+            return None
+        return packed
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool) -> torch.Tensor:
+        if not packed:
+            return F.linear(x, weight, bias)
+        rows = x.shape[0]
+        padded = padded_rows(rows)
+        if padded != rows:  # one oneDNN kernel per row bucket, not one per row count
+            x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
+        y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return y[:rows] if padded != rows else y
+
+    def dequantize(
+        self, w: quant.QuantizedWeight, dtype: torch.dtype, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return quant.dequantize_reference(w, dtype, rows)
+
+    def quantized_matmul(self, x: torch.Tensor, w: quant.QuantizedWeight) -> torch.Tensor:
+        """Dequantize the layer (at most ``DEQUANT_CHUNK_ELEMENTS`` weights at a time) + GEMM."""
+        n, k = w.shape
+        chunk = max(1, DEQUANT_CHUNK_ELEMENTS // k)
+        if n <= chunk:
+            return F.linear(x, self.dequantize(w, x.dtype))
+        out = x.new_empty(x.shape[0], n)
+        for start in range(0, n, chunk):
+            stop = min(n, start + chunk)
+            out[:, start:stop] = F.linear(x, self.dequantize(w.rows(start, stop), x.dtype))
+        return out
+
+    # ---- sampling -------------------------------------------------------------------------
+
+    def mask_logits(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_size: int) -> None:
+        import xgrammar as xgr  # only a process that builds Grammars gets here
+
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=rows)
+
+    # ---- the machine ----------------------------------------------------------------------
+
+    def thread_policy(self, max_threads: int | None = None) -> ThreadGovernor:
+        return ThreadGovernor(
+            pin=None, max_threads=max_threads
+        )  # pinning needs the compiled kernels; the count still applies
+
+    def plan_facts(self, dtype: str) -> PlanFacts:
+        from ..layers.onednn_probe import gemm_kind_to_plan
+
+        kind = gemm_kind_to_plan(dtype)
+        return PlanFacts(kernels=self.kernels, gemm_kind=kind, quant_tiles=False, device=self.device.type)
+
+
+def _reorder(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's blocked layout for ``weight`` (what inductor's freezing emits)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    import logging
+
+    if message not in _warned:
+        _warned.add(message)
+        logging.getLogger("pagedllm.layers.linear").warning(message)

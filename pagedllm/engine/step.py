@@ -1,0 +1,91 @@
+"""What crosses from the scheduler to the runner, and from the runner's driver to whatever
+executes the model: plain data only (ints, strings, lists, int tensors, frozen sampling
+parameters), so a step can be pickled, sent to another process or device, and replayed.
+
+::
+
+    SchedulerOutput  (scheduler.schedule: which tokens of which sequences, the cache maintenance)
+        -> ModelRunner.prepare -> StepInput  (the tensors every rank or device runs)
+        -> ModelRunner.execute -> logits
+        -> ModelRunner.sample (on the driver, with the live per-request state) -> RunResult
+        -> scheduler.update_from_output
+
+The live state of a request (its ``torch.Generator``, its grammar matcher, its detokenizer text)
+never enters either: it stays with the driver's ``Sequence`` objects, which the scheduler finds
+by ``seq_id``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledRow:
+    """One sequence's share of a step: tokens [start, start + num_tokens) with their K/V going
+    to ``block_table`` (a snapshot: the runner never asks the block manager)."""
+
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's samples
+    start: int
+    token_ids: list[int]  # the tokens this step computes
+    block_table: list[int]
+    samples: bool  # this step computes the sequence's last known token: a token is sampled for it
+    params: SamplingParams
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step computes, and the cache maintenance to do before it computes anything."""
+
+    rows: list[ScheduledRow] = field(default_factory=list)
+    preempted: list[int] = field(default_factory=list)  # seq ids sent back to the queue this step
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) blocks
+    zeros: list[int] = field(default_factory=list)  # blocks whose K/V may be non-finite
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.rows)
+
+    @property
+    def sampling_rows(self) -> list[int]:
+        """Indices into ``rows`` that get a logits row, in order."""
+        return [i for i, r in enumerate(self.rows) if r.samples]
+
+    def __bool__(self) -> bool:
+        return bool(self.rows)
+
+
+@dataclass
+class StepInput:
+    """The tensors of one step, on the backend's device. T tokens of S sequences, R sampled.
+
+    The flat batch is the sequences' new tokens one after another, no padding; sequence s owns
+    rows ``query_start[s] : query_start[s + 1]`` and attends to ``context_lens[s]`` keys, whose
+    K/V live in the blocks ``block_tables[s]`` (padded with block 0 past its context).
+    """
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    query_start: torch.Tensor  # [S + 1] int32
+    context_lens: torch.Tensor  # [S] int32
+    block_tables: torch.Tensor  # [S, widest] int32
+    logits_rows: torch.Tensor  # [R] int64: rows of the flat batch whose logits are sampled
+    copies: torch.Tensor  # [C, 2] int64: (source, destination) blocks, copied before the step
+    zeros: torch.Tensor  # [Z] int64: blocks zeroed before the step
+    block_size: int
+    pairs_budget: int  # attention's tiles (layers.workspace): part of the step, so a replay is exact
+    gather_budget: int

@@ -1,0 +1,153 @@
+"""EngineConfig: every knob of an engine, in one typed object, validated in one place.
+
+Built once, from ``LLM(...)``'s keyword arguments (``EngineConfig.from_options``) or from the
+command line (``add_flags`` makes the flags of ``generate``, ``chat``, ``serve``, ``bench`` and
+``plan`` from the fields below; ``from_args`` reads them back), then handed unchanged to the
+memory planner and the engine. A field left None is solved for by the planner (the cache, the
+step budget, the context) or takes its documented default. Torch-free: ``pagedllm plan`` starts
+without torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import PagedLLMError
+from .sizes import KV_CACHE_DTYPES, QUANTIZATIONS, SUPPORTED_DTYPES, dtype_name, kv_dtype_name, parse_memory
+
+BACKENDS = ("auto", "cpu-compiled", "cpu-torch")  # pagedllm.backends.NAMES, without importing torch
+
+
+class ConfigError(PagedLLMError, ValueError):
+    """An engine setting that cannot work; ``field`` names it."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+def _knob(default: Any, help: str, **cli: Any) -> Any:
+    """A field with its command-line help (and, in ``cli``, argparse's ``choices``/``flag``/``type``)."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = _knob(
+        None,
+        "HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct); for plan, a config.json is enough",
+        type=str,
+    )
+    dtype: str = _knob("float32", "weights and activations", choices=SUPPORTED_DTYPES, type=str)
+    kv_cache_dtype: str | None = _knob(
+        None,
+        "KV cache dtype (default: as --dtype); int8 and fp8 (e4m3) keep one float32 scale per token and head",
+        choices=KV_CACHE_DTYPES,
+        type=str,
+    )
+    quantization: str | None = _knob(
+        None,
+        "weights: int8 / int4 quantize a float checkpoint at load; none dequantizes a GGUF's "
+        "(default: as stored: a GGUF's quantized tensors run quantized)",
+        choices=QUANTIZATIONS,
+        type=str,
+    )
+    block_size: int = _knob(16, "tokens per KV cache block", type=int)
+    num_blocks: int | None = _knob(None, "KV cache blocks", type=int)
+    max_batch_tokens: int | None = _knob(None, "tokens computed per step", type=int)
+    max_num_seqs: int | None = _knob(None, "sequences per step", type=int)
+    max_model_len: int | None = _knob(None, "longest prompt + output", type=int)
+    memory: str | int | None = _knob(None, "the whole engine's budget, e.g. 6GiB", type=str, exclusive="memory")
+    memory_fraction: float | None = _knob(
+        None,
+        "fraction of the memory free at start (default 0.9, cache capped at what max_num_seqs "
+        "full-length requests can use)",
+        type=float,
+        exclusive="memory",
+    )
+    enable_prefix_caching: bool = _knob(
+        True, "do not reuse the KV blocks of prompt prefixes seen before", flag="--no-prefix-caching"
+    )
+    structured_output: bool = _knob(
+        True, "reject constrained requests (and never load xgrammar)", flag="--no-structured-output"
+    )
+    backend: str = _knob(
+        "auto",
+        "what computes: cpu-compiled (C++ kernels), cpu-torch (plain PyTorch), auto (PAGEDLLM_KERNELS decides)",
+        choices=BACKENDS,
+        type=str,
+    )
+    threads: int | None = _knob(None, "torch threads (default: one per physical core, or PAGEDLLM_THREADS)", type=int)
+
+    def __post_init__(self):
+        """Every check in one place; names are normalised ('bf16' -> 'bfloat16')."""
+        set_ = object.__setattr__
+        set_(self, "dtype", _checked("dtype", self.dtype, dtype_name))
+        if self.kv_cache_dtype is not None:
+            set_(self, "kv_cache_dtype", _checked("kv_cache_dtype", self.kv_cache_dtype, kv_dtype_name))
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(
+                "quantization", f"{self.quantization!r}: choose one of {', '.join(QUANTIZATIONS)} (or None: as stored)"
+            )
+        if self.backend not in BACKENDS:
+            hint = " (not implemented yet)" if str(self.backend).startswith("cuda") else ""
+            raise ConfigError("backend", f"{self.backend!r}{hint}: choose one of {', '.join(BACKENDS)}")
+        for name in ("block_size", "num_blocks", "max_batch_tokens", "max_num_seqs", "max_model_len", "threads"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(name, f"must be a whole number >= 1, got {value!r}")
+        if self.memory is not None and self.memory_fraction is not None:
+            raise ConfigError("memory", "give memory or memory_fraction, not both")
+        if self.memory is not None:
+            _checked("memory", self.memory, parse_memory)
+        if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
+            raise ConfigError("memory_fraction", f"must be in (0, 1], got {self.memory_fraction}")
+
+    @property
+    def budgeted(self) -> bool:
+        """A memory budget was given: the engine commits its cache at once and measures itself."""
+        return self.memory is not None or self.memory_fraction is not None
+
+    @classmethod
+    def from_options(cls, model: Any = None, **options: Any) -> EngineConfig:
+        """From ``LLM(model, **options)``; an unknown option is a TypeError naming the known ones."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+        return cls(model=None if model is None else str(model), **options)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EngineConfig:
+        """From the flags ``add_flags`` made."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """The command-line flags of every EngineConfig field, in the 'model and engine' group."""
+    group = parser.add_argument_group("model and engine")
+    exclusive: dict[str, Any] = {}
+    for f in dataclasses.fields(EngineConfig):
+        meta = dict(f.metadata)
+        target = group
+        if "exclusive" in meta:
+            target = exclusive.setdefault(meta.pop("exclusive"), group.add_mutually_exclusive_group())
+        if isinstance(f.default, bool):
+            target.add_argument(meta["flag"], dest=f.name, action="store_false", help=meta["help"])
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kwargs: dict[str, Any] = {"choices": list(meta["choices"])} if "choices" in meta else {}
+        target.add_argument(flag, dest=f.name, default=f.default, type=meta["type"], help=meta["help"], **kwargs)
+
+
+def _checked(name: str, value: Any, parse) -> Any:
+    try:
+        return parse(value)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(name, str(e)) from None
