@@ -1,5 +1,10 @@
 """Builds ``csrc/*.cpp`` with torch's C++ extension tooling and loads it as ``torch.ops.pagedllm``.
 
+``csrc/`` holds one file per op family (attention, cache, pointwise, quant_gemm, grammar_mask,
+threads), ``bindings.cpp`` with every op's schema, ``ops.h`` declaring the ops, and the
+instruction-set code behind small headers (``vec_avx512.h``, ``quant_avx512.h``, ``amx.h``)
+that compile to nothing where the compiler does not target that instruction set.
+
 The library lands in ``$PAGEDLLM_CACHE/kernels/<key>``, the key hashing the source, the torch
 version, the CPU's vector capability and the target, so a second start loads it in milliseconds
 and a torch upgrade or another CPU rebuilds it. Compiled for this machine (``-march=native``,
@@ -107,6 +112,8 @@ def build_dir() -> Path:
 
 
 def _sources_and_headers() -> list[Path]:
+    """Everything the library is built from, for the build key. The headers sit beside the
+    sources, not in a subfolder: pyproject.toml ships ``kernels/csrc/*.cpp`` and ``*.h``."""
     return sorted(CSRC.glob("*.cpp")) + sorted(CSRC.glob("*.h"))
 
 

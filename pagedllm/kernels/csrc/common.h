@@ -1,5 +1,6 @@
 // Helpers every pagedllm kernel source shares: float32/bfloat16 loads and stores one vector at a
-// time, rounding as HF's eager code rounds, and the dtype dispatch.
+// time, rounding as HF's eager code rounds, and the dtype dispatch. The AVX-512 bf16 conversions
+// come from vec_avx512.h; elsewhere the same calls run a scalar loop.
 #pragma once
 
 #include <ATen/Dispatch.h>
@@ -10,11 +11,6 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
-#include <torch/library.h>
-
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
 
 #include <algorithm>
 #include <cmath>
@@ -23,6 +19,8 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
+
+#include "vec_avx512.h"
 
 namespace pagedllm {
 
@@ -61,18 +59,9 @@ inline void store_w(float* p, const VF& v, int64_t n = W) {
   else
     v.store(p, n);
 }
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
-inline VF load_w(const c10::BFloat16* p, int64_t n = W) {
-  const __m256i raw = n == W ? _mm256_loadu_si256((const __m256i*)p) : _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), p);
-  return VF(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
-}
-inline void store_w(c10::BFloat16* p, const VF& v, int64_t n = W) {
-  const __m256i raw = (__m256i)_mm512_cvtneps_pbh(__m512(v));
-  if (n == W)
-    _mm256_storeu_si256((__m256i*)p, raw);
-  else
-    _mm256_mask_storeu_epi16(p, (__mmask16)((1u << n) - 1), raw);
-}
+#if defined(PAGEDLLM_AVX512_BF16)
+inline VF load_w(const c10::BFloat16* p, int64_t n = W) { return VF(avx512::load_bf16(p, n)); }
+inline void store_w(c10::BFloat16* p, const VF& v, int64_t n = W) { avx512::store_bf16(p, __m512(v), n); }
 #else
 inline VF load_w(const c10::BFloat16* p, int64_t n = W) {
   alignas(64) float f[W] = {};

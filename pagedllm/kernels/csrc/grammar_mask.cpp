@@ -1,4 +1,4 @@
-// Grammar masks on logits: the tokens a row's grammar forbids become -inf.
+// mask_logits: grammar masks on logits, the tokens a row's grammar forbids become -inf.
 //
 // A structured-output row's mask is one bit per token (xgrammar's layout: token t is allowed
 // iff bit t % 32 of word t / 32 is set). Almost every word is all-allowed or all-forbidden, so
@@ -6,9 +6,13 @@
 // xgrammar's own CPU kernel tests every bit: 1.5 ms for 8 rows of a 49k vocabulary here, a
 // tenth of a small model's decode step at 64 rows.
 
-#include "common.h"
+#include <algorithm>
+#include <cstdint>
+#include <limits>
 
-namespace {
+#include "ops.h"
+
+namespace pagedllm {
 
 void mask_logits(at::Tensor& logits, const at::Tensor& bitmask, at::IntArrayRef rows, int64_t vocab) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
@@ -37,10 +41,4 @@ void mask_logits(at::Tensor& logits, const at::Tensor& bitmask, at::IntArrayRef 
   }
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
-  m.def("mask_logits(Tensor(a!) logits, Tensor bitmask, int[] rows, int vocab) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(pagedllm, CPU, m) { m.impl("mask_logits", &mask_logits); }
+}  // namespace pagedllm

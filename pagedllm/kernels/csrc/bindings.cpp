@@ -1,0 +1,38 @@
+// The torch.ops.pagedllm schema, every op in one place, and the CPU implementations bound to it
+// (declared in ops.h, defined in one file per op family). Python calls these names with exactly
+// these signatures; the (a!) annotations mark the arguments an op writes in place.
+
+#include <torch/library.h>
+
+#include "ops.h"
+
+TORCH_LIBRARY(pagedllm, m) {
+  m.def(
+      "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor query_start, "
+      "Tensor context_lens, Tensor block_tables, int block_size, float scale, int window, int pairs_budget, "
+      "Tensor(c!)? k_scales=None, Tensor(d!)? v_scales=None) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("rotary(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+  m.def("quant_linear(Tensor x, Tensor qweight, Tensor scale, Tensor? zero, int bits, int group) -> Tensor");
+  // No tensor argument to dispatch on: registered with its schema, for every backend.
+  m.def("quant_linear_tiles() -> bool", &pagedllm::quant_linear_tiles);
+  m.def(
+      "dequantize(Tensor qweight, Tensor scale, Tensor? zero, int bits, int group, Tensor? rows, ScalarType dtype) "
+      "-> Tensor");
+  m.def("mask_logits(Tensor(a!) logits, Tensor bitmask, int[] rows, int vocab) -> ()");
+  m.def("pin_threads(Tensor cpus, bool each) -> int");
+}
+
+TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
+  m.impl("paged_attention", &pagedllm::paged_attention);
+  m.impl("rms_norm", &pagedllm::rms_norm);
+  m.impl("add_rms_norm", &pagedllm::add_rms_norm);
+  m.impl("silu_mul", &pagedllm::silu_mul);
+  m.impl("rotary", &pagedllm::rotary);
+  m.impl("quant_linear", &pagedllm::quant_linear);
+  m.impl("dequantize", &pagedllm::dequantize);
+  m.impl("mask_logits", &pagedllm::mask_logits);
+  m.impl("pin_threads", &pagedllm::pin_threads);
+}

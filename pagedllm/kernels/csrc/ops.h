@@ -1,0 +1,41 @@
+// The ops pagedllm registers as torch.ops.pagedllm.*: one declaration per op, defined in its
+// family's file and bound to its schema in bindings.cpp. The types here are the schema's, so a
+// declaration that drifts from its definition fails to link rather than to dispatch.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+#include <cstdint>
+
+namespace pagedllm {
+
+using at::Tensor;
+
+// attention.cpp: writes the step's K/V into the paged cache, then attends every query row to its
+// sequence's context, read in place through the block table.
+Tensor paged_attention(const Tensor& q, const Tensor& k, const Tensor& v, Tensor k_cache, Tensor v_cache,
+                       const Tensor& query_start, const Tensor& context_lens, const Tensor& block_tables,
+                       int64_t block_size, double scale, int64_t window, int64_t pairs_budget,
+                       const c10::optional<Tensor>& k_scales, const c10::optional<Tensor>& v_scales);
+
+// pointwise.cpp: the work between the GEMMs, one pass each.
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps);
+Tensor add_rms_norm(Tensor residual, const Tensor& x, const Tensor& weight, double eps);
+Tensor silu_mul(const Tensor& gate_up);
+void rotary(Tensor q, Tensor k, const Tensor& cos, const Tensor& sin);
+
+// quant_gemm.cpp: products with weights kept quantized, and their float rows.
+Tensor quant_linear(const Tensor& x, const Tensor& qweight, const Tensor& scale, const c10::optional<Tensor>& zero,
+                    int64_t bits, int64_t group);
+bool quant_linear_tiles();
+Tensor dequantize(const Tensor& qweight, const Tensor& scale, const c10::optional<Tensor>& zero, int64_t bits,
+                  int64_t group, const c10::optional<Tensor>& rows, at::ScalarType dtype);
+
+// grammar_mask.cpp: the tokens a row's grammar forbids become -inf.
+void mask_logits(at::Tensor& logits, const at::Tensor& bitmask, at::IntArrayRef rows, int64_t vocab);
+
+// threads.cpp: binds torch's intra-op threads to CPUs.
+int64_t pin_threads(const Tensor& cpus, bool each);
+
+}  // namespace pagedllm

@@ -1,0 +1,46 @@
+// A quantized weight matrix as quant_gemm.cpp's kernels read it, and its generic (any CPU)
+// dequantization step; quant_avx512.h and amx.h hold the same step in AVX-512 registers.
+//
+// Layout (what pagedllm/loading/gguf_quants.py produces from GGUF blocks, and the layer from an
+// HF checkpoint): value[n][k] = q[n][k] * scale[n][k / group] + zero[n][k / group] (zero may be
+// absent: 0), scale and zero float32. 4-bit q (0..15) sit two to a byte, per 32 columns from k0:
+// byte k0/2 + j holds column k0 + j in its low nibble and k0 + 16 + j in its high one, as GGUF's
+// Q4_0/Q4_1 blocks do. 8-bit q are int8, one per byte.
+#pragma once
+
+#include <cstdint>
+
+namespace pagedllm {
+
+struct QuantMatrix {
+  const uint8_t* q;  // int4: [N, K / 2]; int8: [N, K] (read as int8)
+  const float* scale;
+  const float* zero;  // nullptr: no offsets
+  int64_t n, k, bits, group;
+  int64_t G;      // groups per row
+  int shift;      // log2(group) when a power of two: the inner loops must not divide (~40 cycles)
+  int64_t row_bytes() const { return bits == 4 ? k / 2 : k; }
+  int64_t groups() const { return G; }
+  int64_t group_of(int64_t k0) const { return shift >= 0 ? k0 >> shift : k0 / group; }
+  // Columns handled per step: a 4-bit step unpacks 16 bytes into 32 values, an 8-bit one 16.
+  int64_t step() const { return bits == 4 ? 32 : 16; }
+};
+
+// The values of columns [k0, k0 + step) of row n, in order, into `out` (scalar; any CPU).
+inline void dequant_step_scalar(const QuantMatrix& m, int64_t n, int64_t k0, float* out) {
+  const int64_t g = n * m.G + m.group_of(k0);
+  const float s = m.scale[g], z = m.zero ? m.zero[g] : 0.f;
+  const uint8_t* row = m.q + n * m.row_bytes();
+  if (m.bits == 4) {
+    const uint8_t* p = row + k0 / 2;
+    for (int j = 0; j < 16; ++j) {
+      out[j] = float(p[j] & 15) * s + z;
+      out[j + 16] = float(p[j] >> 4) * s + z;
+    }
+  } else {
+    const int8_t* p = reinterpret_cast<const int8_t*>(row) + k0;
+    for (int j = 0; j < 16; ++j) out[j] = float(p[j]) * s + z;
+  }
+}
+
+}  // namespace pagedllm

@@ -1,0 +1,186 @@
+// The AVX-512 paths of quant_gemm.cpp: float activations against weights dequantized in
+// registers (tile), and, with AVX512-VNNI, bf16 activations quantized to 8 bits against 4-bit
+// weights, summed as integers (tile_vnni). Empty unless the compiler targets AVX-512
+// (vec_avx512.h's PAGEDLLM_AVX512 / PAGEDLLM_VNNI).
+#pragma once
+
+#include "common.h"
+#include "quant.h"
+
+#if defined(PAGEDLLM_AVX512)
+
+namespace pagedllm::avx512 {
+
+// dequant_step_scalar in registers: lo = columns k0..k0+15, hi = k0+16..k0+31 (4-bit only).
+inline void dequant_step(const QuantMatrix& m, int64_t n, int64_t k0, __m512& lo, __m512& hi) {
+  const int64_t g = n * m.G + m.group_of(k0);
+  const __m512 s = _mm512_set1_ps(m.scale[g]), z = _mm512_set1_ps(m.zero ? m.zero[g] : 0.f);
+  const uint8_t* row = m.q + n * m.row_bytes();
+  if (m.bits == 4) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k0 / 2)));
+    const __m512i low = _mm512_and_si512(v, _mm512_set1_epi32(15));
+    lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(low), s, z);
+    hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s, z);
+  } else {
+    const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k0)));
+    lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), s, z);
+  }
+}
+
+// Y[r][n0 + c] = X[r] . W[n0 + c] for NC channels and MR rows: NC x MR accumulators in
+// registers, each step's weights dequantized once and used by every row.
+template <int NC, int MR>
+void tile(const QuantMatrix& m, const float* X, int64_t ldx, int64_t n0, float* Y, int64_t ldy) {
+  __m512 acc[NC][MR];
+  for (int c = 0; c < NC; ++c)
+    for (int r = 0; r < MR; ++r) acc[c][r] = _mm512_setzero_ps();
+  const bool four = m.bits == 4;
+  for (int64_t k0 = 0; k0 < m.k; k0 += m.step()) {
+    __m512 xlo[MR], xhi[MR];
+    for (int r = 0; r < MR; ++r) {
+      xlo[r] = _mm512_loadu_ps(X + r * ldx + k0);
+      if (four) xhi[r] = _mm512_loadu_ps(X + r * ldx + k0 + 16);
+    }
+    for (int c = 0; c < NC; ++c) {
+      __m512 lo, hi = _mm512_setzero_ps();
+      dequant_step(m, n0 + c, k0, lo, hi);
+      for (int r = 0; r < MR; ++r) {
+        acc[c][r] = _mm512_fmadd_ps(lo, xlo[r], acc[c][r]);
+        if (four) acc[c][r] = _mm512_fmadd_ps(hi, xhi[r], acc[c][r]);
+      }
+    }
+  }
+  for (int c = 0; c < NC; ++c)
+    for (int r = 0; r < MR; ++r) Y[r * ldy + n0 + c] = _mm512_reduce_add_ps(acc[c][r]);
+}
+
+template <int NC>
+void tile_rows(const QuantMatrix& m, const float* X, int64_t rows, int64_t n0, float* Y) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) tile<NC, 4>(m, X + r * m.k, m.k, n0, Y + r * m.n, m.n);
+  switch (rows - r) {
+    case 3: tile<NC, 3>(m, X + r * m.k, m.k, n0, Y + r * m.n, m.n); break;
+    case 2: tile<NC, 2>(m, X + r * m.k, m.k, n0, Y + r * m.n, m.n); break;
+    case 1: tile<NC, 1>(m, X + r * m.k, m.k, n0, Y + r * m.n, m.n); break;
+    default: break;
+  }
+}
+
+// Channels [n0, n1) of Y = X W^T, X float32 [rows, K]: four channels a tile, then one.
+inline void channels(const QuantMatrix& m, const float* X, int64_t rows, int64_t n0, int64_t n1, float* Y) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) tile_rows<4>(m, X, rows, n, Y);
+  for (; n < n1; ++n) tile_rows<1>(m, X, rows, n, Y);
+}
+
+#if defined(PAGEDLLM_VNNI)
+// Rows of x in 8 bits, one scale per 32 columns, in 4-bit weights' nibble order: for group g,
+// lo[16g + j] = q[32g + j] and hi[16g + j] = q[32g + 16 + j]. Byte arrays are padded to whole
+// 64-byte steps (4 groups) with zeros.
+struct Int8Rows {
+  int64_t rows = 0, groups = 0, padded_groups = 0;
+  std::vector<int8_t> lo, hi;     // [rows, padded_groups * 16]
+  std::vector<float> scale16;     // [rows, padded_groups * 4]: each group's scale, once per dpbusd lane
+  std::vector<float> block_sums;  // [rows, padded_groups]: scale x sum of the group's q (for offsets)
+};
+
+inline void quantize_rows(const float* X, int64_t rows, int64_t K, Int8Rows& r) {
+  r.rows = rows;
+  r.groups = K / 32;
+  r.padded_groups = (r.groups + 3) / 4 * 4;
+  const int64_t width = r.padded_groups * 16;
+  r.lo.assign(rows * width, 0);
+  r.hi.assign(rows * width, 0);
+  r.scale16.assign(rows * r.padded_groups * 4, 0.f);
+  r.block_sums.assign(rows * r.padded_groups, 0.f);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t g = 0; g < r.groups; ++g) {
+      const float* x = X + i * K + g * 32;
+      float amax = 0.f;
+      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[j]));
+      const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      int sum = 0;
+      for (int j = 0; j < 32; ++j) {
+        const int q = int(std::nearbyint(x[j] * inv));
+        sum += q;
+        (j < 16 ? r.lo : r.hi)[i * width + g * 16 + (j & 15)] = int8_t(q);
+      }
+      for (int l = 0; l < 4; ++l) r.scale16[(i * r.padded_groups + g) * 4 + l] = scale;
+      r.block_sums[i * r.padded_groups + g] = scale * float(sum);
+    }
+}
+
+// Y[r][n0 + c] for NC channels of 4-bit weights and MR rows: per 4 groups, 64 bytes of weights
+// unpacked once into low and high nibbles, then two dpbusd per row.
+template <int NC, int MR>
+void tile_vnni(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, int64_t n0, float* Y, int64_t ldy) {
+  __m512 acc[NC][MR];
+  for (int c = 0; c < NC; ++c)
+    for (int r = 0; r < MR; ++r) acc[c][r] = _mm512_setzero_ps();
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  const int64_t width = xr.padded_groups * 16, G = m.groups();
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    const int64_t n_groups = std::min<int64_t>(4, G - g0);
+    const __mmask64 bytes = n_groups == 4 ? ~__mmask64(0) : (__mmask64(1) << (16 * n_groups)) - 1;
+    const __mmask16 lanes = __mmask16((1u << n_groups) - 1);
+    __m512i xlo[MR], xhi[MR];
+    __m512 xs[MR];
+    for (int r = 0; r < MR; ++r) {
+      xlo[r] = _mm512_loadu_si512(xr.lo.data() + (row0 + r) * width + g0 * 16);
+      xhi[r] = _mm512_loadu_si512(xr.hi.data() + (row0 + r) * width + g0 * 16);
+      xs[r] = _mm512_loadu_ps(xr.scale16.data() + ((row0 + r) * xr.padded_groups + g0) * 4);
+    }
+    for (int c = 0; c < NC; ++c) {
+      const int64_t n = n0 + c;
+      const __m512i v = _mm512_maskz_loadu_epi8(bytes, m.q + n * m.row_bytes() + g0 * 16);
+      const __m512i lo = _mm512_and_si512(v, nibble);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      const __m512 s = _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(lanes, m.scale + n * G + g0));
+      for (int r = 0; r < MR; ++r) {
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo[r]);
+        dot = _mm512_dpbusd_epi32(dot, hi, xhi[r]);
+        acc[c][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, xs[r]), acc[c][r]);
+      }
+    }
+  }
+  for (int c = 0; c < NC; ++c) {
+    const int64_t n = n0 + c;
+    for (int r = 0; r < MR; ++r) {
+      float y = _mm512_reduce_add_ps(acc[c][r]);
+      if (m.zero) {  // sum over groups of offset x the group's sum of x
+        const float* sums = xr.block_sums.data() + (row0 + r) * xr.padded_groups;
+        __m512 z = _mm512_setzero_ps();
+        for (int64_t g = 0; g < G; g += 16) {
+          const __mmask16 k = G - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (G - g)) - 1);
+          z = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, m.zero + n * G + g), _mm512_maskz_loadu_ps(k, sums + g), z);
+        }
+        y += _mm512_reduce_add_ps(z);
+      }
+      Y[r * ldy + n] = y;
+    }
+  }
+}
+
+template <int NC>
+void tile_rows_vnni(const QuantMatrix& m, const Int8Rows& xr, int64_t n0, float* Y) {
+  int64_t r = 0;
+  for (; r + 4 <= xr.rows; r += 4) tile_vnni<NC, 4>(m, xr, r, n0, Y + r * m.n, m.n);
+  switch (xr.rows - r) {
+    case 3: tile_vnni<NC, 3>(m, xr, r, n0, Y + r * m.n, m.n); break;
+    case 2: tile_vnni<NC, 2>(m, xr, r, n0, Y + r * m.n, m.n); break;
+    case 1: tile_vnni<NC, 1>(m, xr, r, n0, Y + r * m.n, m.n); break;
+    default: break;
+  }
+}
+
+inline void channels_vnni(const QuantMatrix& m, const Int8Rows& xr, int64_t n0, int64_t n1, float* Y) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) tile_rows_vnni<4>(m, xr, n, Y);
+  for (; n < n1; ++n) tile_rows_vnni<1>(m, xr, n, Y);
+}
+#endif  // PAGEDLLM_VNNI
+
+}  // namespace pagedllm::avx512
+
+#endif  // PAGEDLLM_AVX512

@@ -1,0 +1,161 @@
+// Kernels for weights kept quantized (pagedllm/layers/quantized.py); the layout is quant.h's.
+//
+// - quant_linear: y = x @ dequant(W)^T for a few rows of x, reading each packed weight once. One
+//   decode step of one request is exactly this: its time is the bytes of the weights read, so a
+//   4-bit weight costs a quarter of a bf16 one. Many rows (prefill, big batches) go to a GEMM on
+//   weights dequantized a layer at a time instead (the layer chooses), or, with bf16 activations
+//   on a CPU with AMX, to AMX tiles here (amx.h).
+//   With bfloat16 activations and 4-bit weights, each row of x is itself quantized to 8 bits per
+//   32 columns (as llama.cpp does) and the products are summed as integers, 64 per instruction
+//   (AVX512-VNNI, quant_avx512.h): a quarter of the instructions of the float path. float32
+//   activations take the float path, which computes with the exact weight values (its results
+//   match a GEMM on the dequantized weights).
+// - dequantize: the float rows of a quantized matrix (that GEMM path; embedding lookups).
+// - quant_linear_tiles: whether quant_linear runs many bf16 rows on AMX tiles in this process.
+
+#include "amx.h"
+#include "common.h"
+#include "ops.h"
+#include "quant.h"
+#include "quant_avx512.h"
+
+namespace pagedllm {
+namespace {
+
+// Channels [n0, n1) of Y = X W^T, X float32 [rows, K].
+void channels(const QuantMatrix& m, const float* X, int64_t rows, int64_t n0, int64_t n1, float* Y) {
+#if defined(PAGEDLLM_AVX512)
+  avx512::channels(m, X, rows, n0, n1, Y);
+#else
+  float w[32];
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t r = 0; r < rows; ++r) Y[r * m.n + n] = 0.f;
+    for (int64_t k0 = 0; k0 < m.k; k0 += m.step()) {
+      dequant_step_scalar(m, n, k0, w);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* x = X + r * m.k + k0;
+        float s = 0.f;
+        for (int64_t j = 0; j < m.step(); ++j) s += w[j] * x[j];
+        Y[r * m.n + n] += s;
+      }
+    }
+  }
+#endif
+}
+
+QuantMatrix check_quant(const Tensor& q, const Tensor& scale, const c10::optional<Tensor>& zero, int64_t bits,
+                        int64_t group) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous(), "qweight must be a contiguous matrix");
+  TORCH_CHECK(bits == 4 ? q.scalar_type() == at::kByte : q.scalar_type() == at::kChar,
+              "qweight must be uint8 (4-bit) or int8 (8-bit)");
+  QuantMatrix m;
+  m.q = reinterpret_cast<const uint8_t*>(q.data_ptr());
+  m.bits = bits;
+  m.group = group;
+  m.n = q.size(0);
+  m.k = bits == 4 ? q.size(1) * 2 : q.size(1);
+  TORCH_CHECK(group > 0 && group % m.step() == 0 && m.k % group == 0, "group ", group, " must be a multiple of ",
+              m.step(), " dividing the ", m.k, " columns");
+  m.G = m.k / group;
+  m.shift = (group & (group - 1)) == 0 ? __builtin_ctzll(uint64_t(group)) : -1;
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 2 && scale.size(0) == m.n &&
+                  scale.size(1) == m.groups(),
+              "scale must be contiguous float32 [rows, columns / group]");
+  m.scale = scale.data_ptr<float>();
+  m.zero = nullptr;
+  if (zero.has_value() && zero->defined()) {
+    TORCH_CHECK(zero->scalar_type() == at::kFloat && zero->is_contiguous() && zero->sizes() == scale.sizes(),
+                "zero must be contiguous float32 shaped like scale");
+    m.zero = zero->data_ptr<float>();
+  }
+  return m;
+}
+
+// Row n of the matrix, dequantized into dst (m.k values of T).
+template <typename T>
+inline void dequantize_row(const QuantMatrix& m, int64_t n, T* dst) {
+  for (int64_t k0 = 0; k0 < m.k; k0 += m.step()) {
+#if defined(PAGEDLLM_AVX512)
+    __m512 lo, hi;
+    avx512::dequant_step(m, n, k0, lo, hi);
+    store_w(dst + k0, VF(lo));
+    if (m.bits == 4) store_w(dst + k0 + 16, VF(hi));
+#else
+    alignas(64) float w[32];
+    dequant_step_scalar(m, n, k0, w);
+    for (int64_t j = 0; j < m.step(); ++j) dst[k0 + j] = narrow<T>(w[j]);
+#endif
+  }
+}
+
+}  // namespace
+
+Tensor quant_linear(const Tensor& x, const Tensor& qweight, const Tensor& scale, const c10::optional<Tensor>& zero,
+                    int64_t bits, int64_t group) {
+  const QuantMatrix m = check_quant(qweight, scale, zero, bits, group);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == m.k, "x must be [rows, ", m.k, "]");
+  const int64_t rows = x.size(0);
+  Tensor Y = at::empty({rows, m.n}, x.options().dtype(at::kFloat));
+  float* yp = Y.data_ptr<float>();
+#if defined(PAGEDLLM_AMX)
+  if (x.scalar_type() == at::kBFloat16 && m.k % 32 == 0 && rows > 8 && amx::amx_ready()) {
+    const Tensor xb = x.contiguous();
+    amx::amx_linear(m, xb.data_ptr<c10::BFloat16>(), rows, yp);
+    return Y.to(x.scalar_type());
+  }
+#endif
+  const Tensor X = x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
+  const float* xp = X.data_ptr<float>();
+  // Whole 4-channel tiles per thread, about 64 KiB of weights per chunk.
+  const int64_t tiles = (m.n + 3) / 4;
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, 4 * m.row_bytes()));
+#if defined(PAGEDLLM_VNNI)
+  if (x.scalar_type() == at::kBFloat16 && m.bits == 4 && m.group == 32) {
+    avx512::Int8Rows xr;
+    avx512::quantize_rows(xp, rows, m.k, xr);
+    at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+      avx512::channels_vnni(m, xr, t0 * 4, std::min(m.n, t1 * 4), yp);
+    });
+    return Y.to(x.scalar_type());
+  }
+#endif
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    channels(m, xp, rows, t0 * 4, std::min(m.n, t1 * 4), yp);
+  });
+  return x.scalar_type() == at::kFloat ? Y : Y.to(x.scalar_type());
+}
+
+Tensor dequantize(const Tensor& qweight, const Tensor& scale, const c10::optional<Tensor>& zero, int64_t bits,
+                  int64_t group, const c10::optional<Tensor>& rows, at::ScalarType dtype) {
+  const QuantMatrix m = check_quant(qweight, scale, zero, bits, group);
+  const bool picked = rows.has_value() && rows->defined();
+  Tensor index;
+  if (picked) {
+    index = rows->to(at::kLong).contiguous();
+    TORCH_CHECK(index.dim() == 1, "rows must be a vector of row indices");
+  }
+  const int64_t count = picked ? index.size(0) : m.n;
+  const int64_t* ids = picked ? index.data_ptr<int64_t>() : nullptr;
+  for (int64_t i = 0; i < (picked ? count : 0); ++i)
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < m.n, "row ", ids[i], " out of range for ", m.n, " rows");
+  Tensor out = at::empty({count, m.k}, qweight.options().dtype(dtype));
+  dispatch(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    T* o = out.data_ptr<T>();
+    at::parallel_for(0, count, std::max<int64_t>(1, 16384 / m.k), [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) dequantize_row(m, picked ? ids[i] : i, o + i * m.k);
+    });
+  });
+  return out;
+}
+
+bool quant_linear_tiles() {
+#if defined(PAGEDLLM_AMX)
+  return amx::amx_ready();
+#else
+  return false;
+#endif
+}
+
+}  // namespace pagedllm
