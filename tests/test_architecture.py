@@ -14,14 +14,14 @@ LEVELS = [
     {"errors", "sizes", "paths"},  # facts every stage shares
     {"kernels"},  # compiled CPU kernels: built on first use, or absent
     {"config", "sampling_params", "outputs"},  # what a model and a request are
-    {"structured"},  # constraints compiled to grammars that mask logits; tool calls
+    {"structured"},  # constraints compiled to grammars that mask logits
     {"layers"},  # attention over the paged cache, the cache, the sampler, norm/rotary/mlp
     {"models"},  # decoders built from layers
     {"memory"},  # the planner (pure arithmetic), the budget, the peak tracker
     {"loading"},  # checkpoints and GGUF files into models
     {"engine"},  # scheduler, block manager, runner, the step loop
     {"llm"},  # the Python API
-    {"server", "bench"},  # the HTTP API, the benchmark
+    {"server", "bench"},  # the HTTP API (its tool-call protocol too), the benchmark
     {"cli"},  # the command line
 ]
 LEVEL = {component: i for i, names in enumerate(LEVELS) for component in names}

@@ -20,13 +20,13 @@ from ..errors import RequestRejected
 from ..llm import LLM
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams, StructuredOutput
-from ..structured.tool_calls import ToolUse
 from .async_engine import AsyncEngine, EngineStopped, QueueFull
 from .errors import APIError, failed, rejected, unavailable
 from .mailbox import Mailbox
 from .metrics import Metrics
 from .protocol import SamplingFields
 from .responses import DONE, Reply, TokenText, sse, usage
+from .tool_calls import ToolUse
 
 DISCONNECT_CHECK_S = 0.5
 

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ..errors import RequestRejected
 from ..sampling_params import StructuredOutput
-from ..structured import tool_calls
+from . import tool_calls
 from .async_engine import AsyncEngine
 from .errors import APIError, rejected
 from .generation import generate
