@@ -17,7 +17,7 @@ LEVELS = [
     {"errors", "sizes", "paths"},  # facts every stage shares
     {"kernels"},  # compiled CPU kernels: built on first use, or absent
     {"config", "engine_config", "sampling_params", "outputs"},  # what a model, an engine and a request are
-    {"structured"},  # constraints compiled to grammars that mask logits; tool calls
+    {"structured"},  # constraints compiled to grammars that mask logits
     {"layers"},  # attention over the paged cache, the cache, the sampler, norm/rotary/mlp
     {"backends"},  # the device: which kernels compute each layer's ops, the KV layout, threads
     {"models"},  # decoders built from layers
@@ -25,7 +25,7 @@ LEVELS = [
     {"loading"},  # checkpoints and GGUF files into models
     {"engine"},  # scheduler, block manager, runner, the step loop
     {"llm"},  # the Python API
-    {"server", "bench"},  # the HTTP API, the benchmark
+    {"server", "bench"},  # the HTTP API (its tool-call protocol too), the benchmark
     {"cli"},  # the command line
 ]
 LEVEL = {component: i for i, names in enumerate(LEVELS) for component in names}

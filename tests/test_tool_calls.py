@@ -7,8 +7,8 @@ import pytest
 
 from pagedllm.errors import RequestRejected
 from pagedllm.sampling_params import SamplingParams, StructuredOutput
+from pagedllm.server import tool_calls as tc
 from pagedllm.server.protocol import ChatCompletionRequest, CompletionRequest
-from pagedllm.structured import tool_calls as tc
 
 WEATHER = {
     "type": "function",
@@ -204,3 +204,12 @@ def test_structured_output_takes_exactly_one_constraint_and_not_with_ignore_eos(
         SamplingParams(ignore_eos=True, structured_output=StructuredOutput(regex="a"))
     # the same schema written in another key order is the same grammar (one compile)
     assert StructuredOutput(json={"a": 1, "b": 2}).key() == StructuredOutput(json={"b": 2, "a": 1}).key()
+
+
+def test_the_tool_call_protocol_imports_without_the_http_stack_or_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, pagedllm.server.tool_calls; print('fastapi' in sys.modules, 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["False", "False"], out.stderr

@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP API over one AsyncEngine: the app, its state and its error answers.
 
 Every error is OpenAI's error body with the right status; bad input is a 4xx and never touches
-the engine, so everyone else keeps being served. The routes are in ``routes.py``, what they
+the engine, so everyone else keeps being served. Whose fault an error is goes by its type:
+``RequestRejected`` (raised where the request is checked) is the client's 400, any other exception
+is the server's 500, logged with its traceback. The routes are in ``routes.py``, what they
 answer in ``generation.py`` and ``responses.py``, the API key and body limit in ``guards.py``.
 """
 
@@ -21,9 +23,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..errors import RequestRejected
 from ..llm import LLM
 from .async_engine import AsyncEngine
-from .errors import APIError, error_body
+from .errors import APIError, error_body, rejected
 from .guards import Guards
 from .metrics import Metrics, ThroughputMeter
 from .openapi import document_responses
@@ -114,6 +117,12 @@ async def api_error(request: Request, e: APIError) -> JSONResponse:
     return respond(request, e.status, e.body(), e.headers)
 
 
+async def request_rejected(request: Request, e: RequestRejected) -> JSONResponse:
+    """A request refused before anything was queued: a 400 with its ``param`` and ``code``.
+    Only this type is the client's fault; any other exception, a ValueError too, is a bug (500)."""
+    return await api_error(request, rejected(e))
+
+
 async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
     """A body that does not parse or fit the schema: a 400 naming the field (never FastAPI's 422)."""
     first = e.errors()[0] if e.errors() else {}
@@ -138,6 +147,7 @@ async def bug(request: Request, e: Exception) -> JSONResponse:
 
 ERROR_HANDLERS: dict[int | type[Exception], Callable[[Request, Any], Coroutine[Any, Any, Response]]] = {
     APIError: api_error,
+    RequestRejected: request_rejected,
     RequestValidationError: validation_error,
     StarletteHTTPException: http_error,
     Exception: bug,

@@ -189,7 +189,7 @@ class AsyncEngine:
         try:
             self.engine.add_request(op.prompt, op.params, request_id=op.request_id, arrival_time=op.arrival)
         except Exception as e:  # fails this request only; the engine is unchanged
-            client_error = isinstance(e, (RequestRejected, ValueError))
+            client_error = isinstance(e, RequestRejected)  # anything else (a ValueError too) is a bug: 500
             if not client_error:
                 log.exception("adding request %s failed", op.request_id)
             kind: ErrorKind = "rejected" if client_error else "engine"

@@ -20,13 +20,13 @@ from ..errors import RequestRejected
 from ..llm import LLM
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams, StructuredOutput
-from ..structured.tool_calls import ToolUse
 from .async_engine import AsyncEngine, EngineStopped, QueueFull
-from .errors import APIError, failed, rejected, unavailable
+from .errors import APIError, failed, unavailable
 from .mailbox import Mailbox
 from .metrics import Metrics
 from .protocol import SamplingFields
 from .responses import DONE, Reply, TokenText, sse, usage
+from .tool_calls import ToolUse
 
 DISCONNECT_CHECK_S = 0.5
 
@@ -106,8 +106,8 @@ def sampling_params(
             logprobs=logprobs,
             structured_output=constraint,
         )
-    except ValueError as e:
-        raise APIError(400, str(e)) from None
+    except ValueError as e:  # its field checks, the only ValueErrors it raises, on the client's values
+        raise RequestRejected(str(e).removeprefix("SamplingParams: "), param=None) from None
 
 
 def submit(
@@ -125,10 +125,7 @@ def submit(
     jobs = []
     for i, prompt in enumerate(prompts):
         params = sampling_params(req, len(prompt), max_tokens, logprobs, engine.engine.max_model_len, constraint)
-        try:
-            engine.validate(prompt, params)
-        except RequestRejected as e:
-            raise rejected(e) from None
+        engine.validate(prompt, params)  # RequestRejected: the app answers 400 naming the field
         jobs.append((f"{base}-{i}", prompt, params))
     sink = Mailbox()
     ids: list[str] = []

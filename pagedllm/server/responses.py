@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..outputs import RequestOutput
-from ..structured.tool_calls import ToolUse
+from .tool_calls import ToolUse
 
 TokenText = Callable[[int], str]  # one token id as the text a client sees
 DONE = "data: [DONE]\n\n"

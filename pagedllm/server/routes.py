@@ -4,6 +4,8 @@
 The generation endpoints only turn their body into token-id prompts; ``generation.generate``
 runs them. Tokenizing and chat templating (a body may carry megabytes of text) run on one
 worker thread, never on the event loop, which must keep streaming to everyone else meanwhile.
+What the client got wrong is raised as ``RequestRejected`` where it is found (the app answers it
+400); nothing here catches a ValueError, so a bug below stays a 500.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from ..errors import RequestRejected
+from ..llm import LLM
 from ..sampling_params import StructuredOutput
-from ..structured import tool_calls
+from . import tool_calls
 from .async_engine import AsyncEngine
-from .errors import APIError, rejected
+from .errors import APIError
 from .generation import generate
 from .protocol import ChatCompletionRequest, CompletionRequest
 
@@ -66,20 +69,12 @@ async def completions(req: CompletionRequest, request: Request):
     raw = req.prompt
     texts = [raw] if isinstance(raw, str) or isinstance(raw[0], int) else raw
     prompts = []
+    encode = request.app.state.llm.engine.encode  # RequestRejected for text the tokenizer cannot encode
     for p in texts:
-        if isinstance(p, str):
-            try:
-                prompts.append(await off_loop(request, request.app.state.llm.engine.encode, p))
-            except RequestRejected as e:
-                raise rejected(e) from None
-        else:
-            prompts.append(list(p))
+        prompts.append(await off_loop(request, encode, p) if isinstance(p, str) else list(p))
     if any(not p for p in prompts):
-        raise APIError(400, "prompt must not be empty", param="prompt")
-    try:
-        constraint = req.structured_output()
-    except RequestRejected as e:
-        raise rejected(e) from None
+        raise RequestRejected("prompt must not be empty", param="prompt")
+    constraint = req.structured_output()
     return await generate(request, req, prompts, req.max_tokens, req.logprobs, chat=False, constraint=constraint)
 
 
@@ -87,27 +82,19 @@ async def completions(req: CompletionRequest, request: Request):
 async def chat_completions(req: ChatCompletionRequest, request: Request):
     check_model(request, req.model)
     llm = request.app.state.llm
-    try:
-        constraint = req.structured_output()
-        tools = chat_tools(llm, req)
-        if tools is not None and tools.constraint() is not None:
-            if constraint is not None:
-                raise RequestRejected(
-                    "tool_choice 'required' or a named function already constrains the output: drop response_format",
-                    param="tool_choice",
-                )
-            constraint = tools.constraint()
-    except RequestRejected as e:
-        raise rejected(e) from None
+    constraint = req.structured_output()
+    tools = chat_tools(llm, req)
+    if tools is not None and tools.constraint() is not None:
+        if constraint is not None:
+            raise RequestRejected(
+                "tool_choice 'required' or a named function already constrains the output: drop response_format",
+                param="tool_choice",
+            )
+        constraint = tools.constraint()
     tool_list = [t.as_openai() for t in tools.tools] if tools is not None else None
     renders_tools = tool_calls.template_renders_tools(llm.chat_template_source(tool_list)) if tool_list else True
     messages = tool_calls.messages_for_template([m.for_template() for m in req.messages], tools, renders_tools)
-    try:
-        prompt = await off_loop(request, llm.apply_chat_template, messages, tool_list if renders_tools else None)
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages") from None
-    except Exception as e:  # a template that fails on these messages is the request's problem
-        raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
+    prompt = await off_loop(request, chat_prompt, llm, messages, tool_list if renders_tools else None)
     max_tokens = req.max_completion_tokens or req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     return await generate(request, req, [prompt], max_tokens, logprobs, chat=True, constraint=constraint, tools=tools)
@@ -125,6 +112,26 @@ def chat_tools(llm, req: ChatCompletionRequest) -> tool_calls.ToolUse | None:
     for i, tool in enumerate(use.tools):
         llm.engine.grammars.compile(StructuredOutput(json=tool.parameters, param=f"tools[{i}].function.parameters"))
     return use
+
+
+def chat_prompt(llm: LLM, messages: list[dict], tools: list[dict] | None) -> list[int]:
+    """The prompt ids of a chat request. The model's template renders the client's messages, so
+    whatever it raises on them is the client's 400 (RequestRejected naming ``messages``); the text
+    is then encoded by the engine, whose refusals are RequestRejected already. Nothing else is
+    caught: a bug here is a 500. (``LLM.apply_chat_template`` does the same but raises ValueError
+    for all of it, which the server cannot tell from a bug.)"""
+    tokenizer = llm.tokenizer
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        no_template = "this model has no chat template: use /v1/completions with a plain prompt"
+        raise RequestRejected(no_template, param="messages")
+    try:  # in jinja2's immutable sandbox (loading/tokenizer.py): no attribute escapes, no I/O
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **({"tools": tools} if tools else {})
+        )
+    except Exception as e:
+        message = f"the chat template cannot render these messages: {type(e).__name__}: {e}"
+        raise RequestRejected(message, param="messages") from None
+    return llm.engine.encode(text)
 
 
 def check_model(request: Request, name: str | None) -> None:

@@ -1,5 +1,6 @@
 """Structured output: constraints compiled to grammars that mask each step's logits
-(``grammars``), and OpenAI tool calls on top of them (``tool_calls``)."""
+(``grammars``). OpenAI's tool calls, a protocol built on these constraints, are the server's
+(``pagedllm.server.tool_calls``)."""
 
 from .grammars import GRAMMAR_CACHE_BYTES, Grammars, Matcher, available
 
