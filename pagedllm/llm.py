@@ -19,6 +19,7 @@ from .config import ModelConfig
 from .engine import LLMEngine
 from .engine.llm_engine import plan_for, stop_token_ids
 from .engine_config import EngineConfig
+from .errors import RequestRejected
 from .memory.machine import (
     bound_allocator_slack,
     bound_kernel_caches,
@@ -179,18 +180,21 @@ class LLM:
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The prompt ids of a conversation, with the generation prompt; ``tools`` (OpenAI's
-        function definitions) go to a template that renders them (``structured.tool_calls`` for
-        one that does not)."""
+        function definitions) go to a template that renders them (``server.tool_calls`` for
+        one that does not). Whatever the template raises on the messages is their fault:
+        RequestRejected naming ``messages`` (a ValueError; the server answers 400); nothing
+        else is caught, so a bug is not mistaken for bad input."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template: use generate() with a plain prompt")
+            raise RequestRejected("this model has no chat template: send a plain prompt", param="messages")
         if not messages:
-            raise ValueError("messages must not be empty")
-        try:  # transformers renders it in jinja2's immutable sandbox: no attribute escapes, no I/O
+            raise RequestRejected("messages must not be empty", param="messages")
+        try:  # in jinja2's immutable sandbox (loading/tokenizer.py): no attribute escapes, no I/O
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True, **({"tools": tools} if tools else {})
             )
         except Exception as e:
-            raise ValueError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from None
+            message = f"the chat template cannot render these messages: {type(e).__name__}: {e}"
+            raise RequestRejected(message, param="messages") from None
         return self.engine.encode(text)
 
     def chat_template_source(self, tools: list[dict] | None = None) -> str:

@@ -83,3 +83,65 @@ def test_the_planner_and_the_plan_command_start_without_torch():
     code = "import sys, pagedllm.cli, pagedllm.memory.planner; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_only_the_backends_reach_the_compiled_kernels():
+    """The compiled-or-PyTorch choice is made once, by the backend an engine is given: no layer,
+    model or engine module asks the kernels package which path it is on."""
+    wrong = []
+    for path in PACKAGE.rglob("*.py"):
+        own = component(".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts))
+        if own in ("kernels", "backends"):
+            continue
+        wrong += [
+            f"{path.relative_to(PACKAGE.parent)} imports {t}" for t in imports_of(path) if component(t) == "kernels"
+        ]
+    assert not wrong, "\n".join(wrong)
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_python_function_is_longer_than_a_screen():
+    long = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}: {lines} lines")
+    assert not long, "\n".join(long)
+
+
+def cpp_function_lengths(source: str) -> dict[str, int]:
+    """Top-level C++ definitions (a line at column 0 whose braces open a body) by first line: the
+    lines until the brace that closes it. Enough for our kernels' plain style."""
+    lengths, lines = {}, source.splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        opens_body = line and not line[0].isspace() and "(" in line and not line.startswith(("#", "//", "}"))
+        if opens_body and not line.rstrip().endswith(";"):
+            start, depth, seen = i, 0, False
+            while i < len(lines):
+                code = lines[i].split("//")[0]
+                depth += code.count("{") - code.count("}")
+                seen |= "{" in code
+                if seen and depth == 0:
+                    break
+                if not seen and code.rstrip().endswith(";"):
+                    break  # a declaration
+                i += 1
+            if seen:
+                lengths[f"{start + 1}: {line.strip()[:60]}"] = i - start + 1
+        i += 1
+    return lengths
+
+
+def test_no_cpp_function_is_longer_than_a_screen():
+    long = []
+    for path in sorted((PACKAGE / "kernels" / "csrc").glob("*.[ch]*")):
+        for where, lines in cpp_function_lengths(path.read_text()).items():
+            if lines > MAX_FUNCTION_LINES and "TORCH_LIBRARY" not in where and "namespace" not in where:
+                long.append(f"{path.name}:{where}: {lines} lines")
+    assert not long, "\n".join(long)

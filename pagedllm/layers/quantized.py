@@ -1,6 +1,6 @@
 """Weights kept quantized: int8 and int4 matrices, and the linear and embedding layers that read them.
 
-A ``QuantizedWeight`` is one matrix in the layout the CPU kernels read (``kernels/csrc/quant_ops.cpp``):
+A ``QuantizedWeight`` is one matrix in the layout the CPU kernels read (``kernels/csrc/quant.h``):
 ``value[n, k] = q[n, k] * scale[n, k // group] + zero[n, k // group]``. GGUF's Q4_0/Q4_1/Q4_K
 map onto 4-bit q and Q8_0/Q5_K/Q6_K onto 8-bit q exactly (``loading/gguf_quants.py``);
 ``quantize`` makes the same from a float checkpoint tensor (int8: one scale per row, symmetric;

@@ -91,7 +91,8 @@ class Sampler:
             _penalize_row(logits[row], s)
         self._block_stops(logits, seqs)
         greedy_tokens = logits.argmax(dim=-1)
-        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params])[:, None]
+        device = raw.device
+        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)[:, None]
         logits.div_(temps)
         probs = _filtered_probs(logits, params)
         del logits
@@ -103,7 +104,7 @@ class Sampler:
                 noise[row].exponential_(generator=s.generator)
         drawn = probs.div_(noise).argmax(dim=-1)
         del noise, probs
-        greedy = torch.tensor([p.greedy for p in params])
+        greedy = torch.tensor([p.greedy for p in params], device=device)
         tokens = torch.where(greedy, greedy_tokens, drawn).tolist()
         return tokens, _logprobs(raw, tokens, params)
 
@@ -118,9 +119,10 @@ class Sampler:
 def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
     """Softmax after top-k, top-p and min-p (each off for rows that do not ask for it)."""
     rows, vocab = logits.shape
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
-    top_p = torch.tensor([p.top_p for p in params])
-    min_p = torch.tensor([p.min_p for p in params])
+    device = logits.device
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    min_p = torch.tensor([p.min_p for p in params], device=device)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(dim=-1)
     # drop a token when the ones ranked above it already reach top_p (rows with top_p < 1 only)
@@ -128,7 +130,7 @@ def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
     drop = above.ge_(top_p[:, None]).logical_and_((top_p < 1)[:, None]).bool()
     del above
     drop[:, 0] = False
-    drop |= torch.arange(vocab)[None, :] >= top_k[:, None]
+    drop |= torch.arange(vocab, device=device)[None, :] >= top_k[:, None]
     drop |= probs < (min_p[:, None] * probs[:, :1])
     sorted_logits.masked_fill_(drop, float("-inf"))
     del drop, probs
@@ -159,9 +161,13 @@ def _penalize_row(logits: torch.Tensor, seq: SamplingRow) -> None:
     p = seq.params
     penalty = p.repetition_penalty  # filled by SamplingParams.with_defaults before a step
     if penalty is not None and penalty != 1:
-        seen = torch.tensor(sorted(set(seq.prompt_token_ids) | set(seq.output_token_ids)), dtype=torch.long)
+        seen = torch.tensor(
+            sorted(set(seq.prompt_token_ids) | set(seq.output_token_ids)), dtype=torch.long, device=logits.device
+        )
         values = logits[seen]
         logits[seen] = torch.where(values > 0, values / penalty, values * penalty)
     if (p.presence_penalty or p.frequency_penalty) and seq.output_token_ids:
-        ids, counts = torch.tensor(seq.output_token_ids, dtype=torch.long).unique(return_counts=True)
+        ids, counts = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device).unique(
+            return_counts=True
+        )
         logits[ids] -= counts * p.frequency_penalty + p.presence_penalty

@@ -54,7 +54,7 @@ def cpu_flags() -> frozenset[str]:
 def onednn_isa_cap() -> str | None:
     """The best kind ONEDNN_MAX_CPU_ISA (or its old name DNNL_MAX_CPU_ISA) lets oneDNN use, or
     None where it caps nothing. oneDNN reads it once, at its first use; pagedllm's own AMX
-    kernels (kernels/csrc/quant_ops.cpp) obey the same variable, so setting it runs a machine as
+    kernels (kernels/csrc/amx.h) obey the same variable, so setting it runs a machine as
     one without AMX."""
     for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
         value = os.environ.get(name, "").strip().upper()

@@ -115,23 +115,9 @@ def chat_tools(llm, req: ChatCompletionRequest) -> tool_calls.ToolUse | None:
 
 
 def chat_prompt(llm: LLM, messages: list[dict], tools: list[dict] | None) -> list[int]:
-    """The prompt ids of a chat request. The model's template renders the client's messages, so
-    whatever it raises on them is the client's 400 (RequestRejected naming ``messages``); the text
-    is then encoded by the engine, whose refusals are RequestRejected already. Nothing else is
-    caught: a bug here is a 500. (``LLM.apply_chat_template`` does the same but raises ValueError
-    for all of it, which the server cannot tell from a bug.)"""
-    tokenizer = llm.tokenizer
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        no_template = "this model has no chat template: use /v1/completions with a plain prompt"
-        raise RequestRejected(no_template, param="messages")
-    try:  # in jinja2's immutable sandbox (loading/tokenizer.py): no attribute escapes, no I/O
-        text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **({"tools": tools} if tools else {})
-        )
-    except Exception as e:
-        message = f"the chat template cannot render these messages: {type(e).__name__}: {e}"
-        raise RequestRejected(message, param="messages") from None
-    return llm.engine.encode(text)
+    """The prompt ids of a chat request: the template's refusals of the client's messages are
+    RequestRejected naming ``messages`` (400); anything else raised is a bug (500)."""
+    return llm.apply_chat_template(messages, tools)
 
 
 def check_model(request: Request, name: str | None) -> None:

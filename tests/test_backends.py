@@ -1,0 +1,77 @@
+"""The backend an engine is given is the one everything computes with: every layer, the KV
+cache, the attention and the threads; the compiled backend falls back to the PyTorch
+arithmetic for one call it has no kernel for, not for the whole model; names are checked."""
+
+import pytest
+import torch
+
+from pagedllm import LLM, backends
+from pagedllm.backends.cpu_compiled import CPUCompiledBackend
+from pagedllm.backends.cpu_torch import CPUTorchBackend
+from pagedllm.engine import LLMEngine
+
+
+@pytest.mark.parametrize("name, kind", [("cpu-torch", CPUTorchBackend), ("cpu-compiled", CPUCompiledBackend)])
+def test_the_chosen_backend_is_every_layers_and_the_engines(tiny_checkpoints, ops, name, kind):
+    llm = LLM(tiny_checkpoints["qwen3"][0], backend=name, num_blocks=16, max_model_len=64)
+    engine = llm.engine
+    assert type(engine.backend) is kind and engine.backend is llm.loaded.model.backend
+    holders = [m for m in llm.loaded.model.modules() if hasattr(m, "backend")]
+    assert len(holders) > 10 and all(m.backend is engine.backend for m in holders)
+    assert engine.runner.backend is engine.backend and engine.runner.sampler.backend is engine.backend
+    assert (engine.threads._pin is not None) == (kind is CPUCompiledBackend)  # pinning is a kernel op
+    assert llm.memory_plan.total_bytes > 0 and llm.generate([[5, 6, 7]])[0].token_ids
+
+
+def test_the_compiled_backend_falls_back_for_one_call_only(ops, monkeypatch):
+    """Qwen3's q/k norms run on [T, H, D] views, which the norm kernel does not take: that call
+    runs the reference arithmetic, the next contiguous one the kernel."""
+    compiled = backends.get("cpu-compiled")
+    calls = []
+    monkeypatch.setattr(compiled, "ops", _Counting(compiled.ops, calls))
+    weight = torch.rand(32) + 0.5
+    x = torch.randn(5, 4, 32)
+    got = compiled.rms_norm(x, weight, 1e-6)
+    torch.testing.assert_close(got, backends.get("cpu-torch").rms_norm(x, weight, 1e-6))
+    assert calls == []
+    compiled.rms_norm(x[:, 0].contiguous(), weight, 1e-6)
+    assert calls == ["rms_norm"]
+
+
+class _Counting:
+    def __init__(self, ops, calls):
+        self._ops, self._calls = ops, calls
+
+    def __getattr__(self, name):
+        self._calls.append(name)
+        return getattr(self._ops, name)
+
+
+def test_threads_come_from_the_config(default_llm):
+    engine = LLMEngine(default_llm.loaded, default_llm.config.replace(threads=1, num_blocks=8, max_model_len=128))
+    try:
+        assert engine.threads.max_threads == 1 and torch.get_num_threads() == 1
+    finally:
+        LLMEngine(default_llm.loaded, default_llm.config.replace(num_blocks=8, max_model_len=128))  # back to all cores
+    assert torch.get_num_threads() == engine.backend.thread_policy().max_threads
+
+
+def test_unknown_and_unbuilt_backends_are_refused(monkeypatch):
+    with pytest.raises(ValueError, match="cuda.*not implemented"):
+        backends.get("cuda")
+    with pytest.raises(ValueError, match="choose one of auto, cpu-compiled, cpu-torch"):
+        backends.get("metal")
+    from pagedllm import kernels
+
+    monkeypatch.setattr(kernels, "kernels_mode", lambda: "auto")
+    monkeypatch.setattr(kernels, "compiled_ops", lambda: None)  # auto, where they cannot be built
+    monkeypatch.setattr(kernels.build, "_load", _no_compiler)
+    assert isinstance(backends.get(), CPUTorchBackend)  # auto: the PyTorch path
+    with pytest.raises(kernels.KernelBuildError, match="no C\\+\\+ compiler"):
+        backends.get("cpu-compiled")  # asked for by name: an error
+
+
+def _no_compiler():
+    from pagedllm.kernels import KernelBuildError
+
+    raise KernelBuildError("no C++ compiler ('c++' not found) to build the CPU kernels")
