@@ -341,6 +341,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--timeout", type=float, default=3600, help="seconds per engine")
     bench.add_argument("--repeats", type=int, default=5, help="structured: runs of each pair (medians)")
     bench.add_argument("--json", default=None, help="also write the results here")
+    bench.add_argument(
+        "--serve",
+        default=None,
+        metavar="URL",
+        help="send the workload to a running OpenAI-compatible server (ours or a peer's) instead, streamed",
+    )
+    bench.add_argument(
+        "--request-rate",
+        default="inf",
+        help="--serve: requests/s (Poisson arrivals, seeded) or inf (all at once); several, comma-separated",
+    )
+    bench.add_argument("--api-key", default=None, help="--serve: the server's API key")
     add_engine_flags(bench)
     bench.set_defaults(func=lambda args: __import__("pagedllm.bench.run", fromlist=["main"]).main(args))
 

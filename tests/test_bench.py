@@ -118,3 +118,38 @@ def test_bench_variants_run_each_configuration_in_one_run(tmp_path):
     assert all(r["output_tokens"] == 6 for r in results)
     assert all(0 < r["interpreter_rss_bytes"] < r["peak_rss_bytes"] for r in results)
     assert results[1]["weights_bytes"] < results[0]["weights_bytes"] / 3  # Q4_1 against float32
+
+
+def test_arrivals_are_all_at_once_or_a_seeded_poisson_process():
+    from pagedllm.bench.serve import arrivals
+
+    assert arrivals(5, float("inf")) == [0.0] * 5
+    times = arrivals(2000, 4.0, seed=1)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert times[0] == 0 and all(g >= 0 for g in gaps) and times == arrivals(2000, 4.0, seed=1)
+    assert abs(sum(gaps) / len(gaps) - 0.25) < 0.02  # mean gap 1/rate
+    assert arrivals(10, 4.0, seed=2) != arrivals(10, 4.0, seed=1)
+
+
+@pytest.mark.slow  # starts a server
+def test_the_online_load_counts_every_token_and_times_it(tiny_checkpoints):
+    """Against a real server: every token the workload asks for is counted (ignore_eos), the
+    server's own counter agrees, and each request's first token comes before its end."""
+    import asyncio
+
+    from server_process import ServerProcess
+
+    from pagedllm.bench.serve import run_load
+
+    server = ServerProcess("--model", str(tiny_checkpoints["llama"][0]), "--max-model-len", "64", "--max-num-seqs", "8")
+    try:
+        prompts, max_tokens = [[1, 2, 3], [4] * 20, [5] * 7, [6] * 11], [4, 6, 5, 9]
+        for rate in (float("inf"), 20.0):
+            before = server.metric("pagedllm_generation_tokens_total")
+            summary = asyncio.run(run_load(server.url, prompts, max_tokens, rate)).summary()
+            assert summary["failed"] == 0 and summary["output_tokens"] == sum(max_tokens)
+            assert server.metric("pagedllm_generation_tokens_total") - before == sum(max_tokens)
+            assert 0 < summary["ttft_ms"]["p50"] <= summary["ttft_ms"]["p99"]
+            assert summary["output_tokens_per_s"] == pytest.approx(sum(max_tokens) / summary["elapsed_s"])
+    finally:
+        server.stop()

@@ -127,6 +127,11 @@ def main(args) -> int:
     model_dir, name = resolve_model_dir(args.model)
     tokenizer = load_tokenizer(model_dir)
     workload = build_workload(args.workload, tokenizer, args.num_prompts, args.new_tokens)
+    if args.serve:
+        from . import serve
+
+        print(f"# {name} tokens, workload {workload.name}: {len(workload.prompts)} requests to {args.serve}")
+        return serve.main(args, workload)
     compare = [p for p in (args.compare.split(",") if args.compare else []) if p]
     unknown = [p for p in compare if p not in PEERS]
     if unknown:
