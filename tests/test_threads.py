@@ -5,6 +5,7 @@ thread), back when they stop."""
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -49,3 +50,48 @@ def test_threads_step_down_next_to_busy_processes_and_come_back():
             p.wait()
     assert wait_for(governor, lambda: governor.threads == governor.max_threads), "never came back"
     assert governor.pinned == (backend.name == "cpu-compiled")
+
+
+def _tasks() -> set[int]:
+    return {int(t) for t in os.listdir("/proc/self/task")}
+
+
+def _allowed(tid: int) -> set[int]:
+    return set(os.sched_getaffinity(tid))
+
+
+def test_a_step_on_another_thread_runs_on_workers_pinned_one_per_core():
+    """The server steps on its own thread, which gets its own team of OpenMP workers: they must
+    be pinned one per core too, not left to inherit the step's one-core binding (then the whole
+    step ran on one core)."""
+    backend = backends.get()
+    governor = backend.thread_policy()
+    if not governor.pinned or governor.threads < 2:
+        pytest.skip("pinning needs the compiled kernels and two cores")
+    found: dict = {}
+
+    def step():
+        before = _tasks()
+        with governor.running():
+            torch.ones(1 << 22).add_(1)  # a parallel region: this thread's workers start
+            found["own"] = _allowed(threading.get_native_id())
+            found["workers"] = [_allowed(t) for t in _tasks() - before - {threading.get_native_id()}]
+
+    t = threading.Thread(target=step)
+    t.start()
+    t.join()
+    assert found["own"] == {governor.cores[0]}
+    assert found["workers"] and all(w == {c} for w, c in zip(found["workers"], governor.cores[1:])), found
+
+
+def test_the_server_leaves_its_threads_unpinned(tiny_checkpoints):
+    """Its event loop runs beside the engine: pinned workers it preempts cannot move."""
+    from fastapi.testclient import TestClient
+
+    from pagedllm import LLM
+    from pagedllm.server.app import create_app
+
+    llm = LLM(tiny_checkpoints["llama"][0], num_blocks=16, max_model_len=64)
+    with TestClient(create_app(llm)) as client:
+        assert client.get("/health").status_code == 200
+        assert not llm.engine.threads.pinned and not llm.engine.threads.pin

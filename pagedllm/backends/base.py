@@ -52,6 +52,8 @@ class ThreadPolicy(Protocol):
 
     def after_step(self) -> None: ...
 
+    def share_process(self) -> None: ...  # other busy threads run beside the engine's (a server)
+
 
 class Backend:
     """The interface; ``backends.cpu_torch.CPUTorchBackend`` is the reference implementation."""

@@ -69,6 +69,7 @@ class AsyncEngine:
         self._fail_lock = threading.Lock()  # the dead thread's last delivery vs. a late add's
 
     def start(self) -> None:
+        self.engine.threads.share_process()  # the event loop runs beside the engine's threads
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
