@@ -98,3 +98,22 @@ def test_the_api_and_the_engine_plan_from_the_same_inputs(tiny_checkpoints, defa
     with_grammars = LLMEngine(default_llm.loaded, small).memory_plan
     without = LLMEngine(default_llm.loaded, small.replace(structured_output=False)).memory_plan
     assert with_grammars.overhead_bytes - without.overhead_bytes == GRAMMAR_CACHE_BYTES
+
+
+def test_plan_without_an_engine_plans_for_the_backend_named():
+    """``pagedllm plan --backend cpu-torch`` reserves the PyTorch path's workspaces (it gathers
+    contexts), not the compiled kernels' (which read them in place, with per-thread scratch);
+    ``auto`` plans for what an engine started here would run."""
+    from pathlib import Path
+
+    from pagedllm.config import ModelConfig
+    from pagedllm.memory.machine import expected_kernels
+    from pagedllm.memory.planner import plan_engine
+
+    cfg = ModelConfig.from_file(Path(__file__).parent.parent / "benchmarks/configs/llama-3-70b.json")
+    sizes = dict(dtype="bfloat16", memory="200GiB", max_model_len=8192, max_batch_tokens=2048)
+    torch_path = plan_engine(cfg, EngineConfig(backend="cpu-torch", **sizes)).activation_bytes
+    compiled = plan_engine(cfg, EngineConfig(backend="cpu-compiled", **sizes)).activation_bytes
+    assert torch_path != compiled
+    auto = plan_engine(cfg, EngineConfig(**sizes)).activation_bytes
+    assert auto == (compiled if expected_kernels() == "compiled" else torch_path)

@@ -469,7 +469,8 @@ def plan_engine(
     )
     if c.memory is None:
         budget, source = budget + baseline, f"{source} + the process baseline"
-    kernels = backend.kernels if backend is not None else expected_kernels()
+    named = {"cpu-compiled": "compiled", "cpu-torch": "torch"}.get(c.backend)  # `pagedllm plan --backend`
+    kernels = backend.kernels if backend is not None else named or expected_kernels()
     isa = (backend.gemm_kind if backend is not None else None) or gemm_isa()
     quant_tiles = backend.quant_tiles if backend is not None else kernels == "compiled" and isa == "amx"
     settings = EngineSettings(
