@@ -1,6 +1,7 @@
 """What crosses from the scheduler to the runner, and from the runner's driver to whatever
-executes the model: plain data only (ints, strings, lists, int tensors, frozen sampling
-parameters), so a step can be pickled, sent to another process or device, and replayed.
+executes the model: plain data only (ints, strings, lists, int tensors, each row's
+``SamplingParams``, a dataclass of values), so a step can be pickled, sent to another process
+or device, and replayed.
 
 ::
 
