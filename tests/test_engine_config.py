@@ -26,6 +26,15 @@ def test_every_command_has_exactly_the_config_fields_as_engine_flags(command):
     ), "the flags' defaults are the config's"
 
 
+@pytest.mark.parametrize("command", ["generate", "chat", "serve", "bench", "plan"])
+def test_every_commands_help_lists_the_engine_flags(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args([command, "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "--memory MEMORY | --memory-fraction MEMORY_FRACTION" in out
+    assert all(f"--{name.replace('_', '-')}" in out for name in FIELDS - {"enable_prefix_caching", "structured_output"})
+
+
 def test_flags_become_the_config_they_name():
     args = build_parser().parse_args(
         "plan --model m --dtype bfloat16 --kv-cache-dtype fp8 --quantization int4 --block-size 8 --num-blocks 9 "
