@@ -3,6 +3,7 @@ against, and what runs where no C++ compiler is (one log line says so)."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -131,12 +132,11 @@ def _reorder(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
 
+log = logging.getLogger(__name__)
 _warned: set[str] = set()
 
 
 def _warn_once(message: str) -> None:
-    import logging
-
     if message not in _warned:
         _warned.add(message)
-        logging.getLogger("pagedllm.layers.linear").warning(message)
+        log.warning(message)

@@ -78,6 +78,7 @@ class ModelRunner:
             if row.samples:
                 logits_rows.append(len(input_ids) - 1)
         starts.append(len(input_ids))
+        ends = [r.end for r in out.rows]
 
         def longs(values: list) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=device)
@@ -86,10 +87,8 @@ class ModelRunner:
             input_ids=longs(input_ids),
             positions=longs(positions),
             query_start=torch.tensor(starts, dtype=torch.int32, device=device),
-            context_lens=torch.tensor([r.end for r in out.rows], dtype=torch.int32, device=device),
-            block_tables=block_tables(
-                [r.block_table for r in out.rows], [r.end for r in out.rows], self.kv_cache.block_size, device
-            ),
+            context_lens=torch.tensor(ends, dtype=torch.int32, device=device),
+            block_tables=block_tables([r.block_table for r in out.rows], ends, self.kv_cache.block_size, device),
             logits_rows=longs(logits_rows),
             copies=longs(out.copies).view(-1, 2),
             zeros=longs(out.zeros),
@@ -102,7 +101,7 @@ class ModelRunner:
         """Float32 logits [R, vocab] of the step's sampled rows."""
         # Before anything computes: a source block may be rewritten by its new owner this step.
         self.kv_cache.zero_blocks(step.zeros.tolist())
-        self.kv_cache.copy_blocks([(s, d) for s, d in step.copies.tolist()])
+        self.kv_cache.copy_blocks(step.copies.tolist())  # [source, destination] pairs
         layout = self.backend.attention_metadata(step, self.group_size)
         return self.model(
             step.input_ids, step.positions, self.backend.attention(self.kv_cache, layout), step.logits_rows
