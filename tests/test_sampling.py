@@ -140,3 +140,44 @@ def test_bad_parameters_fail_at_creation_naming_the_field(bad):
     field = next(iter(bad))
     with pytest.raises(ValueError, match=field):
         SamplingParams(**bad)
+
+
+def nucleus_probs(logits_row: torch.Tensor, top_p: float, min_p: float) -> torch.Tensor:
+    """The oracle: sort the whole vocabulary, keep the nucleus and min-p, renormalize."""
+    probs = logits_row.softmax(-1)
+    sorted_p, order = probs.sort(descending=True)
+    keep = (sorted_p.cumsum(0) - sorted_p < top_p) & (sorted_p >= min_p * sorted_p[0])
+    kept = torch.zeros_like(probs)
+    kept[order[keep]] = probs[order[keep]]
+    return kept / kept.sum()
+
+
+def test_a_nucleus_wider_than_the_candidates_is_drawn_from_whole():
+    """Filtered rows are drawn from their most likely tokens without a sort (layers/sampler.py,
+    CANDIDATES); a nucleus of thousands of tokens must still reach all of them."""
+    vocab, rows = 4096, 64
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(5)) * 0.1  # nearly flat
+    seqs = seqs_for([SamplingParams(temperature=1.0, top_p=0.95)] * rows)
+    ranks = []
+    for _ in range(10):
+        tokens = Sampler(())(logits, seqs).token_ids
+        for i, t in enumerate(tokens):
+            assert nucleus_probs(logits[i], 0.95, 0.0)[t] > 0
+            ranks.append(int((logits[i] > logits[i, t]).sum()))
+    assert max(ranks) > 1000  # draws beyond the candidates: the whole nucleus is reachable
+
+
+def test_filtered_draws_follow_the_renormalized_nucleus():
+    vocab = 4096
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(6)) * 4  # peaked
+    params = SamplingParams(temperature=1.0, top_p=0.9, min_p=0.01)
+    expected = nucleus_probs(logits[0], 0.9, 0.01)
+    draws = 4000
+    seqs = seqs_for([params] * draws)
+    tokens = torch.tensor(Sampler(())(logits.expand(draws, vocab).contiguous(), seqs).token_ids)
+    counts = torch.bincount(tokens, minlength=vocab).double()
+    assert counts[expected == 0].sum() == 0
+    kept = expected > 0
+    # every kept token's frequency within 5 standard deviations of its probability
+    sd = (expected[kept] * (1 - expected[kept]) / draws).sqrt()
+    assert ((counts[kept] / draws - expected[kept]).abs() <= 5 * sd + 1e-3).all()

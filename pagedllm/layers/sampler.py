@@ -24,6 +24,9 @@ import torch
 from ..sampling_params import SamplingParams
 from .workspace import SAMPLER_CHUNK_ROWS as CHUNK_ROWS
 
+# The most likely tokens a filtered row is drawn from without sorting its vocabulary (``_draw``).
+CANDIDATES = 256
+
 if TYPE_CHECKING:
     from ..backends import Backend
     from ..structured import Grammars
@@ -90,22 +93,14 @@ class Sampler:
         for row, s in enumerate(seqs):
             _penalize_row(logits[row], s)
         self._block_stops(logits, seqs)
-        greedy_tokens = logits.argmax(dim=-1)
         device = raw.device
+        greedy = torch.tensor([p.greedy for p in params], device=device)
+        greedy_tokens = logits.argmax(dim=-1) if any(p.greedy for p in params) else None
         temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)[:, None]
         logits.div_(temps)
-        probs = _filtered_probs(logits, params)
+        drawn = _draw(logits, params, [s.generator for s in seqs])
         del logits
-        # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p. Seeded rows draw
-        # their noise from their own generator; the rest share one batched draw.
-        noise = torch.empty_like(probs).exponential_()
-        for row, s in enumerate(seqs):
-            if s.generator is not None:
-                noise[row].exponential_(generator=s.generator)
-        drawn = probs.div_(noise).argmax(dim=-1)
-        del noise, probs
-        greedy = torch.tensor([p.greedy for p in params], device=device)
-        tokens = torch.where(greedy, greedy_tokens, drawn).tolist()
+        tokens = (drawn if greedy_tokens is None else torch.where(greedy, greedy_tokens, drawn)).tolist()
         return tokens, _logprobs(raw, tokens, params)
 
     def _block_stops(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> None:
@@ -116,24 +111,85 @@ class Sampler:
                     logits[row, stops] = float("-inf")
 
 
-def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
-    """Softmax after top-k, top-p and min-p (each off for rows that do not ask for it)."""
+def _draw(logits: torch.Tensor, params, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row from softmax(logits) after top-k, top-p and min-p.
+
+    Each filter keeps a prefix of the tokens ranked by probability, so a row whose kept prefix ends
+    within its ``CANDIDATES`` most likely tokens is drawn from those alone (a top-k, not a sort of
+    the vocabulary: ~20x less work per row); only a row that keeps more (no filter, or a flat
+    distribution) takes the whole-vocabulary path. Both draw by the exponential race: argmax(p / E)
+    with E ~ Exp(1) is a draw from p; seeded rows take their noise from their own generator."""
+    rows, vocab = logits.shape
+    k = min(vocab, CANDIDATES)
+    filtered = [0 < p.top_k < vocab or p.top_p < 1 or p.min_p > 0 for p in params]
+    drawn = torch.zeros(rows, dtype=torch.long, device=logits.device)  # (greedy rows: not drawn)
+    wide = [i for i in range(rows) if not filtered[i] and not params[i].greedy]
+    narrow = [i for i in range(rows) if filtered[i] and not params[i].greedy]
+    if narrow:
+        tokens, overflow = _draw_candidates(
+            _rows(logits, narrow), [params[i] for i in narrow], [generators[i] for i in narrow], k
+        )
+        drawn[narrow] = tokens
+        wide += [narrow[i] for i in overflow]
+    if wide:
+        wide.sort()
+        probs = _filtered_probs(_rows(logits, wide), [params[i] for i in wide])
+        drawn[wide] = _race(probs, [generators[i] for i in wide])
+    return drawn
+
+
+def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``t[rows]``, without a copy when that is every row (the common case: one kind of request)."""
+    return t if rows == list(range(t.shape[0])) else t[torch.tensor(rows, device=t.device)]
+
+
+def _draw_candidates(logits: torch.Tensor, params, generators, k: int) -> tuple[torch.Tensor, list[int]]:
+    """Draws among each row's ``k`` most likely tokens; returns the tokens and the rows whose kept
+    prefix may reach past them (their draw must take the whole vocabulary)."""
     rows, vocab = logits.shape
     device = logits.device
+    values, ids = logits.topk(k, dim=-1)  # sorted, most likely first
+    probs = (values - logits.logsumexp(dim=-1, keepdim=True)).exp_()  # their true probabilities
+    keep = _kept(probs, params, vocab)
+    overflow = keep[:, -1].logical_and(torch.tensor(k < vocab, device=device)).nonzero().flatten().tolist()
+    choice = _race(probs.masked_fill_(~keep, 0), generators)
+    return ids.gather(1, choice[:, None]).squeeze(1), overflow
+
+
+def _kept(probs: torch.Tensor, params, vocab: int) -> torch.Tensor:
+    """Which of the ranked ``probs`` (descending; true probabilities) top-k, top-p and min-p keep."""
+    device = probs.device
     top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
     top_p = torch.tensor([p.top_p for p in params], device=device)
     min_p = torch.tensor([p.min_p for p in params], device=device)
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
     # drop a token when the ones ranked above it already reach top_p (rows with top_p < 1 only)
     above = probs.cumsum(dim=-1).sub_(probs)
     drop = above.ge_(top_p[:, None]).logical_and_((top_p < 1)[:, None]).bool()
     del above
     drop[:, 0] = False
-    drop |= torch.arange(vocab, device=device)[None, :] >= top_k[:, None]
+    drop |= torch.arange(probs.shape[1], device=device)[None, :] >= top_k[:, None]
     drop |= probs < (min_p[:, None] * probs[:, :1])
-    sorted_logits.masked_fill_(drop, float("-inf"))
-    del drop, probs
+    return ~drop
+
+
+def _race(probs: torch.Tensor, generators) -> torch.Tensor:
+    """argmax(p / E), E ~ Exp(1): a draw from each row of ``probs`` (unnormalized is fine)."""
+    noise = torch.empty_like(probs).exponential_()
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            noise[row].exponential_(generator=generator)
+    return probs.div_(noise).argmax(dim=-1)
+
+
+def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
+    """Softmax after top-k, top-p and min-p over the whole vocabulary (sorted: the rows whose
+    filters keep more than ``CANDIDATES`` tokens, or none)."""
+    if not any(0 < p.top_k < logits.shape[1] or p.top_p < 1 or p.min_p > 0 for p in params):
+        return logits.softmax(dim=-1)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    keep = _kept(sorted_logits.softmax(dim=-1), params, logits.shape[1])
+    sorted_logits.masked_fill_(~keep, float("-inf"))
+    del keep
     logits.scatter_(1, order, sorted_logits)
     del sorted_logits, order
     return logits.softmax(dim=-1)
