@@ -85,6 +85,15 @@ def _llm(args):
     return LLM(config=EngineConfig.from_args(args))
 
 
+def _served_model(args):
+    """The engine in a process of its own (the API process then holds no torch), or on a thread."""
+    if args.engine_in_thread:
+        return _llm(args)
+    from .engine_process.client import EngineProcess
+
+    return EngineProcess(EngineConfig.from_args(args), max_waiting=args.max_waiting)
+
+
 def cmd_serve(args) -> int:
     import os
 
@@ -95,7 +104,7 @@ def cmd_serve(args) -> int:
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY")
     failed: list[BaseException] = []
     app = create_app(
-        _llm(args),
+        _served_model(args),
         served_model_name=args.served_model_name,
         api_key=api_key,
         max_body_bytes=args.max_body_bytes,
@@ -351,6 +360,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         help="seconds to finish in-flight requests on SIGTERM before aborting them",
+    )
+    serve.add_argument(
+        "--engine-in-thread",
+        action="store_true",
+        help="step the engine on a thread of the server's process instead of a process of its own "
+        "(one interpreter for HTTP and the engine: slower under load)",
     )
     add_engine_flags(serve)
     serve.set_defaults(func=cmd_serve)

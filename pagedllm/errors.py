@@ -35,3 +35,11 @@ class CacheDoesNotFitError(PagedLLMError, MemoryError):
         super().__init__(message)
         self.breakdown = breakdown
         self.suggestions = suggestions
+
+
+class QueueFull(PagedLLMError):
+    """More requests are waiting than the server accepts; the client should retry later."""
+
+
+class EngineStopped(PagedLLMError):
+    """The engine (its thread or its process) has failed: nothing more will run in this server."""

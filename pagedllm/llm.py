@@ -14,19 +14,11 @@ from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
-from . import backends, loading, structured
-from .config import ModelConfig
+from . import prompts
 from .engine import LLMEngine
-from .engine.llm_engine import plan_for, stop_token_ids
+from .engine.builder import build_engine
 from .engine_config import EngineConfig
-from .errors import RequestRejected
-from .memory.machine import (
-    bound_allocator_slack,
-    bound_kernel_caches,
-    release_library_pages,
-    resident_bytes,
-    return_freed_heap,
-)
+from .engine_process.client import EngineProcess, LLMEngineOverProcess
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -34,7 +26,14 @@ Prompt = str | list[int]
 
 
 class LLM:
-    def __init__(self, model: str | Path | None = None, *, config: EngineConfig | None = None, **options):
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        config: EngineConfig | None = None,
+        engine_process: bool = False,
+        **options,
+    ):
         """``LLM(model, **options)``: the options are ``EngineConfig``'s fields (or pass ``config``).
 
         ``memory="6GiB"`` bounds the whole process's peak resident memory (what it holds
@@ -48,47 +47,61 @@ class LLM:
         served (with xgrammar installed); under a budget xgrammar loads now, so its ~30 MiB count
         in the measured process, otherwise at the first constrained request (it takes ~1.2 s to
         import). False leaves it out and rejects constrained requests. ``backend``: what computes
-        (``pagedllm.backends``), chosen once here.
+        (``pagedllm.backends``), chosen once here. ``engine_process=True`` runs the engine in a
+        process of its own (as ``pagedllm serve`` does): this process then holds the tokenizer and
+        no weights, ``loaded`` is not set, and ``memory`` bounds both processes together.
         """
         if config is None:
             config = EngineConfig.from_options(model, **options)
         elif model is not None or options:
             raise TypeError("give either config or model and options, not both")
         self.config = config
-        model_dir, name = loading.resolve_model_dir(config.model)  # a GGUF file is converted in a child process
-        tokenizer = loading.load_tokenizer(model_dir)  # before measuring: it belongs to the baseline
-        model_config = ModelConfig.from_file(model_dir)
-        backend = backends.get(config.backend)  # kernels built or loaded before measuring
-        grammars = None
-        with_grammars = config.structured_output and tokenizer is not None and structured.available()
-        if with_grammars and config.budgeted:  # before measuring too; else at the first constrained request
-            eos = stop_token_ids(model_config, tokenizer)
-            grammars = structured.Grammars(tokenizer, model_config.vocab_size, eos)
-            return_freed_heap()  # building it parsed the vocabulary and the tokenizer's JSON: temporaries
-        if config.budgeted:
-            bound_allocator_slack()
-            bound_kernel_caches()
-            release_library_pages()
-        weights_bytes, quantized = loading.checkpoint_weights(model_dir, config.dtype, config.quantization)
-        self.memory_plan = plan_for(
-            config,
-            model_config,
-            name,
-            backend,
-            with_grammars=tokenizer is not None,
-            weights_bytes=weights_bytes,
-            quantized_weights=quantized,
-            baseline_bytes=resident_bytes()[0],
-        )
-        self.loaded = loading.load_dir(
-            model_dir, name, config.dtype, tokenizer=tokenizer, quantization=config.quantization, backend=backend
-        )
+        self.process: EngineProcess | None = None
+        if engine_process:
+            self.process = EngineProcess(config, max_waiting=1 << 30)
+            self.engine: LLMEngine | LLMEngineOverProcess = LLMEngineOverProcess(self.process)
+            self.tokenizer, self.memory_plan, self._name = (
+                self.process.tokenizer,
+                self.process.memory_plan,
+                self.process.name,
+            )
+            return
+        engine = build_engine(config)
+        self.engine = engine
+        self.loaded = engine.loaded
         self.tokenizer = self.loaded.tokenizer
-        self.engine = LLMEngine(self.loaded, config, plan=self.memory_plan, grammars=grammars)
+        self.memory_plan = engine.memory_plan
+        self._name = self.loaded.name
 
     @property
     def stats(self):
         return self.engine.stats
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def close(self) -> None:
+        """Stops the engine's process (``engine_process=True``; it also ends with this one)."""
+        if self.process is not None:
+            self.process.stop()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def encode(self, text: str) -> list[int]:
+        return self.engine.encode(text)
+
+    def async_engine(self, max_waiting: int):
+        """This engine stepped on a thread of this process, for a server (``create_app``); or,
+        with ``engine_process=True``, the engine's process."""
+        if self.process is not None:
+            return self.process.async_engine(max_waiting)
+        from .engine_process.engine_thread import AsyncEngine
+
+        assert isinstance(self.engine, LLMEngine)
+        return AsyncEngine(self.engine, max_waiting=max_waiting)
 
     def generate(
         self,
@@ -179,31 +192,13 @@ class LLM:
                 self.engine.abort(rid)
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """The prompt ids of a conversation, with the generation prompt; ``tools`` (OpenAI's
-        function definitions) go to a template that renders them (``server.tool_calls`` for
-        one that does not). Whatever the template raises on the messages is their fault:
-        RequestRejected naming ``messages`` (a ValueError; the server answers 400); nothing
-        else is caught, so a bug is not mistaken for bad input."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise RequestRejected("this model has no chat template: send a plain prompt", param="messages")
-        if not messages:
-            raise RequestRejected("messages must not be empty", param="messages")
-        try:  # in jinja2's immutable sandbox (loading/tokenizer.py): no attribute escapes, no I/O
-            text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, **({"tools": tools} if tools else {})
-            )
-        except Exception as e:
-            message = f"the chat template cannot render these messages: {type(e).__name__}: {e}"
-            raise RequestRejected(message, param="messages") from None
-        return self.engine.encode(text)
+        """The prompt ids of a conversation, with the generation prompt (``prompts.apply_chat_template``:
+        what the template raises on the messages is RequestRejected naming ``messages``)."""
+        return prompts.apply_chat_template(self.tokenizer, messages, tools)
 
     def chat_template_source(self, tools: list[dict] | None = None) -> str:
         """The template text ``apply_chat_template`` would use (its tool-use one, given tools)."""
-        pick = getattr(self.tokenizer, "pick_template", None)
-        if pick is not None:
-            return pick(None, tools)
-        template = getattr(self.tokenizer, "chat_template", None) or ""
-        return template if isinstance(template, str) else template.get("default", "")
+        return prompts.chat_template_source(self.tokenizer, tools)
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

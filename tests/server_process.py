@@ -31,17 +31,30 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 class ServerProcess:
     def __init__(self, *args: str, startup_timeout: float = 300, prelude: str = ""):
-        """``prelude``: Python run in the server's process before the CLI (a test's fault)."""
+        """``prelude``: Python run at start-up in every process of the server, the engine's
+        included (a test's fault), as a ``sitecustomize`` module on PYTHONPATH."""
         # port 0: the server binds any free port and writes it to port_file (no pick-then-bind race)
         self.port_file = tempfile.NamedTemporaryFile(prefix="pagedllm-port-", delete=False).name
         os.unlink(self.port_file)
-        launcher = ["-c", f"import sys\n{prelude}\nfrom pagedllm.cli import main\nsys.exit(main(sys.argv[1:]))"]
+        launcher = ["-c", "import sys\nfrom pagedllm.cli import main\nsys.exit(main(sys.argv[1:]))"]
         self.command = [sys.executable, *launcher, "serve", "--port", "0", "--port-file", self.port_file, *args]
         self.url = ""
         self.log = tempfile.NamedTemporaryFile("w+", prefix="pagedllm-serve-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ.copy())
+        env = os.environ.copy()
+        self.prelude_dir = None
+        if prelude:
+            self.prelude_dir = tempfile.TemporaryDirectory(prefix="pagedllm-prelude-")
+            with open(os.path.join(self.prelude_dir.name, "sitecustomize.py"), "w") as f:
+                f.write(prelude)
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [self.prelude_dir.name, env.get("PYTHONPATH")]))
+        self.proc = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.pid = self.proc.pid
         self._wait_healthy(startup_timeout)
+
+    def engine_pid(self) -> int | None:
+        """The engine's process (the server's child), or None when it steps on a thread."""
+        children = open(f"/proc/{self.pid}/task/{self.pid}/children").read().split()
+        return int(children[0]) if children else None
 
     def _wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

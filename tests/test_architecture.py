@@ -16,14 +16,15 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pagedllm"
 LEVELS = [
     {"errors", "sizes", "paths"},  # facts every stage shares
     {"kernels"},  # compiled CPU kernels: built on first use, or absent
-    {"config", "engine_config", "sampling_params", "outputs"},  # what a model, an engine and a request are
-    {"structured"},  # constraints compiled to grammars that mask logits
+    {"config", "engine_config", "sampling_params", "outputs", "prompts"},  # what a model, an engine, a request are
+    {"structured", "limits"},  # constraints compiled to grammars that mask logits; what an engine can run
     {"layers"},  # attention over the paged cache, the cache, the sampler, norm/rotary/mlp
     {"backends"},  # the device: which kernels compute each layer's ops, the KV layout, threads
     {"models"},  # decoders built from layers
     {"memory"},  # the planner (pure arithmetic), the budget, the peak tracker
     {"loading"},  # checkpoints and GGUF files into models
     {"engine"},  # scheduler, block manager, runner, the step loop
+    {"engine_process"},  # where the engine steps for a server: a thread, or a process of its own
     {"llm"},  # the Python API
     {"server", "bench"},  # the HTTP API (its tool-call protocol too), the benchmark
     {"cli"},  # the command line
@@ -81,6 +82,20 @@ def test_the_planner_and_the_plan_command_start_without_torch():
     import sys
 
     code = "import sys, pagedllm.cli, pagedllm.memory.planner; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_the_servers_api_process_imports_no_torch():
+    """`pagedllm serve` runs the engine in a process of its own; the API process (the server, the
+    engine's client, the tokenizer) holds no torch: its ~190 MiB would come out of the budget."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, pagedllm.cli, pagedllm.server.app, pagedllm.engine_process.client, pagedllm.loading.tokenizer;"
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
 

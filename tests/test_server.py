@@ -4,6 +4,7 @@ the others."""
 
 import asyncio
 import json
+import os
 import signal
 import threading
 import time
@@ -430,7 +431,8 @@ def test_an_engine_that_dies_fails_every_request_with_500_and_health_says_503(ti
 
 def test_abort_all_fails_running_and_queued_requests_with_a_shutdown_error(tiny_checkpoints):
     from pagedllm import LLM, SamplingParams
-    from pagedllm.server.async_engine import AsyncEngine
+    from pagedllm.engine_process.engine_thread import AsyncEngine
+    from pagedllm.server.mailbox import Mailbox
 
     llm = LLM(str(tiny_checkpoints["llama"][0]), max_model_len=64, max_num_seqs=4)
     long = SamplingParams(max_tokens=50, ignore_eos=True)
@@ -442,12 +444,12 @@ def test_abort_all_fails_running_and_queued_requests_with_a_shutdown_error(tiny_
 
     async def main():
         engine = AsyncEngine(llm.engine)
-        queued = engine.add("queued", [1, 2, 3], long)  # not started yet: stays queued
+        queued = engine.add("queued", [1, 2, 3], long, Mailbox())  # not started yet: stays queued
         engine.abort_all()
         engine.start()
         try:
             failed = await last_output(queued)
-            running = engine.add("running", [1, 2, 3], long)
+            running = engine.add("running", [1, 2, 3], long, Mailbox())
             await asyncio.wait_for(running.get(), 30)
             engine.abort_all()
             aborted = await last_output(running)
@@ -512,5 +514,24 @@ def test_a_server_whose_engine_thread_died_exits_1_for_its_supervisor(tiny_check
         assert r.status_code == 500 and "engine failure" in r.text
         assert s.proc.wait(timeout=60) == 1, s.log_tail()
         assert "the engine failed" in s.log_tail()
+    finally:
+        s.stop()
+
+
+def test_an_engine_process_that_dies_fails_what_runs_answers_503_and_the_server_exits_1(tiny_checkpoints):
+    """The engine killed from outside (the OOM killer, a segfault in a kernel): every request in
+    flight ends with an error at once, new ones get 503, and the server exits 1 for its supervisor."""
+    s = slow_server(tiny_checkpoints, shutdown_timeout=5)
+    try:
+        events: list[str] = []
+        reader = stream_started(s.url, events, LONG)
+        engine = s.engine_pid()
+        assert engine is not None
+        os.kill(engine, signal.SIGKILL)
+        reader.join(30)
+        assert not reader.is_alive(), "the stream was never ended"
+        error = json.loads(events[-2])["error"]
+        assert events[-1] == "[DONE]" and "engine process exited" in error["message"], events[-3:]
+        assert s.proc.wait(timeout=30) == 1, s.log_tail()
     finally:
         s.stop()

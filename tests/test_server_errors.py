@@ -115,7 +115,9 @@ def test_a_template_that_cannot_render_the_messages_is_a_400_naming_messages(app
 def test_a_bug_after_the_template_rendered_is_a_500(app, monkeypatch):
     llm, client = app
     monkeypatch.setattr(llm, "tokenizer", Tokenizer())
-    monkeypatch.setattr(llm.engine, "encode", once(llm.engine.encode, ValueError("bug")))
+    from pagedllm import prompts
+
+    monkeypatch.setattr(prompts, "encode", once(prompts.encode, ValueError("bug")))  # what encodes the text
     r = client.post("/v1/chat/completions", json={"messages": HI})
     assert r.status_code == 500, r.text
     assert r.json()["error"]["type"] == "server_error"

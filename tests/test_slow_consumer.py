@@ -6,8 +6,8 @@ import asyncio
 import pytest
 
 from pagedllm import SamplingParams
+from pagedllm.engine_process.engine_thread import AsyncEngine
 from pagedllm.outputs import RequestOutput
-from pagedllm.server.async_engine import AsyncEngine
 from pagedllm.server.mailbox import Mailbox
 
 
@@ -39,7 +39,7 @@ def test_a_reader_that_stalls_gets_the_whole_text_in_few_pieces(default_llm):
     params = SamplingParams(max_tokens=60, temperature=0.8, seed=3, n=2, ignore_eos=True)
 
     async def read(rid: str, stall: bool):
-        box = engine.add(rid, prompt, params)
+        box = engine.add(rid, prompt, params, Mailbox())
         pieces = {0: [], 1: []}
         finals = {}
         first = await box.get()

@@ -16,18 +16,19 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .. import structured
+from .. import prompts, structured
 from ..backends import Backend
 from ..config import ModelConfig
 from ..engine_config import ConfigError, EngineConfig
 from ..errors import CacheDoesNotFitError, RequestRejected
 from ..layers.sampler import Sampler
+from ..limits import RequestLimits
 from ..loading import LoadedModel
 from ..memory.footprint import StepShape
 from ..memory.machine import resident_bytes
 from ..memory.planner import MemoryPlan, plan_engine
 from ..outputs import RequestMetrics, RequestOutput
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, StructuredOutput
 from ..sizes import dtype_name
 from ..structured import GRAMMAR_CACHE_BYTES, Grammars
 from .block_manager import BlockManager
@@ -104,6 +105,9 @@ class LLMEngine:
         self.eos_token_ids = stop_token_ids(cfg, self.tokenizer)
         self.detokenizer = Detokenizer(self.tokenizer, self.eos_token_ids, plan.max_model_len)
         self.blocks = BlockManager(plan.num_blocks, plan.block_size, config.enable_prefix_caching)
+        self.limits = RequestLimits(
+            cfg.vocab_size, plan.max_num_seqs, plan.max_model_len, plan.num_blocks, plan.block_size
+        )
         self.scheduler = Scheduler(self.blocks, plan.max_batch_tokens, plan.max_num_seqs, self.detokenizer.check_stop)
         self.kv_cache = self.backend.allocate_kv_cache(
             cfg, plan.num_blocks, plan.block_size, plan.kv_dtype, resident=config.budgeted
@@ -135,12 +139,7 @@ class LLMEngine:
 
     def encode(self, prompt: str) -> list[int]:
         """Text to token ids; a prompt the tokenizer fails on is rejected, like any bad input."""
-        if self.tokenizer is None:
-            raise RequestRejected("this model directory has no tokenizer: pass token ids instead of text")
-        try:
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        except Exception as e:
-            raise RequestRejected(f"the tokenizer cannot encode this prompt: {type(e).__name__}: {e}") from None
+        return prompts.encode(self.tokenizer, prompt)
 
     def add_request(
         self,
@@ -173,31 +172,19 @@ class LLMEngine:
         """Raises RequestRejected, naming the field to blame, for a request that can never run.
         Reads only limits fixed at start, so any thread may call it. ``compile_grammar=False``
         leaves a structured output's grammar to ``add_request`` (it compiles it then)."""
-        if not ids:
-            raise RequestRejected("the prompt is empty")
-        vocab = self.loaded.config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-            raise RequestRejected(f"prompt token ids must be integers in [0, {vocab})")
-        if params.n > self.scheduler.max_num_seqs:
-            raise RequestRejected(f"n={params.n} samples exceed max_num_seqs={self.scheduler.max_num_seqs}", param="n")
-        need = len(ids) + params.max_tokens
-        limit = min(self.max_model_len, self.cache_capacity_tokens)
-        if need > limit:
-            raise RequestRejected(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {need} tokens exceeds "
-                f"max_model_len={self.max_model_len} (the KV cache holds {self.cache_capacity_tokens} "
-                f"tokens: {self.blocks.num_blocks} blocks of {self.blocks.block_size})",
-                param="prompt" if len(ids) >= limit else "max_tokens",
-                code="context_length_exceeded",
-            )
-        constraint = params.structured_output
-        if constraint is not None:
-            try:
-                grammars = self.grammars
-            except RequestRejected as e:  # no xgrammar, no tokenizer, or turned off
-                raise RequestRejected(e.message, param=constraint.param) from None
-            if compile_grammar:
-                grammars.compile(constraint)  # cached: add_request reuses it
+        self.limits.check(ids, params)
+        if params.structured_output is not None:
+            self.validate_constraint(params.structured_output, compile_grammar)
+
+    def validate_constraint(self, constraint: StructuredOutput, compile_grammar: bool = True) -> None:
+        """RequestRejected, naming the constraint's field, if structured output cannot be served
+        here or (``compile_grammar``) the grammar does not compile; compiled grammars are cached."""
+        try:
+            grammars = self.grammars
+        except RequestRejected as e:  # no xgrammar, no tokenizer, or turned off
+            raise RequestRejected(e.message, param=constraint.param) from None
+        if compile_grammar:
+            grammars.compile(constraint)  # cached: add_request reuses it
 
     @property
     def grammars(self) -> Grammars:
@@ -328,10 +315,12 @@ def plan_for(
     quantized_weights: bool | None,
     baseline_bytes: int,
     already_loaded: int = 0,
+    api_process_bytes: int = 0,
 ) -> MemoryPlan:
     """The one way an engine is planned (``LLM`` before loading, ``LLMEngine`` after): the
     config, the backend's facts, the checkpoint's weights, the structured-output caches when
-    they can be used (``with_grammars``: there is a tokenizer)."""
+    they can be used (``with_grammars``: there is a tokenizer), the server's API process when the
+    engine runs in a process of its own (``api_process_bytes``)."""
     grammar_bytes = GRAMMAR_CACHE_BYTES if config.structured_output and with_grammars and structured.available() else 0
     return plan_engine(
         cfg,
@@ -343,4 +332,5 @@ def plan_for(
         weights_bytes=weights_bytes,
         quantized_weights=quantized_weights,
         grammar_cache_bytes=grammar_bytes,
+        api_process_bytes=api_process_bytes,
     )

@@ -1,10 +1,12 @@
-"""AsyncEngine: one LLMEngine stepped on its own thread, fed and drained from asyncio.
+"""AsyncEngine: one LLMEngine stepped on its own thread, fed and drained from other threads.
 
 A step is seconds of CPU work at worst; run on the event loop it would stall every connection.
 So the engine lives on one thread that owns it outright: requests and aborts reach it through a
 queue it drains between steps, and each step's outputs are left in the request's Mailbox, which
 merges what its reader has not taken yet (bounded memory for slow clients). Requests from all
-clients share every step (continuous batching).
+clients share every step (continuous batching). The server uses it in its own process
+(``pagedllm serve --engine-in-thread``, or ``create_app(llm)``), and ``child`` runs it inside the
+engine's process, with a sink that forwards outputs to the API process.
 """
 
 from __future__ import annotations
@@ -15,22 +17,24 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
-from ..engine import LLMEngine
-from ..errors import RequestRejected
+from ..errors import EngineStopped, QueueFull, RequestRejected
 from ..outputs import ErrorKind, RequestOutput
-from ..sampling_params import SamplingParams
-from .mailbox import Mailbox
+from ..sampling_params import SamplingParams, StructuredOutput
+
+if TYPE_CHECKING:
+    from ..engine import LLMEngine
+    from ..engine.llm_engine import EngineStats
 
 log = logging.getLogger(__name__)
 
 
-class QueueFull(Exception):
-    """More requests are waiting than the server accepts; the client should retry later."""
+class Sink(Protocol):
+    """Where a request's outputs go (the server's ``Mailbox``; in the engine process, the link
+    to the API process). ``put`` is called on the engine thread and must not block."""
 
-
-class EngineStopped(Exception):
-    """The engine thread has failed: nothing more will run in this process."""
+    def put(self, out: RequestOutput) -> None: ...
 
 
 @dataclass
@@ -38,7 +42,7 @@ class _Add:
     request_id: str
     prompt: list[int]
     params: SamplingParams
-    sink: Mailbox
+    sink: Sink
     arrival: float = field(default_factory=time.perf_counter)
 
 
@@ -52,11 +56,16 @@ class _AbortAll:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_waiting: int = 256):
+    def __init__(self, engine: LLMEngine, max_waiting: int = 256, beside_event_loop: bool = True):
+        """``beside_event_loop``: this process also runs a server's event loop, so the engine's
+        threads are left unpinned (``ThreadPolicy.share_process``); the engine's own process
+        keeps them pinned, one per core: unpinned, the kernel wakes an OpenMP worker on its
+        waker's core and a step took 1.3-2.3x longer (docs/benchmarks.md, "Serving")."""
         self.engine = engine
+        self.beside_event_loop = beside_event_loop
         self.max_waiting = max_waiting
         self._ops: queue.SimpleQueue[_Add | _Abort | _AbortAll] = queue.SimpleQueue()
-        self._sinks: dict[str, Mailbox] = {}
+        self._sinks: dict[str, Sink] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
@@ -65,11 +74,13 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self.observers: list[Callable[[list[RequestOutput], float], None]] = []  # on the engine thread
         self.on_failure: list[Callable[[BaseException], None]] = []  # after the thread failed, on it
+        self.on_delivered: list[Callable[[], None]] = []  # after each batch of outputs is in the sinks
         self.error: BaseException | None = None
         self._fail_lock = threading.Lock()  # the dead thread's last delivery vs. a late add's
 
     def start(self) -> None:
-        self.engine.threads.share_process()  # the event loop runs beside the engine's threads
+        if self.beside_event_loop:
+            self.engine.threads.share_process()  # the event loop runs beside the engine's threads
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -81,21 +92,31 @@ class AsyncEngine:
     def num_unfinished(self) -> int:
         return self._pending + len(self._sinks)
 
+    @property
+    def stats(self) -> EngineStats:
+        return self.engine.stats
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
         """Raises RequestRejected for a request that can never run (reads static limits only)."""
         self.engine.validate(prompt, params)
 
-    def add(self, request_id: str, prompt: list[int], params: SamplingParams, sink: Mailbox | None = None) -> Mailbox:
-        """Queues a request; its outputs arrive in ``sink`` (or a new mailbox, returned), one per
-        sample (``index``), the last one with ``request_finished`` set. Several requests may
-        share one sink."""
+    async def compile(self, constraint: StructuredOutput) -> None:
+        """Raises RequestRejected if the constraint's grammar does not compile (cached after)."""
+        self.engine.validate_constraint(constraint)
+
+    def add(self, request_id: str, prompt: list[int], params: SamplingParams, sink: Sink) -> Sink:
+        """Queues a request; its outputs arrive in ``sink``, one per sample (``index``), the last
+        one with ``request_finished`` set. Several requests may share one sink."""
         if self.error is not None:
             raise EngineStopped(f"the engine has stopped: {self.error}")
         stats = self.engine.stats
         if stats.waiting + self._pending >= self.max_waiting:
             raise QueueFull(f"{stats.waiting + self._pending} requests are waiting (limit {self.max_waiting})")
         self.validate(prompt, params)
-        sink = sink if sink is not None else Mailbox()
         with self._lock:
             self._pending += 1
         self._ops.put(_Add(request_id, prompt, params, sink))
@@ -206,3 +227,5 @@ class AsyncEngine:
             sink.put(out)
             if out.request_finished:  # after the put: num_unfinished == 0 means all is delivered
                 del self._sinks[out.request_id]
+        for callback in self.on_delivered:
+            callback()

@@ -9,20 +9,19 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from ..backends import Backend
 from ..config import ModelConfig
 from ..errors import ModelLoadError
-from ..models import DecoderLM
 from ..sizes import torch_dtype
-from .checkpoint import checkpoint_weights as checkpoint_weights
-from .checkpoint import load_decoder
 from .default_model import DEFAULT_MODEL_NAME, default_gguf_path
 from .generation_config import sampling_defaults
-from .gguf_convert import converted_dir
+
+if TYPE_CHECKING:  # torch is imported by the functions that load weights, not by this package:
+    import torch  # a server's API process reads tokenizers through it and holds no torch
+
+    from ..backends import Backend
+    from ..models import DecoderLM
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +38,8 @@ class LoadedModel:
 
 def resolve_model_dir(model: str | Path | None) -> tuple[Path, str]:
     """(HF-style directory, display name) for what the user named."""
+    from .gguf_convert import converted_dir  # (torch: it writes the converted tensors)
+
     if model is None:
         return converted_dir(default_gguf_path()), DEFAULT_MODEL_NAME
     path = Path(model).expanduser()
@@ -78,9 +79,18 @@ def load_dir(
 ) -> LoadedModel:
     """Weights (and the tokenizer, unless the caller loaded it already) of an HF-style directory;
     ``quantization`` and ``backend`` as ``checkpoint.load_decoder`` takes them."""
+    from .checkpoint import load_decoder
+
     decoder = load_decoder(model_dir, torch_dtype(dtype), quantization, backend)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
     return LoadedModel(decoder, decoder.config, tokenizer, model_dir, name, sampling_defaults(model_dir))
+
+
+def checkpoint_weights(model_dir: Path, dtype: str, quantization: str | None) -> tuple[int, bool]:
+    """(bytes, quantized) of the weights as they will be loaded (``checkpoint.checkpoint_weights``)."""
+    from .checkpoint import checkpoint_weights as weights
+
+    return weights(model_dir, dtype, quantization)
 
 
 def load_tokenizer(model_dir: Path):

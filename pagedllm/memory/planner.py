@@ -68,6 +68,7 @@ class MemoryPlan:
     overhead_bytes: int
     loader_bytes: int  # what loading holds above the weights, freed before the cache exists
     weights_format: str = ""  # e.g. "int4 weights, bfloat16 activations"; empty: plain dtype
+    api_process_bytes: int = 0  # the server's API process, in the baseline (engine in its own process)
 
     @property
     def total_bytes(self) -> int:
@@ -443,6 +444,7 @@ def plan_engine(
     weights_bytes: int | None = None,
     quantized_weights: bool | None = None,
     grammar_cache_bytes: int = 0,
+    api_process_bytes: int = 0,
 ) -> MemoryPlan:
     """The plan an engine starts from: the budget, then ``plan``. Everything the user chose is in
     ``config`` (default: ``EngineConfig()``); the rest are facts of this process and checkpoint.
@@ -459,11 +461,13 @@ def plan_engine(
     ``config.quantization`` says so). With no budget given, a solved cache is capped at what
     ``max_num_seqs`` requests of ``max_model_len`` tokens can use at once, so a small model does
     not reserve the whole host. ``grammar_cache_bytes``: the bound of structured output's caches
-    (when it is on), counted in the overhead.
+    (when it is on), counted in the overhead. ``api_process_bytes``: the peak of the server's API
+    process when the engine runs in its own (``engine_process``): the budget bounds the sum of
+    both processes, so it joins the baseline.
     """
     c = config or EngineConfig()
     measured = baseline_bytes is not None
-    baseline = baseline_bytes if baseline_bytes is not None else ESTIMATED_BASELINE_BYTES
+    baseline = (baseline_bytes if baseline_bytes is not None else ESTIMATED_BASELINE_BYTES) + api_process_bytes
     budget, source = resolve_budget(
         c.memory, c.memory_fraction, "cpu" if backend is None else backend.device, already_loaded
     )
@@ -491,7 +495,10 @@ def plan_engine(
     seqs = c.max_num_seqs or AUTO_MAX_NUM_SEQS
     longest = min(c.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     cap = seqs * ceil_div(longest, c.block_size) if not c.budgeted else None
-    return plan(
+    measured_source = "measured" if measured else "estimated"
+    if api_process_bytes:
+        measured_source += f", with the API process's {api_process_bytes / 1024**2:.0f} MiB"
+    result = plan(
         cfg,
         budget,
         budget_source=source,
@@ -502,5 +509,6 @@ def plan_engine(
         max_num_seqs=c.max_num_seqs,
         cap_blocks=cap,
         baseline_bytes=baseline,
-        baseline_source="measured" if measured else "estimated",
+        baseline_source=measured_source,
     )
+    return replace(result, api_process_bytes=api_process_bytes)

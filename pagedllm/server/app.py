@@ -24,19 +24,18 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import RequestRejected
-from ..llm import LLM
-from .async_engine import AsyncEngine
 from .errors import APIError, error_body, rejected
 from .guards import Guards
 from .metrics import Metrics, ThroughputMeter
 from .openapi import document_responses
 from .routes import router
+from .served import Engine, ServedModel
 
 log = logging.getLogger(__name__)
 
 
 def create_app(
-    llm: LLM,
+    model: ServedModel,
     *,
     served_model_name: str | None = None,
     api_key: str | None = None,
@@ -44,15 +43,17 @@ def create_app(
     max_waiting: int = 256,
     shutdown_timeout: float = 30.0,
 ) -> FastAPI:
-    engine = AsyncEngine(llm.engine, max_waiting=max_waiting)
+    """``model``: an ``LLM`` (its engine steps on a thread of this process) or an
+    ``EngineProcess`` (the engine has a process of its own, as ``pagedllm serve`` runs it)."""
+    engine = model.async_engine(max_waiting)
     throughput = ThroughputMeter()
     engine.observers.append(throughput.observe)
-    model_name = served_model_name or llm.loaded.name
-    metrics = Metrics(llm.engine, throughput, model_name)
+    model_name = served_model_name or model.name
+    metrics = Metrics(engine, throughput, model_name)
 
     app = FastAPI(title="pagedllm", lifespan=lifespan, exception_handlers=ERROR_HANDLERS)
     document_responses(app)
-    app.state.llm = llm
+    app.state.model = model
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.model_name = model_name
@@ -69,9 +70,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Starts the engine thread; at shutdown lets what is in flight finish for up to
     ``shutdown_timeout`` seconds, then aborts the rest."""
     state = app.state
-    engine: AsyncEngine = state.engine
+    engine: Engine = state.engine
     engine.start()
-    log.info("serving %s; memory plan:\n%s", state.model_name, state.llm.memory_plan.table())
+    log.info("serving %s; memory plan:\n%s", state.model_name, state.model.memory_plan.table())
     yield
     # Connections are closed (or given up on) by now; finish or abort what is left.
     deadline = time.monotonic() + state.shutdown_timeout
@@ -88,7 +89,7 @@ def drain(app: FastAPI, on_done: Callable[[], None]) -> None:
     ``shutdown_timeout`` seconds; then the rest end with a 503 error each, and ``on_done`` runs
     (the CLI stops the HTTP server then, and exits 0)."""
     state = app.state
-    engine: AsyncEngine = state.engine
+    engine: Engine = state.engine
 
     def until_idle(seconds: float) -> None:
         deadline = time.monotonic() + seconds

@@ -16,16 +16,16 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from ..errors import RequestRejected
-from ..llm import LLM
+from ..errors import EngineStopped, QueueFull, RequestRejected
 from ..outputs import RequestOutput
+from ..prompts import decode_one
 from ..sampling_params import SamplingParams, StructuredOutput
-from .async_engine import AsyncEngine, EngineStopped, QueueFull
 from .errors import APIError, failed, unavailable
 from .mailbox import Mailbox
 from .metrics import Metrics
 from .protocol import SamplingFields
-from .responses import DONE, Reply, TokenText, sse, usage
+from .responses import DONE, Reply, sse, usage
+from .served import Engine
 from .tool_calls import ToolUse
 
 DISCONNECT_CHECK_S = 0.5
@@ -45,14 +45,13 @@ async def generate(
     or 499 when the client left before the end. ``constraint``: the structured output every
     prompt is held to; ``tools``: the chat request's tools, whose calls the answer reads."""
     state = request.app.state
-    engine: AsyncEngine = state.engine
+    engine: Engine = state.engine
     if state.draining:
         raise unavailable("the server is shutting down; retry on another")
     created = int(time.time())
-    base, ids, sink = submit(engine, req, prompts, max_tokens, logprobs, constraint)
-    reply = Reply(
-        ("chatcmpl-" if chat else "cmpl-") + base, chat, created, state.model_name, token_text(state.llm), tools
-    )
+    base, ids, sink = await submit(engine, req, prompts, max_tokens, logprobs, constraint)
+    token_text = decode_one(state.model.tokenizer)
+    reply = Reply(("chatcmpl-" if chat else "cmpl-") + base, chat, created, state.model_name, token_text, tools)
     outputs = outputs_of(request, engine, state.metrics, ids, req.n, sink)
     num_choices = len(ids) * req.n
     if req.stream:
@@ -68,13 +67,6 @@ async def generate(
     if len(finals) < num_choices:
         return Response(status_code=499)  # the client went away
     return reply.body([finals[i] for i in range(num_choices)], prompts)
-
-
-def token_text(llm: LLM) -> TokenText:
-    tokenizer = llm.tokenizer
-    if tokenizer is None:
-        return str
-    return lambda token_id: tokenizer.decode([token_id])
 
 
 def sampling_params(
@@ -110,8 +102,8 @@ def sampling_params(
         raise RequestRejected(str(e).removeprefix("SamplingParams: "), param=None) from None
 
 
-def submit(
-    engine: AsyncEngine,
+async def submit(
+    engine: Engine,
     req: SamplingFields,
     prompts: list[list[int]],
     max_tokens: int | None,
@@ -120,13 +112,19 @@ def submit(
 ) -> tuple[str, list[str], Mailbox]:
     """Validates every prompt first, then queues them all on one shared mailbox. Each is one
     engine request for ``n`` samples, which share the prompt's KV blocks. A full queue takes
-    back what was queued and answers 429."""
+    back what was queued and answers 429. The constraint's grammar is compiled by the engine
+    (wherever it runs) before anything is queued, so a bad schema is a 400, even when streaming."""
     base = uuid.uuid4().hex[:24]
     jobs = []
     for i, prompt in enumerate(prompts):
-        params = sampling_params(req, len(prompt), max_tokens, logprobs, engine.engine.max_model_len, constraint)
+        params = sampling_params(req, len(prompt), max_tokens, logprobs, engine.max_model_len, constraint)
         engine.validate(prompt, params)  # RequestRejected: the app answers 400 naming the field
         jobs.append((f"{base}-{i}", prompt, params))
+    try:
+        if constraint is not None:
+            await engine.compile(constraint)
+    except EngineStopped as e:
+        raise unavailable(f"{e}; retry on a restarted server", retry_after_s=5) from None
     sink = Mailbox()
     ids: list[str] = []
     try:
@@ -145,7 +143,7 @@ def submit(
 
 
 async def outputs_of(
-    request: Request, engine: AsyncEngine, metrics: Metrics, ids: list[str], n: int, sink: Mailbox
+    request: Request, engine: Engine, metrics: Metrics, ids: list[str], n: int, sink: Mailbox
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Yields (choice index, output) until every request finished, observing the latency
     histograms; aborts whatever is unfinished when the client disconnects (or the reader stops)."""

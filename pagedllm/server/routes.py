@@ -1,5 +1,6 @@
 """The endpoints. Each reads what it serves from ``request.app.state`` (set by ``create_app``):
-``llm``, ``engine`` (the AsyncEngine), ``metrics``, ``model_name`` and ``tokenizer_thread``.
+``model`` (a ``served.ServedModel``), ``engine`` (its ``served.Engine``), ``metrics``, ``model_name``
+and ``tokenizer_thread``.
 
 The generation endpoints only turn their body into token-id prompts; ``generation.generate``
 runs them. Tokenizing and chat templating (a body may carry megabytes of text) run on one
@@ -17,14 +18,13 @@ from typing import TypeVar
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..errors import RequestRejected
-from ..llm import LLM
+from ..errors import EngineStopped, RequestRejected
 from ..sampling_params import StructuredOutput
 from . import tool_calls
-from .async_engine import AsyncEngine
-from .errors import APIError
+from .errors import APIError, unavailable
 from .generation import generate
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .served import Engine, ServedModel
 
 router = APIRouter()
 T = TypeVar("T")
@@ -32,7 +32,7 @@ T = TypeVar("T")
 
 @router.get("/health")
 async def health(request: Request):
-    engine: AsyncEngine = request.app.state.engine
+    engine: Engine = request.app.state.engine
     if engine.error is not None:
         return JSONResponse({"status": "error", "error": str(engine.error)}, status_code=503)
     if request.app.state.draining:
@@ -48,14 +48,14 @@ async def models(request: Request):
         "object": "model",
         "created": 0,
         "owned_by": "pagedllm",
-        "max_model_len": state.llm.engine.max_model_len,
+        "max_model_len": state.model.max_model_len,
     }
     return {"object": "list", "data": [model]}
 
 
 @router.get("/v1/plan")
 async def plan(request: Request):
-    return request.app.state.llm.memory_plan.to_dict()
+    return request.app.state.model.memory_plan.to_dict()
 
 
 @router.get("/metrics")
@@ -69,7 +69,7 @@ async def completions(req: CompletionRequest, request: Request):
     raw = req.prompt
     texts = [raw] if isinstance(raw, str) or isinstance(raw[0], int) else raw
     prompts = []
-    encode = request.app.state.llm.engine.encode  # RequestRejected for text the tokenizer cannot encode
+    encode = request.app.state.model.encode  # RequestRejected for text the tokenizer cannot encode
     for p in texts:
         prompts.append(await off_loop(request, encode, p) if isinstance(p, str) else list(p))
     if any(not p for p in prompts):
@@ -81,9 +81,9 @@ async def completions(req: CompletionRequest, request: Request):
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, request: Request):
     check_model(request, req.model)
-    llm = request.app.state.llm
+    model = request.app.state.model
     constraint = req.structured_output()
-    tools = chat_tools(llm, req)
+    tools = await chat_tools(model, request.app.state.engine, req)
     if tools is not None and tools.constraint() is not None:
         if constraint is not None:
             raise RequestRejected(
@@ -92,32 +92,36 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
             )
         constraint = tools.constraint()
     tool_list = [t.as_openai() for t in tools.tools] if tools is not None else None
-    renders_tools = tool_calls.template_renders_tools(llm.chat_template_source(tool_list)) if tool_list else True
+    renders_tools = tool_calls.template_renders_tools(model.chat_template_source(tool_list)) if tool_list else True
     messages = tool_calls.messages_for_template([m.for_template() for m in req.messages], tools, renders_tools)
-    prompt = await off_loop(request, chat_prompt, llm, messages, tool_list if renders_tools else None)
+    prompt = await off_loop(request, chat_prompt, model, messages, tool_list if renders_tools else None)
     max_tokens = req.max_completion_tokens or req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     return await generate(request, req, [prompt], max_tokens, logprobs, chat=True, constraint=constraint, tools=tools)
 
 
-def chat_tools(llm, req: ChatCompletionRequest) -> tool_calls.ToolUse | None:
+async def chat_tools(model: ServedModel, engine: Engine, req: ChatCompletionRequest) -> tool_calls.ToolUse | None:
     """The request's tools, checked: each one's parameters compile as a JSON schema (the
     compiler's message and the tool's field in the 400 if not)."""
     if not req.tools:
         if req.tool_choice not in (None, "none", "auto"):
             raise RequestRejected("tool_choice needs tools", param="tool_choice")
         return None
-    source = llm.chat_template_source([{"type": "function", "function": {"name": "f"}}])
+    source = model.chat_template_source([{"type": "function", "function": {"name": "f"}}])
     use = tool_calls.tool_use(req.tools, req.tool_choice, req.parallel_tool_calls, source)
     for i, tool in enumerate(use.tools):
-        llm.engine.grammars.compile(StructuredOutput(json=tool.parameters, param=f"tools[{i}].function.parameters"))
+        constraint = StructuredOutput(json=tool.parameters, param=f"tools[{i}].function.parameters")
+        try:
+            await engine.compile(constraint)
+        except EngineStopped as e:
+            raise unavailable(f"{e}; retry on a restarted server", retry_after_s=5) from None
     return use
 
 
-def chat_prompt(llm: LLM, messages: list[dict], tools: list[dict] | None) -> list[int]:
+def chat_prompt(model: ServedModel, messages: list[dict], tools: list[dict] | None) -> list[int]:
     """The prompt ids of a chat request: the template's refusals of the client's messages are
     RequestRejected naming ``messages`` (400); anything else raised is a bug (500)."""
-    return llm.apply_chat_template(messages, tools)
+    return model.apply_chat_template(messages, tools)
 
 
 def check_model(request: Request, name: str | None) -> None:
