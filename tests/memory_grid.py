@@ -24,11 +24,12 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.sizes import ceil_div
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+# The sampler's costliest path: a nucleus too wide for its candidates (a flat distribution, no
+# top-k), which sorts the vocabulary (layers/sampler.py); the footprint bounds every row by it.
 FULL = SamplingParams(
     max_tokens=4,
-    temperature=0.8,
+    temperature=4.0,
     top_p=0.9,
-    top_k=50,
     min_p=0.05,
     repetition_penalty=1.1,
     presence_penalty=0.1,
