@@ -95,6 +95,8 @@ class Outputs:
 
 
 class EngineProcess:
+    """One engine in a process of its own, and this process's side of the socket to it."""
+
     def __init__(self, config: EngineConfig, *, max_waiting: int = 256):
         """Starts the engine's process and waits until its engine is built (the model loaded);
         raises what building it raised (CacheDoesNotFitError when the plan does not fit)."""
@@ -180,6 +182,10 @@ class EngineProcess:
     @property
     def num_unfinished(self) -> int:
         return len(self._sinks)
+
+    def is_open(self, request_id: str) -> bool:
+        """Whether a request with this id was added and has not finished."""
+        return request_id in self._sinks
 
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
         """RequestRejected for a request that can never run (the engine's limits, checked here)."""
@@ -349,7 +355,7 @@ class LLMEngineOverProcess:
         params = params or SamplingParams()
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self.process._sinks:
+        if self.process.is_open(request_id):
             raise RequestRejected(f"request id {request_id!r} is already in use", param=None)
         self.validate(ids, params)
         self.process.add(request_id, ids, params, self)
