@@ -20,7 +20,6 @@ from ..errors import CacheDoesNotFitError, RequestRejected
 from ..outputs import RequestOutput
 from . import messages as m
 
-log = logging.getLogger(__name__)
 UNBOUNDED = 1 << 30  # the API process bounds the queue (it answers 429 itself)
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import queue
 import socket
 import subprocess
@@ -38,8 +37,6 @@ from ..memory.machine import bound_allocator_slack, resident_bytes
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams, StructuredOutput
 from . import messages as m
-
-log = logging.getLogger(__name__)
 
 # What the API process adds to its resident memory after it has measured itself at start-up:
 # connections, request bodies and SSE buffers, mailboxes, the rebuilt outputs. Measured under
@@ -72,8 +69,9 @@ class Outputs:
         sample = self._samples.pop(key, None) or _Sample()
         sample.text += d.text
         sample.token_ids += d.token_ids
-        if d.logprobs is not None:
-            sample.logprobs = (sample.logprobs or []) + d.logprobs
+        if d.logprobs is not None:  # (appended in place: a new list per delta is quadratic)
+            sample.logprobs = sample.logprobs if sample.logprobs is not None else []
+            sample.logprobs += d.logprobs
         if not d.finished:
             self._samples[key] = sample
         prompt = self.prompts.pop(d.request_id, []) if d.request_finished else self.prompts.get(d.request_id, [])

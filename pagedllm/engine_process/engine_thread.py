@@ -2,8 +2,9 @@
 
 A step is seconds of CPU work at worst; run on the event loop it would stall every connection.
 So the engine lives on one thread that owns it outright: requests and aborts reach it through a
-queue it drains between steps, and each step's outputs are left in the request's Mailbox, which
-merges what its reader has not taken yet (bounded memory for slow clients). Requests from all
+queue it drains between steps, and each step's outputs are left in the request's sink: the
+server's Mailbox, which merges what its reader has not taken yet (bounded memory for slow
+clients). Requests from all
 clients share every step (continuous batching). The server uses it in its own process
 (``pagedllm serve --engine-in-thread``, or ``create_app(llm)``), and ``child`` runs it inside the
 engine's process, with a sink that forwards outputs to the API process.
