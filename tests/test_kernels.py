@@ -1,9 +1,14 @@
 """The compiled CPU kernels against the pure-PyTorch path they replace: the same cache contents
 and outputs to rounding, on every shape the engine produces (decode rows, prefill chunks over a
-cached context, sliding windows, every GQA ratio, fp32 and bf16, 8-bit caches), and clear errors
-for tables that point outside the cache."""
+cached context, sliding windows, every GQA ratio, head sizes 64 and 128, fp32 and bf16, 8-bit
+caches; bf16 prefill tiles on AMX and, with AMX capped away, on AVX-512), and clear errors for
+tables that point outside the cache."""
 
+import json
+import os
 import random
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -42,9 +47,9 @@ def clone(cache):
 STEP = [(1, 37), (1, 1), (20, 20), (7, 50), (1, 100), (33, 140), (1, 16), (40, 300)]
 
 
-def run_both_paths(dtype, cache_dtype, heads, kv_heads, window):
+def run_both_paths(dtype, cache_dtype, heads, kv_heads, window, d=64):
     """(compiled output, torch output, compiled cache, torch cache) for the step STEP."""
-    d, bs, num_blocks = 64, 16, 64
+    bs, num_blocks = 16, 64
     cache = random_cache(kv_heads, num_blocks, bs, d, cache_dtype, seed=heads * 10 + kv_heads)
     free = list(range(num_blocks))
     random.Random(0).shuffle(free)  # block tables out of order, as after frees
@@ -64,14 +69,45 @@ def run_both_paths(dtype, cache_dtype, heads, kv_heads, window):
     return got, expected, cache, expected_cache
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (8, 8), (8, 1), (4, 2)])
-@pytest.mark.parametrize("window", [None, 5, 40])
-def test_paged_attention_matches_the_torch_path(ops, dtype, heads, kv_heads, window):
-    got, expected, cache, expected_cache = run_both_paths(dtype, dtype, heads, kv_heads, window)
+def assert_attention_matches(dtype, heads, kv_heads, window, d):
+    got, expected, cache, expected_cache = run_both_paths(dtype, dtype, heads, kv_heads, window, d)
     assert torch.equal(cache.k[0], expected_cache.k[0]) and torch.equal(cache.v[0], expected_cache.v[0])
     tolerance = 2e-6 if dtype == torch.float32 else 2e-2  # bf16: one rounding of the output
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+ATTENTION_CASES = [
+    (heads, kv_heads, window, d)
+    for heads, kv_heads in [(9, 3), (8, 8), (8, 1), (4, 2)]
+    for window in [None, 5, 40]
+    for d in [64, 128]
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, window, d", ATTENTION_CASES)
+def test_paged_attention_matches_the_torch_path(ops, dtype, heads, kv_heads, window, d):
+    assert_attention_matches(dtype, heads, kv_heads, window, d)
+
+
+def test_bf16_attention_without_amx_tiles_matches_the_torch_path(ops):
+    """On a CPU with AMX the test above runs bf16 prefill tiles on AMX; here the same cases run
+    in a process whose oneDNN cap forbids AMX, so the AVX-512 loops a CPU without it takes are
+    checked on this machine too."""
+    if not ops.quant_linear_tiles():
+        pytest.skip("no AMX tiles here: the test above already ran the AVX-512 path")
+    script = (
+        "import json, sys, torch; sys.path.insert(0, 'tests')\n"
+        "from pagedllm.kernels import compiled_ops\n"
+        "from test_kernels import ATTENTION_CASES, assert_attention_matches\n"
+        "assert not compiled_ops().quant_linear_tiles()\n"
+        "for case in ATTENTION_CASES: assert_attention_matches(torch.bfloat16, *case)\n"
+        "print(json.dumps(len(ATTENTION_CASES)))"
+    )
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "PAGEDLLM_KERNELS": "compiled"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == len(ATTENTION_CASES)
 
 
 @pytest.mark.parametrize("cache_dtype", ["int8", "fp8"])

@@ -343,11 +343,19 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
 def kernel_scratch_bytes(cfg: ModelConfig, s: EngineSettings, threads: int, max_model_len: int) -> int:
     """What the compiled attention keeps per thread, outside torch's allocator, at most: the
     scores of one tile (``pairs_budget`` pairs, or one decode row's whole context), and its
-    queries and accumulators (32 query rows of a KV head's query heads)."""
+    queries and accumulators (32 query rows of a KV head's query heads). A bf16 prefill tile on
+    AMX (``quant_tiles``: the tiles are usable) pads its rows to 16 and its keys to 32, and also
+    holds its queries, probabilities and values in bf16 (kernels/csrc/attention.cpp)."""
     if s.kernels != "compiled":
         return 0
     g, d = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
-    per_thread = 4 * max(s.pairs_budget, g * max_model_len) + 4 * 2 * 32 * g * d + 4 * 16 * d
+    pairs = max(s.pairs_budget, g * max_model_len)
+    per_thread = 4 * pairs + 4 * 2 * 32 * g * d + 4 * 16 * d
+    if s.quant_tiles and s.dtype == "bfloat16" and s.kv == "bfloat16":
+        rows = 32 * g + 15  # a tile's query rows, padded to whole tiles
+        padded = pairs + 31 * rows + 15 * max_model_len  # (rows + 15) x (keys + 31), rows x keys <= pairs
+        per_thread += 4 * (padded - pairs) + 2 * padded  # float scores, bf16 probabilities
+        per_thread += 2 * d * (rows + 16 + max_model_len + 31) + 4 * rows * d  # q, k, v in bf16; accumulators
     return threads * per_thread
 
 

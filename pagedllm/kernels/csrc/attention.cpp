@@ -6,8 +6,10 @@
 // dot product, probabilities rounded to the activation dtype before @ V), so fp32 greedy output
 // matches it. The generic loops are written for the compiler to vectorize (-O3, omp simd) and
 // build for any CPU; decode tiles' dot products have AVX-512 kernels (vec_avx512.h) where the
-// compiler targets AVX-512.
+// compiler targets AVX-512. Prefill tiles of a bf16 model over a bf16 cache run their two
+// products on AMX tiles where the CPU has them (amx_attention.h).
 
+#include "amx_attention.h"
 #include "ops.h"
 #include "paged_kv.h"
 
@@ -23,6 +25,7 @@ struct WorkItem {
 // pairs budget bounds (scores) or one sequence's context does (a single decode row).
 struct Scratch {
   std::vector<float> queries, scores, acc, keys;
+  std::vector<c10::BFloat16> tile_q, tile_k, tile_p, tile_v;  // the AMX path's operands
   void fit(int64_t rows, int64_t dim, int64_t span) {
     if ((int64_t)queries.size() < rows * dim) queries.resize(rows * dim);
     if ((int64_t)acc.size() < rows * dim) acc.resize(rows * dim);
@@ -263,8 +266,13 @@ void softmax_row(float* p, int64_t span, int64_t first, int64_t last, float scal
   const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < first; ++j) p[j] = neg_inf;
   for (int64_t j = last + 1; j < span; ++j) p[j] = neg_inf;
-  float mx = neg_inf;
-  for (int64_t j = first; j <= last; ++j) mx = std::max(mx, p[j] * scale);
+  // the largest scaled score: scale > 0, so it is the scaled largest score, to the bit
+  VF mx_w(neg_inf);
+  int64_t k = first;
+  for (; k + W <= last + 1; k += W) mx_w = at::vec::maximum(mx_w, VF::loadu(p + k));
+  float mx = at::vec::vec_reduce_all<float>([](VF& x, VF& y) { return at::vec::maximum(x, y); }, mx_w);
+  for (; k <= last; ++k) mx = std::max(mx, p[k]);
+  mx *= scale;
   VF sum_v(0.f);
   const VF scale_v(scale), mx_v(mx);
   int64_t j = 0;
@@ -279,7 +287,9 @@ void softmax_row(float* p, int64_t span, int64_t first, int64_t last, float scal
     sum += p[j];
   }
   const float inv = 1.f / sum;
-  for (j = 0; j < span; ++j) p[j] = round_to<T>(p[j] * inv);
+  const VF inv_v(inv);
+  for (j = 0; j + W <= span; j += W) round_w<T>(VF::loadu(p + j) * inv_v).store(p + j);
+  for (; j < span; ++j) p[j] = round_to<T>(p[j] * inv);
 }
 
 template <typename T>
@@ -335,11 +345,69 @@ void store_tile(const Tile& t, const Geometry& g, const float* A, T* out) {
   }
 }
 
+#if defined(PAGEDLLM_AMX)
+inline int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
+
+// A prefill tile of bf16 queries over a bf16 cache on AMX tiles: queries copied into whole
+// 16-row tiles, scores 16 keys at a time, the softmax as on the vector path, then P @ V 32 keys
+// at a time; rows and keys past the tile's are zero in every operand.
+void attend_on_tiles(const Tile& t, const Geometry& g, const c10::BFloat16* q, c10::BFloat16* out,
+                     const CacheRows<c10::BFloat16>& keys, const CacheRows<c10::BFloat16>& vals, Scratch& s) {
+  using bf16 = c10::BFloat16;
+  const int64_t D = g.dim, rows = round_up(t.rows, 16), width = round_up(t.span, 32);
+  // Rows past the tile's compute rows nobody reads; only the probabilities' padding columns
+  // must be zero (they meet the zero value rows past the keys), so nothing else is cleared.
+  if ((int64_t)s.tile_q.size() < rows * D) s.tile_q.resize(rows * D);
+  s.tile_k.resize(16 * D);
+  if ((int64_t)s.tile_p.size() < rows * width) s.tile_p.resize(rows * width);
+  s.tile_v.resize(width * D);
+  if ((int64_t)s.scores.size() < rows * width) s.scores.resize(rows * width);
+  if ((int64_t)s.acc.size() < rows * D) s.acc.resize(rows * D);
+  for (int64_t i = 0; i < t.rows; ++i) std::memcpy(&s.tile_q[i * D], query_row(t, g, q, i), D * sizeof(bf16));
+  float* S = s.scores.data();
+  const bf16* run[32];
+  amx::configure_attention_tiles();
+  for (int64_t j0 = 0; j0 < t.span; j0 += 16) {
+    const int64_t n = std::min<int64_t>(16, t.span - j0);
+    for (int64_t c = 0; c < n; ++c) run[c] = keys.values + slot_of(t.table, t.lo + j0 + c, g.block_size) * D;
+    amx::keys_as_b(run, n, D, s.tile_k.data());
+    amx::score_keys(s.tile_q.data(), rows / 16, D, s.tile_k.data(), S + j0, width);
+  }
+  for (int64_t i = 0; i < t.rows; ++i) {
+    const int64_t pos = t.pos(i);
+    float* p = S + i * width;
+    softmax_row<bf16>(p, t.span, first_visible(pos, g.window) - t.lo, pos - t.lo, g.scale);
+    for (int64_t j = 0; j < width; j += W) {  // exact: already rounded to bf16; zero past the keys
+      const int64_t n = std::clamp<int64_t>(t.span - j, 0, W);
+      store_w(&s.tile_p[i * width + j], n == W ? VF::loadu(p + j) : VF::loadu(p + j, n));
+    }
+  }
+  for (int64_t j0 = 0; j0 < width; j0 += 32) {
+    const int64_t n = std::clamp<int64_t>(t.span - j0, 0, 32);
+    for (int64_t c = 0; c < n; ++c) run[c] = vals.values + slot_of(t.table, t.lo + j0 + c, g.block_size) * D;
+    amx::values_as_b(run, n, D, s.tile_v.data() + j0 * D);
+  }
+  amx::weigh_values(s.tile_p.data(), rows / 16, width, width, s.tile_v.data(), D, s.acc.data());
+  _tile_release();
+  store_tile<bf16>(t, g, s.acc.data(), out);
+}
+#endif
+
 // One work item: score its keys, softmax, probabilities @ V, store.
 template <typename T, typename C>
 void attend(const WorkItem& w, const Geometry& g, const Sequences& seqs, const T* q, T* out, const Caches<C>& caches,
             Scratch& s) {
   const Tile t = tile_of(w, g, seqs);
+#if defined(PAGEDLLM_AMX)
+  // prefill-sized tiles (decode rows go dot by dot, each key read once), whole 32-dim steps
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, T>) {
+    if (t.rows >= 8 && g.dim % 32 == 0 && amx::amx_ready()) {
+      attend_on_tiles(t, g, q, out, caches.head(caches.k, caches.k_scales, w.head, g),
+                      caches.head(caches.v, caches.v_scales, w.head, g), s);
+      return;
+    }
+  }
+#endif
   s.fit(t.rows, g.dim, t.span);
   score_tile<T, C>(t, g, q, caches.head(caches.k, caches.k_scales, w.head, g), s);
   softmax_tile<T>(t, g, s.scores.data());
