@@ -149,6 +149,28 @@ def mean_over_rounds(runs: list[dict], rates: list[str], key: str) -> list[float
     return [sum(r[key] for r in runs if r["rate"] == rate) / sum(r["rate"] == rate for r in runs) for rate in rates]
 
 
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+SUMMARY_KEYS = ["output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms"]
+
+
+def summary(runs: list[dict]) -> list[dict]:
+    """Per server and rate, the median of each figure over the rounds: on a box whose speed
+    drifts 10-20% between runs, one round's ratio is a coin toss near 1.0; interleaved rounds
+    and medians are not."""
+    rows = []
+    for server in dict.fromkeys(r["server"] for r in runs if "rate" in r):
+        for rate in dict.fromkeys(r["rate"] for r in runs if r.get("server") == server):
+            mine = [r for r in runs if r.get("server") == server and r.get("rate") == rate]
+            rows.append({"server": server, "rate": rate, "rounds": len(mine)})
+            rows[-1].update({k: median([r[k] for r in mine]) for k in SUMMARY_KEYS})
+    return rows
+
+
 def plot(runs: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -204,7 +226,10 @@ def main() -> int:
                 for server in picked:
                     runs.append(one_run(args, server, rate, Path(tmp)))
                     print(json.dumps(runs[-1]), flush=True)
-    Path(args.out + ".json").write_text(json.dumps(runs, indent=1))
+    medians = summary(runs)
+    for row in medians:
+        print("median", json.dumps(row), flush=True)
+    Path(args.out + ".json").write_text(json.dumps({"runs": runs, "medians": medians}, indent=1))
     plot(runs, Path(args.out + ".png"))
     return 0
 
