@@ -135,7 +135,8 @@ params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.6,
 llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))
 start = time.perf_counter()
 llm.generate(prompts, params)
-print(json.dumps({"server": "pagedllm offline", "output_throughput": n * output_len / (time.perf_counter() - start)}))
+tok_s = n * output_len / (time.perf_counter() - start)
+print(json.dumps({"server": "pagedllm offline", "rate": "offline", "output_throughput": tok_s}))
 """
 
 
@@ -167,7 +168,7 @@ def summary(runs: list[dict]) -> list[dict]:
         for rate in dict.fromkeys(r["rate"] for r in runs if r.get("server") == server):
             mine = [r for r in runs if r.get("server") == server and r.get("rate") == rate]
             rows.append({"server": server, "rate": rate, "rounds": len(mine)})
-            rows[-1].update({k: median([r[k] for r in mine]) for k in SUMMARY_KEYS})
+            rows[-1].update({k: median([r[k] for r in mine]) for k in SUMMARY_KEYS if k in mine[0]})
     return rows
 
 
@@ -177,7 +178,8 @@ def plot(runs: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rates = sorted({r["rate"] for r in runs if "rate" in r}, key=lambda r: float(r))
+    runs = [r for r in runs if r.get("rate") != "offline"]
+    rates = sorted({r["rate"] for r in runs}, key=lambda r: float(r))
     x = {rate: i for i, rate in enumerate(rates)}
     fig, (tput, tpot) = plt.subplots(1, 2, figsize=(10, 4))
     for server in ("pagedllm", "vllm", "pagedllm (engine in thread)"):
@@ -218,10 +220,13 @@ def main() -> int:
         return 0
     chosen = {"pagedllm": "pagedllm", "vllm": "vllm", "thread": "pagedllm (engine in thread)"}
     picked = [chosen[s] for s in args.servers.split(",")]
-    runs = [offline(args)]
-    print(runs[0], flush=True)
+    runs: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(args.rounds):
+            # offline in every round, beside the served runs: this box's speed drifts by 10-20%
+            # over minutes, so an offline figure from the start of a long sweep says little
+            runs.append(offline(args))
+            print(json.dumps(runs[-1]), flush=True)
             for rate in args.rates.split(","):
                 for server in picked:
                     runs.append(one_run(args, server, rate, Path(tmp)))
