@@ -91,7 +91,7 @@ class AsyncEngine:
         on the thread that built the engine matters: OpenMP gives each thread that starts
         parallel work a team of its own, and once a process holds more OpenMP threads than cores
         (two teams of two on two cores) libgomp stops spinning between parallel regions, so every
-        region waits for its workers to wake: the 64-prompt workload ran at 230-270 tok/s on a
+        region waits for its workers to wake: the 64-prompt workload ran at 219-271 tok/s on a
         second thread (1.5 cores busy) against 320-360 on the building one (2.0)."""
         self._run()
 
