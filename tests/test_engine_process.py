@@ -104,7 +104,7 @@ def test_llm_with_its_engine_in_a_process_generates_as_in_this_one(tiny_checkpoi
         llm.close()
 
 
-def test_the_engine_process_steps_with_the_one_openmp_team_it_built_with(tiny_checkpoints):
+def test_the_engine_process_steps_with_the_one_openmp_team_it_built_with(tiny_checkpoints, monkeypatch):
     """OpenMP gives every thread that starts parallel work a team of its own; a second team
     (stepping on another thread than the one that loaded the model) makes more OpenMP threads
     than cores, and libgomp then stops spinning between parallel regions (served steps at 1.5
@@ -115,6 +115,10 @@ def test_the_engine_process_steps_with_the_one_openmp_team_it_built_with(tiny_ch
     cores = physical_cores(allowed_cpus())
     if len(cores) < 2 or compiled_ops() is None:
         pytest.skip("one core, or no compiled kernels to pin with: no team to count")
+    # pinned, and kept so: a busy machine would otherwise make the engine step down and unpin
+    monkeypatch.delenv("PAGEDLLM_PIN_THREADS", raising=False)
+    monkeypatch.delenv("PAGEDLLM_THREADS", raising=False)
+    monkeypatch.setenv("PAGEDLLM_ADAPT_THREADS", "0")
     model = str(tiny_checkpoints["llama"][0])
     process = EngineProcess(EngineConfig.from_options(model, max_model_len=128))
     process.start()
