@@ -168,9 +168,9 @@ def summary(runs: list[dict]) -> list[dict]:
     drifts 10-20% between runs, one round's ratio is a coin toss near 1.0; interleaved rounds
     and medians are not."""
     rows = []
-    for server in dict.fromkeys(r["server"] for r in runs if "rate" in r):
-        for rate in dict.fromkeys(r["rate"] for r in runs if r.get("server") == server):
-            mine = [r for r in runs if r.get("server") == server and r.get("rate") == rate]
+    for server in dict.fromkeys(r["server"] for r in runs):
+        for rate in dict.fromkeys(r["rate"] for r in runs if r["server"] == server):
+            mine = [r for r in runs if r["server"] == server and r["rate"] == rate]
             rows.append({"server": server, "rate": rate, "rounds": len(mine)})
             rows[-1].update({k: median([r[k] for r in mine]) for k in SUMMARY_KEYS if k in mine[0]})
     return rows
@@ -182,12 +182,12 @@ def plot(runs: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [r for r in runs if r.get("rate") != "offline"]
+    runs = [r for r in runs if r["rate"] != "offline"]
     rates = sorted({r["rate"] for r in runs}, key=lambda r: float(r))
     x = {rate: i for i, rate in enumerate(rates)}
     fig, (tput, tpot) = plt.subplots(1, 2, figsize=(10, 4))
     for server in ("pagedllm", "vllm", "pagedllm (engine in thread)"):
-        mine = [r for r in runs if r.get("server") == server]
+        mine = [r for r in runs if r["server"] == server]
         if not mine:
             continue
         xs = sorted({r["rate"] for r in mine}, key=lambda r: float(r))

@@ -27,10 +27,23 @@ struct Scratch {
   std::vector<float> queries, scores, acc, keys;
   std::vector<c10::BFloat16> tile_q, tile_k, tile_p, tile_v;  // the AMX path's operands
   void fit(int64_t rows, int64_t dim, int64_t span) {
-    if ((int64_t)queries.size() < rows * dim) queries.resize(rows * dim);
-    if ((int64_t)acc.size() < rows * dim) acc.resize(rows * dim);
-    if ((int64_t)scores.size() < rows * span) scores.resize(rows * span);
-    if ((int64_t)keys.size() < W * dim) keys.resize(W * dim);
+    grow(queries, rows * dim);
+    grow(acc, rows * dim);
+    grow(scores, rows * span);
+    grow(keys, W * dim);
+  }
+  // The AMX path's operands for `rows` (whole tiles) x `width` keys (whole 32s).
+  void fit_tiles(int64_t rows, int64_t dim, int64_t width) {
+    grow(tile_q, rows * dim);
+    grow(tile_k, 16 * dim);
+    grow(tile_p, rows * width);
+    grow(tile_v, width * dim);
+    grow(scores, rows * width);
+    grow(acc, rows * dim);
+  }
+  template <typename V>
+  static void grow(std::vector<V>& v, int64_t n) {
+    if ((int64_t)v.size() < n) v.resize(n);
   }
 };
 
@@ -350,19 +363,14 @@ inline int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; 
 
 // A prefill tile of bf16 queries over a bf16 cache on AMX tiles: queries copied into whole
 // 16-row tiles, scores 16 keys at a time, the softmax as on the vector path, then P @ V 32 keys
-// at a time; rows and keys past the tile's are zero in every operand.
+// at a time. Keys past the tile's are zero (in K, in V, and in the probabilities' padding
+// columns); query rows past it hold an earlier tile's finite values, and their results are
+// never read, so nothing else is cleared.
 void attend_on_tiles(const Tile& t, const Geometry& g, const c10::BFloat16* q, c10::BFloat16* out,
                      const CacheRows<c10::BFloat16>& keys, const CacheRows<c10::BFloat16>& vals, Scratch& s) {
   using bf16 = c10::BFloat16;
   const int64_t D = g.dim, rows = round_up(t.rows, 16), width = round_up(t.span, 32);
-  // Rows past the tile's compute rows nobody reads; only the probabilities' padding columns
-  // must be zero (they meet the zero value rows past the keys), so nothing else is cleared.
-  if ((int64_t)s.tile_q.size() < rows * D) s.tile_q.resize(rows * D);
-  s.tile_k.resize(16 * D);
-  if ((int64_t)s.tile_p.size() < rows * width) s.tile_p.resize(rows * width);
-  s.tile_v.resize(width * D);
-  if ((int64_t)s.scores.size() < rows * width) s.scores.resize(rows * width);
-  if ((int64_t)s.acc.size() < rows * D) s.acc.resize(rows * D);
+  s.fit_tiles(rows, D, width);
   for (int64_t i = 0; i < t.rows; ++i) std::memcpy(&s.tile_q[i * D], query_row(t, g, q, i), D * sizeof(bf16));
   float* S = s.scores.data();
   const bf16* run[32];
