@@ -83,7 +83,7 @@ def run_grid(loaded, dtype: str, seed: int = 0, kv_dtype: str | None = None) -> 
         kernels=kernels,
         packed=packed,
         quantized_weights=loaded.model.quantized(),
-        quant_tiles=getattr(loaded.model.backend, "quant_tiles", False),
+        amx_tiles=getattr(loaded.model.backend, "amx_tiles", False),
         kv_dtype=kv_dtype,
     )
     warm = LLMEngine(loaded, num_blocks=64, max_model_len=256, kv_cache_dtype=kv_dtype)
@@ -142,17 +142,21 @@ def _gemm_slack(cfg, s: EngineSettings, shape) -> int:
     h, i, dq = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
     t, n = shape.tokens, shape.sampled
     packed_head = s.packed and not cfg.tie_word_embeddings  # a tied lm_head stays plain
-    if s.packed:  # prepacked GEMMs run on padded rows
-        t, n = padded_rows(t), padded_rows(n) if packed_head else n
     dk = cfg.num_kv_heads * cfg.head_dim
     shapes = [(t, h, dq + 2 * dk, s.packed), (t, dq, h, s.packed), (t, h, 2 * i, s.packed), (t, i, h, s.packed)]
     shapes.append((n, h, cfg.vocab_size, packed_head))
-    if s.quantized_weights and s.quant_tiles:
+    # The compiled kernels' own packed GEMM (AMX tiles) has no oneDNN scratch to bound: exact.
+    ours = s.amx_tiles and s.kernels == "compiled" and not s.quantized_weights
+    shapes = [x for x in shapes if not (ours and x[3] and x[1] % 32 == 0 and x[2] % 16 == 0)]
+    if s.packed:  # prepacked oneDNN GEMMs run on padded rows
+        shapes = [(padded_rows(r) if packed else r, k, out, packed) for r, k, out, packed in shapes]
+    if s.quantized_weights and s.amx_tiles:
         return 0
     if s.quantized_weights:  # plain GEMMs on dequantized chunks
         shapes = [(r, k, min(out, DEQUANT_CHUNK_ELEMENTS // k), False) for r, k, out, _ in shapes]
     if s.gemm_isa == "amx":
-        return max(gemm_scratch(r, k, out, s.dtype, s.gemm_isa, packed, s.threads) for r, k, out, packed in shapes)
+        scratch = [gemm_scratch(r, k, out, s.dtype, s.gemm_isa, packed, s.threads) for r, k, out, packed in shapes]
+        return max(scratch, default=0)
     uneven = [r for r, _, out, _ in shapes if s.threads > 1 and ceil_div(out, 64) % s.threads]
     return max((s.threads * 128 * min(r, 256) for r in uneven), default=0)
 

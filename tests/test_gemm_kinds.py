@@ -55,7 +55,7 @@ x = torch.randn(17, 512, generator=g)
 exact = x @ Q.dequantize_reference(w, torch.float32).T
 got = backend.quantized_matmul(x.bfloat16(), w).float()
 print(json.dumps(dict(flags=gemm_isa(), onednn=dispatched_gemm_isa(), compiled=backend.name == "cpu-compiled",
-                      tiles=getattr(backend, "quant_tiles", False), error=float((got - exact).norm() / exact.norm()))))
+                      tiles=getattr(backend, "amx_tiles", False), error=float((got - exact).norm() / exact.norm()))))
 """
 
 
@@ -104,7 +104,7 @@ def test_the_planner_reserves_the_scratch_of_the_kind_it_detects(monkeypatch):
         for kind, flags in FLAGS.items():
             fake_cpu(monkeypatch, flags)
             assert machine.gemm_isa() == kind
-            facts = PlanFacts(kernels="torch", gemm_kind=None, quant_tiles=False)  # the kind: from the flags
+            facts = PlanFacts(kernels="torch", gemm_kind=None, amx_tiles=False)  # the kind: from the flags
             asked = EngineConfig(dtype="bfloat16", memory="200GiB", max_model_len=4096)
             plan = plan_engine(cfg, asked, backend=facts)
             settings = EngineSettings(

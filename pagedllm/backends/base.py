@@ -33,7 +33,7 @@ class PlanFacts:
 
     kernels: str  # "compiled" or "torch": the attention and norm workspaces differ
     gemm_kind: str | None  # what oneDNN's bf16 GEMMs run on (``machine.GEMM_ISAS``); None: the CPU's flags say
-    quant_tiles: bool  # bf16 rows of any count run on the compiled kernels' AMX tiles
+    amx_tiles: bool  # the compiled kernels run bf16 GEMMs on AMX tiles (quantized weights; dense ones packed)
     device: str = "cpu"
 
 

@@ -25,9 +25,10 @@ class CPUCompiledBackend(CPUTorchBackend):
     def __init__(self, ops: Any):
         """``ops``: the loaded kernels (``kernels.compiled_ops()``)."""
         self.ops = ops
-        # Whether many bf16 rows run on AMX tiles: built with AMX, the OS grants the tile state,
-        # and ONEDNN_MAX_CPU_ISA does not cap it away.
-        self.quant_tiles = bool(ops.quant_linear_tiles())
+        # Whether bf16 products run on AMX tiles (quantized weights at many rows, dense bf16
+        # weights in the kernels' own layout at any count): built with AMX, the OS grants the
+        # tile state, and ONEDNN_MAX_CPU_ISA does not cap it away.
+        self.amx_tiles = bool(ops.quant_linear_tiles()) and bool(ops.dense_linear_ready())
 
     def attention(self, kv_cache: KVCache, layout: attention.StepLayout) -> Attention:
         return attention.CompiledPagedAttention(self.ops, kv_cache, layout)
@@ -46,6 +47,22 @@ class CPUCompiledBackend(CPUTorchBackend):
     def rotary_(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         self.ops.rotary(q, k, cos, sin)
 
+    def pack_weight(self, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """With AMX tiles, bf16 weights in the kernels' layout (``kernels/csrc/dense_gemm.cpp``):
+        [N/16, K/32, 16 column pairs, 16 channels x 2], which the tiles and the one-row dot
+        products both read as it is. A decode step's GEMMs then take 14-16 ms on the default model
+        where oneDNN's packed ones take 22-24 (docs/benchmarks.md). Otherwise oneDNN's packing."""
+        n, k = weight.shape
+        if not (self.amx_tiles and weight.dtype == torch.bfloat16 and n % 16 == 0 and k % 32 == 0):
+            return super().pack_weight(weight, bias)
+        pairs = weight.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4)  # [block, kk, pair, channel, 2]
+        return pairs.reshape(n // 16, k // 32, 16, 32).contiguous()
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool) -> torch.Tensor:
+        if packed and weight.dim() == 4:  # pack_weight's own layout, not oneDNN's
+            return self.ops.dense_linear(x.contiguous(), weight, bias)
+        return super().linear(x, weight, bias, packed)
+
     def dequantize(
         self, w: quant.QuantizedWeight, dtype: torch.dtype, rows: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -55,7 +72,7 @@ class CPUCompiledBackend(CPUTorchBackend):
         """The packed-weight kernel for few rows (a step costs the bytes of the 4- or 8-bit
         weights), and for any number of bf16 rows on AMX tiles (weights dequantized 16 channels
         at a time into L1); else dequantize the layer + GEMM."""
-        tiles = self.quant_tiles and x.dtype == torch.bfloat16 and w.shape[1] % 32 == 0
+        tiles = self.amx_tiles and x.dtype == torch.bfloat16 and w.shape[1] % 32 == 0
         if x.shape[0] <= QUANT_KERNEL_MAX_ROWS or tiles:
             return self.ops.quant_linear(x.contiguous(), w.qweight, w.scale, w.zero, w.bits, w.group)
         return super().quantized_matmul(x, w)
@@ -71,4 +88,4 @@ class CPUCompiledBackend(CPUTorchBackend):
 
     def plan_facts(self, dtype: str) -> PlanFacts:
         facts = super().plan_facts(dtype)
-        return PlanFacts(kernels=self.kernels, gemm_kind=facts.gemm_kind, quant_tiles=self.quant_tiles)
+        return PlanFacts(kernels=self.kernels, gemm_kind=facts.gemm_kind, amx_tiles=self.amx_tiles)

@@ -124,7 +124,7 @@ class CPUTorchBackend(Backend):
         from ..layers.onednn_probe import gemm_kind_to_plan
 
         kind = gemm_kind_to_plan(dtype)
-        return PlanFacts(kernels=self.kernels, gemm_kind=kind, quant_tiles=False, device=self.device.type)
+        return PlanFacts(kernels=self.kernels, gemm_kind=kind, amx_tiles=False, device=self.device.type)
 
 
 def _reorder(weight: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,9 @@
 A ``Linear`` may hold several checkpoint tensors stacked by rows (q, k and v; gate and up), so a
 sub-layer runs one GEMM where the checkpoint has three. The loader writes each checkpoint tensor
 into its rows (``load_part``); ``pack`` then hands the weights to the backend once
-(``Backend.pack_weight``: on CPU, bf16 weights go to oneDNN's blocked layout, so no call re-lays
-them out as eager ``F.linear`` in bf16 does, every call; fp32 stays on MKL's sgemm).
+(``Backend.pack_weight``: on CPU, bf16 weights go to the compiled kernels' tile layout where AMX
+is granted, else to oneDNN's blocked layout, so no call re-lays them out as eager ``F.linear``
+in bf16 does, every call; fp32 stays on MKL's sgemm).
 """
 
 from __future__ import annotations

@@ -146,7 +146,7 @@ class EngineSettings:
     quantization: str | None = None  # as load_decoder takes it
     weights_bytes: int | None = None  # exact, from the checkpoint's header, when it is at hand
     quantized_weights: bool = False  # the linear layers run on quantized weights (layers/quantized.py)
-    quant_tiles: bool = False  # and bf16 rows of any count run on the compiled kernels' AMX tiles
+    amx_tiles: bool = False  # the compiled kernels run bf16 GEMMs on AMX tiles (quantized, or their own packing)
     grammar_cache_bytes: int = 0  # structured output's compiled-grammar caches, at their bound
 
     @property
@@ -288,13 +288,26 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
         attention = _attention_workspace(cfg, s, shape, bool(window_sizes))
         rotary = t * dq * e  # rotate_half's copy of q, then of k
     # Prepacked bf16 GEMMs run on rows padded to a bucket: a padded copy of the input while they
-    # run, and a padded output whose first rows are the result.
+    # run, and a padded output whose first rows are the result. With AMX tiles, a layer whose
+    # shape the compiled kernels' own packed GEMM takes (backends.cpu_compiled.pack_weight) runs
+    # there instead: its output is its only tensor (kernel_scratch_bytes has the rest), on the
+    # rows as they are.
     pad = s.packed and e == 2 and not s.quantized_weights
-    tp, np_ = (padded_rows(t), padded_rows(n)) if pad else (t, n)
+    tiled = pad and s.amx_tiles and s.kernels == "compiled"
 
-    def gemm(rows: int, padded: int, k: int, out: int, packed: bool = s.packed) -> int:
+    def ours(k: int, out: int, packed: bool = s.packed) -> bool:
+        return tiled and packed and k % 32 == 0 and out % 16 == 0
+
+    def rows_of(rows: int, k: int, out: int, packed: bool = s.packed) -> int:
+        """The rows of the GEMM's output tensor."""
+        return padded_rows(rows) if pad and packed and not ours(k, out, packed) else rows
+
+    def gemm(rows: int, k: int, out: int, packed: bool = s.packed) -> int:
+        padded = rows_of(rows, k, out, packed)
+        if ours(k, out, packed):
+            return rows * out * e
         if s.quantized_weights:
-            tiles = s.quant_tiles and e == 2 and rows > QUANT_KERNEL_MAX_ROWS
+            tiles = s.amx_tiles and e == 2 and rows > QUANT_KERNEL_MAX_ROWS
             if rows <= QUANT_KERNEL_MAX_ROWS or tiles:  # a float32 output; for bf16 the result in bf16,
                 # and, off the tiles, x in fp32
                 return rows * out * 4 + (rows * out * e + (0 if tiles else rows * k * 4) if e != 4 else 0)
@@ -304,27 +317,25 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
         copy = (2 * padded - rows) * k * e if padded != rows else 0
         return padded * out * e + copy + gemm_scratch(padded, k, out, s.dtype, s.gemm_isa, packed, s.threads)
 
-    if cfg.tie_word_embeddings:  # a tied lm_head stays plain (DecoderLM.pack): no padding
-        np_ = n
-
-    qkv_out = tp * (dq + 2 * dk) * e
+    head_packed = s.packed and not cfg.tie_word_embeddings  # a tied lm_head stays plain (DecoderLM.pack)
+    qkv_out = rows_of(t, h, dq + 2 * dk) * (dq + 2 * dk) * e
     qkv = qkv_out + (t * (dq + dk) * e if cfg.qk_norm else 0)  # normed q and k: new tensors
     phases = {
         "embedding": x + th + INDEX * t,
         "rotary tables": x + th + 12 * t * d,
         "attention norm": base + xn + norm,
-        "q/k/v projections": base + xn + gemm(t, tp, h, dq + 2 * dk),
+        "q/k/v projections": base + xn + gemm(t, h, dq + 2 * dk),
         "rotary": base + xn + qkv + rotary,
         "attention": base + xn + qkv + t * dq * e + attention,
-        "output projection": base + xn + t * dq * e + gemm(t, tp, dq, h),
-        "residual add + norm": base + xn + tp * h * e + xn + norm,
-        "mlp gate/up": base + xn + gemm(t, tp, h, 2 * i),
-        "silu * up": base + xn + tp * 2 * i * e + t * i * e,
-        "mlp down": base + xn + t * i * e + gemm(t, tp, i, h),
-        "lm head": base + n * h * e + gemm(n, np_, h, v, s.packed and not cfg.tie_word_embeddings),
+        "output projection": base + xn + t * dq * e + gemm(t, dq, h),
+        "residual add + norm": base + xn + rows_of(t, dq, h) * h * e + xn + norm,
+        "mlp gate/up": base + xn + gemm(t, h, 2 * i),
+        "silu * up": base + xn + rows_of(t, h, 2 * i) * 2 * i * e + t * i * e,
+        "mlp down": base + xn + t * i * e + gemm(t, i, h),
+        "lm head": base + n * h * e + gemm(n, h, v, head_packed),
     }
     if e != 4:
-        phases["logits to float32"] = base + n * h * e + np_ * v * e + n * v * 4
+        phases["logits to float32"] = base + n * h * e + rows_of(n, h, v, head_packed) * v * e + n * v * 4
     if cfg.qk_norm:
         # q's norm, then k's while q's result is alive (PyTorch: 3-d inputs take its path)
         phases["q/k norm"] = (
@@ -344,19 +355,23 @@ def kernel_scratch_bytes(cfg: ModelConfig, s: EngineSettings, threads: int, max_
     """What the compiled attention keeps per thread, outside torch's allocator, at most: the
     scores of one tile (``pairs_budget`` pairs, or one decode row's whole context), and its
     queries and accumulators (32 query rows of a KV head's query heads). A bf16 prefill tile on
-    AMX (``quant_tiles``: the tiles are usable) pads its rows to 16 and its keys to 32, and also
-    holds its queries, probabilities and values in bf16 (kernels/csrc/attention.cpp)."""
+    AMX (``amx_tiles``: the tiles are usable) pads its rows to 16 and its keys to 32, and also
+    holds its queries, probabilities and values in bf16 (kernels/csrc/attention.cpp). Their
+    packed bf16 GEMM on tiles copies a partial last tile of rows, zero-padded (16 x K bf16)."""
     if s.kernels != "compiled":
         return 0
     g, d = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
     pairs = max(s.pairs_budget, g * max_model_len)
     per_thread = 4 * pairs + 4 * 2 * 32 * g * d + 4 * 16 * d
-    if s.quant_tiles and s.dtype == "bfloat16" and s.kv == "bfloat16":
+    if s.amx_tiles and s.dtype == "bfloat16" and s.kv == "bfloat16":
         rows = 32 * g + 15  # a tile's query rows, padded to whole tiles
         padded = pairs + 31 * rows + 15 * max_model_len  # (rows + 15) x (keys + 31), rows x keys <= pairs
         per_thread += 4 * (padded - pairs) + 2 * padded  # float scores, bf16 probabilities
         per_thread += 2 * d * (rows + 16 + max_model_len + 31) + 4 * rows * d  # q, k, v in bf16; accumulators
-    return threads * per_thread
+    tail = 0
+    if s.amx_tiles and s.dtype == "bfloat16" and s.packed and not s.quantized_weights:  # any layer may be ours
+        tail = 2 * 16 * max(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)
+    return threads * per_thread + tail
 
 
 def step_transient_bytes(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> int:

@@ -476,7 +476,7 @@ def plan_engine(
     named = {"cpu-compiled": "compiled", "cpu-torch": "torch"}.get(c.backend)  # `pagedllm plan --backend`
     kernels = backend.kernels if backend is not None else named or expected_kernels()
     isa = (backend.gemm_kind if backend is not None else None) or gemm_isa()
-    quant_tiles = backend.quant_tiles if backend is not None else kernels == "compiled" and isa == "amx"
+    amx_tiles = backend.amx_tiles if backend is not None else kernels == "compiled" and isa == "amx"
     settings = EngineSettings(
         dtype=c.dtype,
         kv_dtype=c.kv_cache_dtype,
@@ -489,7 +489,7 @@ def plan_engine(
         weights_bytes=weights_bytes,
         quantized_weights=c.quantization in ("int8", "int4") if quantized_weights is None else quantized_weights,
         packed=isa != "avx2",  # oneDNN packs bf16 weights from AVX-512 up (backends.cpu_torch)
-        quant_tiles=quant_tiles,
+        amx_tiles=amx_tiles,
         grammar_cache_bytes=grammar_cache_bytes,
     )
     seqs = c.max_num_seqs or AUTO_MAX_NUM_SEQS

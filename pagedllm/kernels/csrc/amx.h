@@ -1,13 +1,14 @@
-// The AMX path of quant_gemm.cpp: many rows of bf16 activations against quantized weights on
-// AMX tiles, and the two conditions for using it at run time (Linux grants the tile state; the
-// oneDNN ISA cap allows it). Empty, and PAGEDLLM_AMX undefined, unless the compiler targets AMX
-// tiles, AMX-BF16 and AVX512-BF16.
+// bf16 GEMMs on AMX tiles (rows_by_blocks), and the two conditions for using them at run time
+// (Linux grants the tile state; the oneDNN ISA cap allows it). Two users: quant_gemm.cpp (many
+// rows against quantized weights) and dense_gemm.cpp (bf16 weights packed in the tiles' own
+// layout). Empty, and PAGEDLLM_AMX undefined, unless the compiler targets AMX tiles, AMX-BF16 and
+// AVX512-BF16.
 //
-// For each 16 output channels, the weights are dequantized once into a bf16 block that stays in
-// L1 (16 x K), and every 16 rows of x multiply it in tile dot-products that accumulate over all
-// of K in the tile. Where the float GEMM path first dequantizes the whole layer to memory and
-// oneDNN then re-lays it out, this reads the packed weights once per step and writes nothing but
-// the output. The arithmetic is that of the float GEMM on bf16-dequantized weights.
+// For each 16 output channels, a bf16 block of weights (16 x K) sits in L1, and every 16 rows of
+// x multiply it in tile dot-products that accumulate over all of K in the tile. Quantized
+// weights are dequantized into that block once per step (where the float GEMM path first
+// dequantizes the whole layer to memory and oneDNN then re-lays it out); packed bf16 weights
+// are that block already. The arithmetic is that of the float GEMM on the bf16 weights.
 #pragma once
 
 #include "common.h"
@@ -80,91 +81,100 @@ inline void dequant_channels(const QuantMatrix& m, int64_t n0, c10::BFloat16* ou
   }
 }
 
-// Up to four 16-row tiles of x (tmm1, tmm6 in turn) against one 16-channel block (tmm0), into
-// the accumulators tmm2..tmm5, stored to Y (stride ldy floats) or, for a ragged edge, to C.
-template <int NT>
-void amx_block(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w, int64_t K, float* const* out,
-               const int64_t* ld) {
-  if constexpr (NT > 0) _tile_zero(2);
-  if constexpr (NT > 1) _tile_zero(3);
-  if constexpr (NT > 2) _tile_zero(4);
-  if constexpr (NT > 3) _tile_zero(5);
+// NT (1-2) 16-row tiles of x (tmm1, tmm6) against NB (1-2) 16-channel blocks (tmm0, tmm7), over
+// all of K, into the accumulators tmm2..tmm5 (tile t x block j: 2 + 2 t + j), stored to C (one
+// 16 x 16 float tile after another, in that order). Two by two, each operand loaded serves two
+// products, so x's tiles come from L2 half as often as one block at a time would need. The
+// blocks' next tiles are prefetched: packed weights stream from memory (a dequantized block is
+// in L1 already).
+constexpr int64_t PREFETCH_TILES = 4;
+
+template <int NT, int NB>
+void amx_tiles(const c10::BFloat16* const* x, int64_t ldx, const c10::BFloat16* const* w, int64_t K, float* C) {
+  _tile_zero(2);
+  if constexpr (NB > 1) _tile_zero(3);
+  if constexpr (NT > 1) _tile_zero(4);
+  if constexpr (NT > 1 && NB > 1) _tile_zero(5);
   for (int64_t kk = 0; kk < K / 32; ++kk) {
-    _tile_loadd(0, w + kk * 512, 64);
-    const c10::BFloat16* xk = x + kk * 32;
-    _tile_loadd(1, xk, ldx * 2);
+    for (int j = 0; j < NB; ++j)
+      for (int line = 0; line < 16; ++line)
+        _mm_prefetch((const char*)(w[j] + (kk + PREFETCH_TILES) * 512 + line * 32), _MM_HINT_T0);
+    _tile_loadd(0, w[0] + kk * 512, 64);
+    if constexpr (NB > 1) _tile_loadd(7, w[1] + kk * 512, 64);
+    _tile_loadd(1, x[0] + kk * 32, ldx * 2);
     _tile_dpbf16ps(2, 1, 0);
+    if constexpr (NB > 1) _tile_dpbf16ps(3, 1, 7);
     if constexpr (NT > 1) {
-      _tile_loadd(6, xk + 16 * ldx, ldx * 2);
-      _tile_dpbf16ps(3, 6, 0);
-    }
-    if constexpr (NT > 2) {
-      _tile_loadd(1, xk + 32 * ldx, ldx * 2);
-      _tile_dpbf16ps(4, 1, 0);
-    }
-    if constexpr (NT > 3) {
-      _tile_loadd(6, xk + 48 * ldx, ldx * 2);
-      _tile_dpbf16ps(5, 6, 0);
+      _tile_loadd(6, x[1] + kk * 32, ldx * 2);
+      _tile_dpbf16ps(4, 6, 0);
+      if constexpr (NB > 1) _tile_dpbf16ps(5, 6, 7);
     }
   }
-  if constexpr (NT > 0) _tile_stored(2, out[0], ld[0] * 4);
-  if constexpr (NT > 1) _tile_stored(3, out[1], ld[1] * 4);
-  if constexpr (NT > 2) _tile_stored(4, out[2], ld[2] * 4);
-  if constexpr (NT > 3) _tile_stored(5, out[3], ld[3] * 4);
+  _tile_stored(2, C, 64);
+  if constexpr (NB > 1) _tile_stored(3, C + 256, 64);
+  if constexpr (NT > 1) _tile_stored(4, C + NB * 256, 64);
+  if constexpr (NT > 1 && NB > 1) _tile_stored(5, C + 3 * 256, 64);
 }
 
-inline void amx_linear(const QuantMatrix& m, const c10::BFloat16* X, int64_t rows, float* Y) {
+// Y = X W^T on tiles, W given 16 output channels at a time as a tile B operand (16 x K bf16,
+// in dequant_channels' layout). `weights(b, scratch)` returns block b's operand, building it in
+// `scratch` (a vector of the thread's, one per block in flight, that it may resize) if it must;
+// `emit(r0, n0, count, C)` takes the float results of rows [r0, r0 + 16) (fewer past the last
+// row) x channels [n0, n0 + count) from C (16 x 16, row-major). Blocks run two at a time against
+// every two tiles of rows while they sit in L1. Outside torch's allocator: a zero-padded copy of
+// a partial last tile of rows (16 x K bf16).
+template <typename Weights, typename Emit>
+void rows_by_blocks(const c10::BFloat16* X, int64_t rows, int64_t n, int64_t k, Weights weights, Emit emit) {
   const int64_t full = rows / 16, tiles = (rows + 15) / 16;
   // The last, partial tile of rows, zero-padded (the tiles read 16 rows).
-  std::vector<c10::BFloat16> tail(16 * m.k, c10::BFloat16(0.f));
+  std::vector<c10::BFloat16> tail(tiles > full ? 16 * k : 0, c10::BFloat16(0.f));
   if (tiles > full)
-    std::memcpy(static_cast<void*>(tail.data()), X + full * 16 * m.k, (rows - full * 16) * m.k * sizeof(c10::BFloat16));
-  const int64_t blocks16 = (m.n + 15) / 16;
-  at::parallel_for(0, blocks16, 1, [&](int64_t b0, int64_t b1) {
+    std::memcpy(static_cast<void*>(tail.data()), X + full * 16 * k, (rows - full * 16) * k * sizeof(c10::BFloat16));
+  const int64_t blocks16 = (n + 15) / 16;
+  at::parallel_for(0, (blocks16 + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
     TileConfig cfg;
-    for (int t : {0, 1, 2, 3, 4, 5, 6}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
     _tile_loadconfig(&cfg);
-    std::vector<c10::BFloat16> w(16 * m.k);
+    std::vector<c10::BFloat16> scratch[2];
     alignas(64) float C[4][16][16];
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * 16, count = std::min<int64_t>(16, m.n - n0);
-      dequant_channels(m, n0, w.data());
-      for (int64_t t0 = 0; t0 < tiles; t0 += 4) {
-        const int64_t nt = std::min<int64_t>(4, tiles - t0);
-        // Rows of x: in place, but the partial last tile from its padded copy; results straight
-        // into Y, but a ragged tile (last rows, last channels) through C.
-        const bool ragged_tail = t0 + nt > full;
-        const c10::BFloat16* x = X + t0 * 16 * m.k;
-        float* out[4];
-        int64_t ld[4];
-        for (int64_t r = 0; r < nt; ++r) {
-          const bool ragged = count < 16 || t0 + r >= full;
-          out[r] = ragged ? &C[r][0][0] : Y + (t0 + r) * 16 * m.n + n0;
-          ld[r] = ragged ? 16 : m.n;
-        }
-        if (ragged_tail && nt == 1) {
-          amx_block<1>(tail.data(), m.k, w.data(), m.k, out, ld);
-        } else {
-          // all but a partial last tile run from x in place; that one runs alone below
-          const int64_t in_place = ragged_tail ? nt - 1 : nt;
-          switch (in_place) {
-            case 4: amx_block<4>(x, m.k, w.data(), m.k, out, ld); break;
-            case 3: amx_block<3>(x, m.k, w.data(), m.k, out, ld); break;
-            case 2: amx_block<2>(x, m.k, w.data(), m.k, out, ld); break;
-            case 1: amx_block<1>(x, m.k, w.data(), m.k, out, ld); break;
-            default: break;
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t b = 2 * p, nb = std::min<int64_t>(2, blocks16 - b);
+      const c10::BFloat16* w[2] = {weights(b, scratch[0]), nb > 1 ? weights(b + 1, scratch[1]) : nullptr};
+      for (int64_t t = 0; t < tiles; t += 2) {
+        const int64_t nt = std::min<int64_t>(2, tiles - t);
+        const c10::BFloat16* x[2];
+        for (int64_t i = 0; i < nt; ++i) x[i] = t + i < full ? X + (t + i) * 16 * k : tail.data();
+        if (nt == 2 && nb == 2)
+          amx_tiles<2, 2>(x, k, w, k, &C[0][0][0]);
+        else if (nt == 2)
+          amx_tiles<2, 1>(x, k, w, k, &C[0][0][0]);
+        else if (nb == 2)
+          amx_tiles<1, 2>(x, k, w, k, &C[0][0][0]);
+        else
+          amx_tiles<1, 1>(x, k, w, k, &C[0][0][0]);
+        for (int64_t i = 0; i < nt; ++i)
+          for (int64_t j = 0; j < nb; ++j) {
+            const int64_t n0 = (b + j) * 16;
+            emit((t + i) * 16, n0, std::min<int64_t>(16, n - n0), &C[i * nb + j][0][0]);
           }
-          if (ragged_tail) amx_block<1>(tail.data(), m.k, w.data(), m.k, out + in_place, ld + in_place);
-        }
-        for (int64_t r = 0; r < nt; ++r) {
-          if (out[r] != &C[r][0][0]) continue;
-          for (int64_t i = 0; i < 16 && (t0 + r) * 16 + i < rows; ++i)
-            std::memcpy(Y + ((t0 + r) * 16 + i) * m.n + n0, C[r][i], count * sizeof(float));
-        }
       }
     }
     _tile_release();
   });
+}
+
+inline void amx_linear(const QuantMatrix& m, const c10::BFloat16* X, int64_t rows, float* Y) {
+  rows_by_blocks(
+      X, rows, m.n, m.k,
+      [&](int64_t b, std::vector<c10::BFloat16>& scratch) {
+        scratch.resize(16 * m.k);
+        dequant_channels(m, b * 16, scratch.data());
+        return scratch.data();
+      },
+      [&](int64_t r0, int64_t n0, int64_t count, const float* C) {
+        for (int64_t i = 0; i < 16 && r0 + i < rows; ++i)
+          std::memcpy(Y + (r0 + i) * m.n + n0, C + i * 16, count * sizeof(float));
+      });
 }
 
 }  // namespace pagedllm::amx

@@ -21,6 +21,8 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def(
       "dequantize(Tensor qweight, Tensor scale, Tensor? zero, int bits, int group, Tensor? rows, ScalarType dtype) "
       "-> Tensor");
+  m.def("dense_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.def("dense_linear_ready() -> bool", &pagedllm::dense_linear_ready);
   m.def("mask_logits(Tensor(a!) logits, Tensor bitmask, int[] rows, int vocab) -> ()");
   m.def("pin_threads(Tensor cpus, bool each) -> int");
 }
@@ -33,6 +35,7 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
   m.impl("rotary", &pagedllm::rotary);
   m.impl("quant_linear", &pagedllm::quant_linear);
   m.impl("dequantize", &pagedllm::dequantize);
+  m.impl("dense_linear", &pagedllm::dense_linear);
   m.impl("mask_logits", &pagedllm::mask_logits);
   m.impl("pin_threads", &pagedllm::pin_threads);
 }
