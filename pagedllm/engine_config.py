@@ -81,6 +81,12 @@ class EngineConfig:
         type=str,
     )
     threads: int | None = _knob(None, "torch threads (default: one per physical core, or PAGEDLLM_THREADS)", type=int)
+    tensor_parallel_size: int = _knob(
+        1,
+        "ranks the model is split over (tensor parallelism): plan sizes each rank; the engine runs 1 only (for now)",
+        type=int,
+        alias="-tp",
+    )
 
     def __post_init__(self):
         """Every check in one place; names are normalised ('bf16' -> 'bfloat16')."""
@@ -95,7 +101,15 @@ class EngineConfig:
         if self.backend not in BACKENDS:
             hint = " (not implemented yet)" if str(self.backend).startswith("cuda") else ""
             raise ConfigError("backend", f"{self.backend!r}{hint}: choose one of {', '.join(BACKENDS)}")
-        for name in ("block_size", "num_blocks", "max_batch_tokens", "max_num_seqs", "max_model_len", "threads"):
+        for name in (
+            "block_size",
+            "num_blocks",
+            "max_batch_tokens",
+            "max_num_seqs",
+            "max_model_len",
+            "threads",
+            "tensor_parallel_size",
+        ):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(name, f"must be a whole number >= 1, got {value!r}")
@@ -144,9 +158,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         if isinstance(f.default, bool):
             target.add_argument(meta["flag"], dest=f.name, action="store_false", help=meta["help"])
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-")] + ([meta["alias"]] if "alias" in meta else [])
         kwargs: dict[str, Any] = {"choices": list(meta["choices"])} if "choices" in meta else {}
-        target.add_argument(flag, dest=f.name, default=f.default, type=meta["type"], help=meta["help"], **kwargs)
+        target.add_argument(*flags, dest=f.name, default=f.default, type=meta["type"], help=meta["help"], **kwargs)
 
 
 def _checked(name: str, value: Any, parse) -> Any:

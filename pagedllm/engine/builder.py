@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .. import backends, loading, structured
 from ..config import ModelConfig
-from ..engine_config import EngineConfig
+from ..engine_config import ConfigError, EngineConfig
 from ..memory.machine import (
     bound_allocator_slack,
     bound_kernel_caches,
@@ -24,6 +24,12 @@ def build_engine(config: EngineConfig, api_process_bytes: int = 0) -> LLMEngine:
     """``api_process_bytes``: what the server's API process holds at its peak when the engine runs
     in a process of its own; the budget covers both processes, so it is counted in the baseline.
     Raises CacheDoesNotFitError (before loading) when the plan cannot fit."""
+    if config.tensor_parallel_size > 1:
+        raise ConfigError(
+            "tensor_parallel_size",
+            f"{config.tensor_parallel_size}: the engine runs on one process only (tensor parallelism is not "
+            "implemented yet); `pagedllm plan --tensor-parallel-size N` sizes each rank of a split model",
+        )
     model_dir, name = loading.resolve_model_dir(config.model)  # a GGUF file is converted in a child process
     tokenizer = loading.load_tokenizer(model_dir)  # before measuring: it belongs to the baseline
     model_config = ModelConfig.from_file(model_dir)

@@ -148,6 +148,11 @@ class EngineSettings:
     quantized_weights: bool = False  # the linear layers run on quantized weights (layers/quantized.py)
     amx_tiles: bool = False  # the compiled kernels run bf16 GEMMs on AMX tiles (quantized, or their own packing)
     grammar_cache_bytes: int = 0  # structured output's compiled-grammar caches, at their bound
+    # Tensor parallelism (distributed.shards): the config is one rank's; the row-parallel outputs
+    # are summed across ranks (a communication buffer of their size while they are), and the
+    # driver gathers every rank's logits, ``gathered_vocab`` wide, to sample from.
+    tensor_parallel: int = 1
+    gathered_vocab: int | None = None
 
     @property
     def kv(self) -> str:
@@ -318,6 +323,7 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
         return padded * out * e + copy + gemm_scratch(padded, k, out, s.dtype, s.gemm_isa, packed, s.threads)
 
     head_packed = s.packed and not cfg.tie_word_embeddings  # a tied lm_head stays plain (DecoderLM.pack)
+    allreduce = t * h * e if s.tensor_parallel > 1 else 0  # what the collective holds of an output
     qkv_out = rows_of(t, h, dq + 2 * dk) * (dq + 2 * dk) * e
     qkv = qkv_out + (t * (dq + dk) * e if cfg.qk_norm else 0)  # normed q and k: new tensors
     phases = {
@@ -327,15 +333,20 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
         "q/k/v projections": base + xn + gemm(t, h, dq + 2 * dk),
         "rotary": base + xn + qkv + rotary,
         "attention": base + xn + qkv + t * dq * e + attention,
-        "output projection": base + xn + t * dq * e + gemm(t, dq, h),
+        "output projection": base + xn + t * dq * e + gemm(t, dq, h) + allreduce,
         "residual add + norm": base + xn + rows_of(t, dq, h) * h * e + xn + norm,
         "mlp gate/up": base + xn + gemm(t, h, 2 * i),
         "silu * up": base + xn + rows_of(t, h, 2 * i) * 2 * i * e + t * i * e,
-        "mlp down": base + xn + t * i * e + gemm(t, i, h),
+        "mlp down": base + xn + t * i * e + gemm(t, i, h) + allreduce,
         "lm head": base + n * h * e + gemm(n, h, v, head_packed),
     }
+    head_out = rows_of(n, h, v, head_packed) * v * e
+    sv = s.gathered_vocab or v  # the logits the sampler sees
+    if s.gathered_vocab:  # every rank's logits, side by side, on the driver
+        phases["logits gathered"] = base + n * h * e + head_out + n * sv * e
+        head_out = n * sv * e
     if e != 4:
-        phases["logits to float32"] = base + n * h * e + rows_of(n, h, v, head_packed) * v * e + n * v * 4
+        phases["logits to float32"] = base + n * h * e + head_out + n * sv * 4
     if cfg.qk_norm:
         # q's norm, then k's while q's result is alive (PyTorch: 3-d inputs take its path)
         phases["q/k norm"] = (
@@ -344,8 +355,8 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
             + qkv_out
             + max(_norm_transient(t * cfg.num_heads, d, e), t * dq * e + _norm_transient(t * cfg.num_kv_heads, d, e))
         )
-    logits = n * v * 4
-    sampler = max([r * v * SAMPLER_BYTES_PER_LOGIT + INDEX * v for r in shape.full_sampler_rows], default=0)
+    logits = n * sv * 4
+    sampler = max([r * sv * SAMPLER_BYTES_PER_LOGIT + INDEX * sv for r in shape.full_sampler_rows], default=0)
     penalties = max([40 * length for length in shape.penalized_lengths], default=0)
     phases["sampler"] = logits + sampler + penalties + INDEX * n + SCALAR_SLACK
     return phases

@@ -11,7 +11,8 @@ from functools import partial
 from typing import TYPE_CHECKING, NoReturn
 
 from ..config import ModelConfig
-from ..engine_config import EngineConfig
+from ..distributed.shards import rank_config, shard_layout
+from ..engine_config import ConfigError, EngineConfig
 from ..errors import CacheDoesNotFitError
 from ..sizes import ceil_div, dtype_bytes, gib, kv_element_bytes
 from .budget import resolve_budget
@@ -69,6 +70,7 @@ class MemoryPlan:
     loader_bytes: int  # what loading holds above the weights, freed before the cache exists
     weights_format: str = ""  # e.g. "int4 weights, bfloat16 activations"; empty: plain dtype
     api_process_bytes: int = 0  # the server's API process, in the baseline (engine in its own process)
+    tensor_parallel_size: int = 1  # above 1: this is one rank's plan (the driver's, which bounds them all)
 
     @property
     def total_bytes(self) -> int:
@@ -105,8 +107,17 @@ class MemoryPlan:
         return d
 
     def table(self) -> str:
-        rows = [
-            ("model", self.model),
+        rows = [("model", self.model)]
+        if self.tensor_parallel_size > 1:
+            rows.append(
+                (
+                    "ranks",
+                    f"{self.tensor_parallel_size}: each rank's process (the figures below; rank 0, the driver, "
+                    f"which also gathers the logits and samples, bounds the others); all ranks together "
+                    f"{gib(self.tensor_parallel_size * self.total_bytes, 8)}",
+                )
+            )
+        rows += [
             ("budget", f"{gib(self.budget_bytes, 8)}  ({self.budget_source}; the whole process's peak RSS)"),
             (
                 "process baseline",
@@ -466,6 +477,15 @@ def plan_engine(
     both processes, so it joins the baseline.
     """
     c = config or EngineConfig()
+    tp = c.tensor_parallel_size
+    gathered_vocab = None
+    if tp > 1:  # one rank's share of the model; the driver gathers the whole vocabulary's logits
+        if quantized_weights:
+            raise ConfigError(
+                "tensor_parallel_size", "planning a split of weights stored quantized (a GGUF) is not supported yet"
+            )
+        gathered_vocab = shard_layout(cfg, tp).padded_vocab
+        cfg, weights_bytes = rank_config(cfg, tp), None
     measured = baseline_bytes is not None
     baseline = (baseline_bytes if baseline_bytes is not None else ESTIMATED_BASELINE_BYTES) + api_process_bytes
     budget, source = resolve_budget(
@@ -491,6 +511,8 @@ def plan_engine(
         packed=isa != "avx2",  # oneDNN packs bf16 weights from AVX-512 up (backends.cpu_torch)
         amx_tiles=amx_tiles,
         grammar_cache_bytes=grammar_cache_bytes,
+        tensor_parallel=tp,
+        gathered_vocab=gathered_vocab,
     )
     seqs = c.max_num_seqs or AUTO_MAX_NUM_SEQS
     longest = min(c.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -511,4 +533,4 @@ def plan_engine(
         baseline_bytes=baseline,
         baseline_source=measured_source,
     )
-    return replace(result, api_process_bytes=api_process_bytes)
+    return replace(result, api_process_bytes=api_process_bytes, tensor_parallel_size=tp)
