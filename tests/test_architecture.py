@@ -17,6 +17,7 @@ LEVELS = [
     {"errors", "sizes", "paths"},  # facts every stage shares
     {"kernels"},  # compiled CPU kernels: built on first use, or absent
     {"config", "engine_config", "sampling_params", "outputs", "prompts"},  # what a model, an engine, a request are
+    {"distributed"},  # how a model splits over tensor-parallel ranks: arithmetic on its config
     {"structured", "limits"},  # constraints compiled to grammars that mask logits; what an engine can run
     {"layers"},  # attention over the paged cache, the cache, the sampler, norm/rotary/mlp
     {"backends"},  # the device: which kernels compute each layer's ops, the KV layout, threads

@@ -270,6 +270,45 @@ def step_buffers(
     return total
 
 
+class _Gemms:
+    """What one GEMM of a step holds, by how it runs. oneDNN's prepacked bf16 GEMMs run on rows
+    padded to a bucket: a padded copy of the input while they run, and a padded output whose first
+    rows are the result. With AMX tiles, a layer whose shape the compiled kernels' own packed GEMM
+    takes (backends.cpu_compiled.pack_weight) runs there instead: its output is its only tensor
+    (kernel_scratch_bytes has the rest), on the rows as they are. Quantized weights: their
+    kernels' outputs, or a dequantized chunk at a time and a plain GEMM."""
+
+    def __init__(self, s: EngineSettings):
+        self.s, self.e = s, dtype_bytes(s.dtype)
+        self.pad = s.packed and self.e == 2 and not s.quantized_weights
+        self.tiled = self.pad and s.amx_tiles and s.kernels == "compiled"
+
+    def ours(self, k: int, out: int, packed: bool) -> bool:
+        return self.tiled and packed and k % 32 == 0 and out % 16 == 0
+
+    def rows_of(self, rows: int, k: int, out: int, packed: bool | None = None) -> int:
+        """The rows of the GEMM's output tensor."""
+        packed = self.s.packed if packed is None else packed
+        return padded_rows(rows) if self.pad and packed and not self.ours(k, out, packed) else rows
+
+    def bytes(self, rows: int, k: int, out: int, packed: bool | None = None) -> int:
+        s, e = self.s, self.e
+        packed = s.packed if packed is None else packed
+        padded = self.rows_of(rows, k, out, packed)
+        if self.ours(k, out, packed):
+            return rows * out * e
+        if s.quantized_weights:
+            tiles = s.amx_tiles and e == 2 and rows > QUANT_KERNEL_MAX_ROWS
+            if rows <= QUANT_KERNEL_MAX_ROWS or tiles:  # a float32 output; for bf16 the result in bf16,
+                # and, off the tiles, x in fp32
+                return rows * out * 4 + (rows * out * e + (0 if tiles else rows * k * 4) if e != 4 else 0)
+            chunk = min(out, DEQUANT_CHUNK_ELEMENTS // k)  # one dequantized chunk, a plain GEMM
+            slices = rows * out * e + (rows * chunk * e if chunk < out else 0)  # output, a chunk's result
+            return slices + chunk * k * e + gemm_scratch(rows, k, chunk, s.dtype, s.gemm_isa, False, s.threads)
+        copy = (2 * padded - rows) * k * e if padded != rows else 0
+        return padded * out * e + copy + gemm_scratch(padded, k, out, s.dtype, s.gemm_isa, packed, s.threads)
+
+
 def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[str, int]:
     """Peak live bytes of each phase of one step, above the weights and the cache.
 
@@ -292,36 +331,8 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
     else:
         attention = _attention_workspace(cfg, s, shape, bool(window_sizes))
         rotary = t * dq * e  # rotate_half's copy of q, then of k
-    # Prepacked bf16 GEMMs run on rows padded to a bucket: a padded copy of the input while they
-    # run, and a padded output whose first rows are the result. With AMX tiles, a layer whose
-    # shape the compiled kernels' own packed GEMM takes (backends.cpu_compiled.pack_weight) runs
-    # there instead: its output is its only tensor (kernel_scratch_bytes has the rest), on the
-    # rows as they are.
-    pad = s.packed and e == 2 and not s.quantized_weights
-    tiled = pad and s.amx_tiles and s.kernels == "compiled"
-
-    def ours(k: int, out: int, packed: bool = s.packed) -> bool:
-        return tiled and packed and k % 32 == 0 and out % 16 == 0
-
-    def rows_of(rows: int, k: int, out: int, packed: bool = s.packed) -> int:
-        """The rows of the GEMM's output tensor."""
-        return padded_rows(rows) if pad and packed and not ours(k, out, packed) else rows
-
-    def gemm(rows: int, k: int, out: int, packed: bool = s.packed) -> int:
-        padded = rows_of(rows, k, out, packed)
-        if ours(k, out, packed):
-            return rows * out * e
-        if s.quantized_weights:
-            tiles = s.amx_tiles and e == 2 and rows > QUANT_KERNEL_MAX_ROWS
-            if rows <= QUANT_KERNEL_MAX_ROWS or tiles:  # a float32 output; for bf16 the result in bf16,
-                # and, off the tiles, x in fp32
-                return rows * out * 4 + (rows * out * e + (0 if tiles else rows * k * 4) if e != 4 else 0)
-            chunk = min(out, DEQUANT_CHUNK_ELEMENTS // k)  # one dequantized chunk, a plain GEMM
-            slices = rows * out * e + (rows * chunk * e if chunk < out else 0)  # output, a chunk's result
-            return slices + chunk * k * e + gemm_scratch(rows, k, chunk, s.dtype, s.gemm_isa, False, s.threads)
-        copy = (2 * padded - rows) * k * e if padded != rows else 0
-        return padded * out * e + copy + gemm_scratch(padded, k, out, s.dtype, s.gemm_isa, packed, s.threads)
-
+    g = _Gemms(s)
+    rows_of, gemm = g.rows_of, g.bytes
     head_packed = s.packed and not cfg.tie_word_embeddings  # a tied lm_head stays plain (DecoderLM.pack)
     allreduce = t * h * e if s.tensor_parallel > 1 else 0  # what the collective holds of an output
     qkv_out = rows_of(t, h, dq + 2 * dk) * (dq + 2 * dk) * e

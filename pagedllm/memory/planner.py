@@ -444,6 +444,18 @@ class _Failure:
         raise CacheDoesNotFitError("\n".join(lines), breakdown, suggestions)
 
 
+def _one_rank(cfg: ModelConfig, tp: int, quantized_weights: bool | None) -> tuple[ModelConfig, dict]:
+    """The config one of ``tp`` ranks runs, and the EngineSettings fields of the split (none at
+    tp=1): the driver gathers every rank's logits, the padded vocabulary wide."""
+    if tp == 1:
+        return cfg, {}
+    if quantized_weights:
+        raise ConfigError(
+            "tensor_parallel_size", "planning a split of weights stored quantized (a GGUF) is not supported yet"
+        )
+    return rank_config(cfg, tp), {"tensor_parallel": tp, "gathered_vocab": shard_layout(cfg, tp).padded_vocab}
+
+
 def plan_engine(
     cfg: ModelConfig,
     config: EngineConfig | None = None,
@@ -477,16 +489,7 @@ def plan_engine(
     both processes, so it joins the baseline.
     """
     c = config or EngineConfig()
-    tp = c.tensor_parallel_size
-    gathered_vocab = None
-    if tp > 1:  # one rank's share of the model; the driver gathers the whole vocabulary's logits
-        if quantized_weights:
-            raise ConfigError(
-                "tensor_parallel_size", "planning a split of weights stored quantized (a GGUF) is not supported yet"
-            )
-        gathered_vocab = shard_layout(cfg, tp).padded_vocab
-        cfg, weights_bytes = rank_config(cfg, tp), None
-    measured = baseline_bytes is not None
+    cfg, split = _one_rank(cfg, c.tensor_parallel_size, quantized_weights)
     baseline = (baseline_bytes if baseline_bytes is not None else ESTIMATED_BASELINE_BYTES) + api_process_bytes
     budget, source = resolve_budget(
         c.memory, c.memory_fraction, "cpu" if backend is None else backend.device, already_loaded
@@ -506,18 +509,17 @@ def plan_engine(
         kernels=kernels,
         threads=c.threads or usable_cpus(),
         quantization=c.quantization,
-        weights_bytes=weights_bytes,
+        weights_bytes=None if split else weights_bytes,  # a checkpoint's size is the whole model's
         quantized_weights=c.quantization in ("int8", "int4") if quantized_weights is None else quantized_weights,
         packed=isa != "avx2",  # oneDNN packs bf16 weights from AVX-512 up (backends.cpu_torch)
         amx_tiles=amx_tiles,
         grammar_cache_bytes=grammar_cache_bytes,
-        tensor_parallel=tp,
-        gathered_vocab=gathered_vocab,
+        **split,
     )
     seqs = c.max_num_seqs or AUTO_MAX_NUM_SEQS
     longest = min(c.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     cap = seqs * ceil_div(longest, c.block_size) if not c.budgeted else None
-    measured_source = "measured" if measured else "estimated"
+    measured_source = "measured" if baseline_bytes is not None else "estimated"
     if api_process_bytes:
         measured_source += f", with the API process's {api_process_bytes / 1024**2:.0f} MiB"
     result = plan(
@@ -533,4 +535,4 @@ def plan_engine(
         baseline_bytes=baseline,
         baseline_source=measured_source,
     )
-    return replace(result, api_process_bytes=api_process_bytes, tensor_parallel_size=tp)
+    return replace(result, api_process_bytes=api_process_bytes, tensor_parallel_size=c.tensor_parallel_size)
