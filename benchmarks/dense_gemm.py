@@ -44,8 +44,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=8)
     args = ap.parse_args()
     ops = compiled_ops()
-    if ops is None or not ops.dense_linear_ready():
-        raise SystemExit("needs the compiled kernels with AMX tiles granted (dense_linear_ready)")
+    if ops is None or not ops.amx_tiles():
+        raise SystemExit("needs the compiled kernels with AMX tiles granted (amx_tiles)")
     ours, onednn = CPUCompiledBackend(ops), CPUTorchBackend()
     g = torch.Generator().manual_seed(0)
     plain = [

@@ -5,13 +5,9 @@ for one row, and for every row count in a process whose oneDNN cap forbids AMX),
 without bias; the memory it takes from torch's allocator (its output, as the planner counts);
 and the backend packing for it only where the tiles are granted."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from kernel_paths import run_with_amx_capped
 
 from pagedllm.backends.cpu_compiled import CPUCompiledBackend
 
@@ -53,7 +49,7 @@ def assert_dense_linear_matches(ops, rows_list=ROWS) -> int:
 
 
 def test_dense_linear_matches_exact_arithmetic(ops):
-    if not ops.dense_linear_ready():
+    if not ops.amx_tiles():
         pytest.skip("no AMX tiles here: the backend never packs for this kernel (the next test runs its dot path)")
     assert assert_dense_linear_matches(ops) == len(SHAPES) * len(ROWS) * 2
 
@@ -62,12 +58,12 @@ def test_dense_linear_dot_path_without_amx_matches_exact_arithmetic(ops):
     """With AMX capped away every row count runs the AVX512-BF16 dot products, and the backend
     keeps oneDNN's packing (faster than those dot products at prefill sizes)."""
     script = (
-        "import json, sys, torch; sys.path.insert(0, 'tests')\n"
+        "import json, torch\n"
         "from pagedllm.kernels import compiled_ops\n"
         "from pagedllm.backends.cpu_compiled import CPUCompiledBackend\n"
         "from test_dense_gemm import assert_dense_linear_matches\n"
         "ops = compiled_ops()\n"
-        "assert not ops.dense_linear_ready()\n"
+        "assert not ops.amx_tiles()\n"
         "backend = CPUCompiledBackend(ops)\n"
         "packed = backend.pack_weight(torch.randn(64, 64).bfloat16(), None)\n"
         "assert packed is None or packed.dim() == 2, 'packed for the tiles without them'\n"
@@ -77,10 +73,7 @@ def test_dense_linear_dot_path_without_amx_matches_exact_arithmetic(ops):
         "    if 'AVX512-BF16' not in str(e): raise\n"
         "    print(json.dumps('not built'))\n"
     )
-    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "PAGEDLLM_KERNELS": "compiled"}
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    ran = json.loads(out.stdout.strip().splitlines()[-1])
+    ran = run_with_amx_capped(script)
     if ran == "not built":
         pytest.skip("kernels built without AVX512-BF16: the op raises, the backend keeps oneDNN")
     assert ran == len(SHAPES) * 5 * 2
@@ -91,7 +84,7 @@ def test_dense_linear_takes_only_its_output_from_torch(ops):
     partial row tile is the kernels' own (kernel_scratch_bytes)."""
     from pagedllm.memory.tracker import track_peak
 
-    if not ops.dense_linear_ready():
+    if not ops.amx_tiles():
         pytest.skip("no AMX tiles here: the backend never packs for this kernel")
     backend = CPUCompiledBackend(ops)
     weight = torch.randn(576, 1536).bfloat16()

@@ -4,8 +4,6 @@ cached context, sliding windows, every GQA ratio, head sizes 64 and 128, fp32 an
 caches; bf16 prefill tiles on AMX and, with AMX capped away, on AVX-512), and clear errors for
 tables that point outside the cache."""
 
-import json
-import os
 import random
 import subprocess
 import sys
@@ -13,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from kernel_paths import compiled_backend, torch_backend
+from kernel_paths import compiled_backend, run_with_amx_capped, torch_backend
 
 from pagedllm.layers.attention import SequenceSlice, StepLayout
 from pagedllm.layers.kv_cache import KVCache
@@ -94,20 +92,17 @@ def test_bf16_attention_without_amx_tiles_matches_the_torch_path(ops):
     """On a CPU with AMX the test above runs bf16 prefill tiles on AMX; here the same cases run
     in a process whose oneDNN cap forbids AMX, so the AVX-512 loops a CPU without it takes are
     checked on this machine too."""
-    if not ops.quant_linear_tiles():
+    if not ops.amx_tiles():
         pytest.skip("no AMX tiles here: the test above already ran the AVX-512 path")
     script = (
-        "import json, sys, torch; sys.path.insert(0, 'tests')\n"
+        "import json, torch\n"
         "from pagedllm.kernels import compiled_ops\n"
         "from test_kernels import ATTENTION_CASES, assert_attention_matches\n"
-        "assert not compiled_ops().quant_linear_tiles()\n"
+        "assert not compiled_ops().amx_tiles()\n"
         "for case in ATTENTION_CASES: assert_attention_matches(torch.bfloat16, *case)\n"
         "print(json.dumps(len(ATTENTION_CASES)))"
     )
-    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "PAGEDLLM_KERNELS": "compiled"}
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == len(ATTENTION_CASES)
+    assert run_with_amx_capped(script) == len(ATTENTION_CASES)
 
 
 @pytest.mark.parametrize("cache_dtype", ["int8", "fp8"])
@@ -173,8 +168,6 @@ def test_pointwise_kernels_match_the_torch_path(ops, dtype):
 
 def test_bf16_weights_are_packed_once_not_per_call():
     """oneDNN logs every reorder it runs (ONEDNN_VERBOSE): a packed layer runs none per call."""
-    import subprocess
-    import sys
 
     from pagedllm.memory.machine import gemm_isa
 

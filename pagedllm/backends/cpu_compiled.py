@@ -28,7 +28,7 @@ class CPUCompiledBackend(CPUTorchBackend):
         # Whether bf16 products run on AMX tiles (quantized weights at many rows, dense bf16
         # weights in the kernels' own layout at any count): built with AMX, the OS grants the
         # tile state, and ONEDNN_MAX_CPU_ISA does not cap it away.
-        self.amx_tiles = bool(ops.quant_linear_tiles()) and bool(ops.dense_linear_ready())
+        self.amx_tiles = bool(ops.amx_tiles())
 
     def attention(self, kv_cache: KVCache, layout: attention.StepLayout) -> Attention:
         return attention.CompiledPagedAttention(self.ops, kv_cache, layout)

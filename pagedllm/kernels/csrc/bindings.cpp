@@ -17,12 +17,11 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def("rotary(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scale, Tensor? zero, int bits, int group) -> Tensor");
   // No tensor argument to dispatch on: registered with its schema, for every backend.
-  m.def("quant_linear_tiles() -> bool", &pagedllm::quant_linear_tiles);
+  m.def("amx_tiles() -> bool", &pagedllm::amx_tiles);
   m.def(
       "dequantize(Tensor qweight, Tensor scale, Tensor? zero, int bits, int group, Tensor? rows, ScalarType dtype) "
       "-> Tensor");
   m.def("dense_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
-  m.def("dense_linear_ready() -> bool", &pagedllm::dense_linear_ready);
   m.def("mask_logits(Tensor(a!) logits, Tensor bitmask, int[] rows, int vocab) -> ()");
   m.def("pin_threads(Tensor cpus, bool each) -> int");
 }

@@ -14,7 +14,7 @@
 //   with it at 208 rows.
 // - One row: AVX512-BF16 dot products, each 64-byte row of weights one operand for 16 channels
 //   (a 32-bit pair of x broadcast against it): 11-12 ms a step, at the memory's rate.
-// dense_linear_ready() says whether the backend should pack for this (AMX granted): the dot
+// The backend packs for this only where amx_tiles() (AMX built, granted, not capped): the dot
 // products alone are compute-bound from a few rows (one instruction per 32 multiplies), and
 // oneDNN's GEMM beats them at prefill sizes on a CPU without AMX. The op itself runs anywhere
 // AVX512-BF16 is compiled in. Both paths sum bf16 products in float32 and round once to bf16
@@ -150,15 +150,7 @@ Tensor dense_linear(const Tensor& x, const Tensor& packed, const c10::optional<T
   dot_linear(m, xp, rows, yp);
   return Y;
 #else
-  TORCH_CHECK(false, "dense_linear needs kernels built for AVX512-BF16 (dense_linear_ready() is false)");
-#endif
-}
-
-bool dense_linear_ready() {
-#if defined(PAGEDLLM_AMX)
-  return amx::amx_ready();
-#else
-  return false;
+  TORCH_CHECK(false, "dense_linear needs kernels built for AVX512-BF16");
 #endif
 }
 

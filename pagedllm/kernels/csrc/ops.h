@@ -28,14 +28,13 @@ void rotary(Tensor q, Tensor k, const Tensor& cos, const Tensor& sin);
 // quant_gemm.cpp: products with weights kept quantized, and their float rows.
 Tensor quant_linear(const Tensor& x, const Tensor& qweight, const Tensor& scale, const c10::optional<Tensor>& zero,
                     int64_t bits, int64_t group);
-bool quant_linear_tiles();
+bool amx_tiles();  // AMX tiles usable here: built for them, granted, not capped
 Tensor dequantize(const Tensor& qweight, const Tensor& scale, const c10::optional<Tensor>& zero, int64_t bits,
                   int64_t group, const c10::optional<Tensor>& rows, at::ScalarType dtype);
 
 // dense_gemm.cpp: bf16 products with bf16 weights in the layout both AMX tiles and AVX512-BF16 dot
-// products read (dense_linear_ready: built with AVX512-BF16).
+// products read (the backend packs for it where amx_tiles()).
 Tensor dense_linear(const Tensor& x, const Tensor& packed, const c10::optional<Tensor>& bias);
-bool dense_linear_ready();
 
 // grammar_mask.cpp: the tokens a row's grammar forbids become -inf.
 void mask_logits(at::Tensor& logits, const at::Tensor& bitmask, at::IntArrayRef rows, int64_t vocab);

@@ -11,7 +11,8 @@
 //   activations take the float path, which computes with the exact weight values (its results
 //   match a GEMM on the dequantized weights).
 // - dequantize: the float rows of a quantized matrix (that GEMM path; embedding lookups).
-// - quant_linear_tiles: whether quant_linear runs many bf16 rows on AMX tiles in this process.
+// - amx_tiles: whether the kernels' bf16 GEMMs run on AMX tiles in this process (quant_linear's
+//   many rows; dense_gemm.cpp's dense_linear, for which the backend then packs bf16 weights).
 
 #include "amx.h"
 #include "common.h"
@@ -150,7 +151,7 @@ Tensor dequantize(const Tensor& qweight, const Tensor& scale, const c10::optiona
   return out;
 }
 
-bool quant_linear_tiles() {
+bool amx_tiles() {
 #if defined(PAGEDLLM_AMX)
   return amx::amx_ready();
 #else
