@@ -17,7 +17,7 @@ import torch
 from pagedllm.engine import LLMEngine
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.onednn_probe import dispatched_gemm_isa
-from pagedllm.layers.workspace import DEQUANT_CHUNK_ELEMENTS, padded_rows
+from pagedllm.layers.workspace import DEQUANT_CHUNK_ELEMENTS, padded_rows, tile_packable
 from pagedllm.memory.footprint import SCALAR_SLACK, EngineSettings, gemm_scratch, step_phases
 from pagedllm.memory.tracker import track_peak
 from pagedllm.sampling_params import SamplingParams
@@ -147,7 +147,7 @@ def _gemm_slack(cfg, s: EngineSettings, shape) -> int:
     shapes.append((n, h, cfg.vocab_size, packed_head))
     # The compiled kernels' own packed GEMM (AMX tiles) has no oneDNN scratch to bound: exact.
     ours = s.amx_tiles and s.kernels == "compiled" and not s.quantized_weights
-    shapes = [x for x in shapes if not (ours and x[3] and x[1] % 32 == 0 and x[2] % 16 == 0)]
+    shapes = [(r, k, out, packed) for r, k, out, packed in shapes if not (ours and packed and tile_packable(out, k))]
     if s.packed:  # prepacked oneDNN GEMMs run on padded rows
         shapes = [(padded_rows(r) if packed else r, k, out, packed) for r, k, out, packed in shapes]
     if s.quantized_weights and s.amx_tiles:

@@ -12,7 +12,7 @@ import torch
 from ..layers import attention
 from ..layers import quantized as quant
 from ..layers.kv_cache import KVCache
-from ..layers.workspace import QUANT_KERNEL_MAX_ROWS
+from ..layers.workspace import QUANT_KERNEL_MAX_ROWS, tile_packable
 from .base import Attention, PlanFacts
 from .cpu_threads import ThreadGovernor
 from .cpu_torch import CPUTorchBackend
@@ -50,17 +50,18 @@ class CPUCompiledBackend(CPUTorchBackend):
     def pack_weight(self, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """With AMX tiles, bf16 weights in the kernels' layout (``kernels/csrc/dense_gemm.cpp``):
         [N/16, K/32, 16 column pairs, 16 channels x 2], which the tiles and the one-row dot
-        products both read as it is. A decode step's GEMMs then take 14-16 ms on the default model
-        where oneDNN's packed ones take 22-24 (docs/benchmarks.md). Otherwise oneDNN's packing."""
+        products both read as it is: a decode step's GEMMs (1-32 rows) run 1.6-1.8x faster than on
+        oneDNN's packing, a prefill's about level (benchmarks/dense_gemm.py, docs/benchmarks.md).
+        Otherwise, and for shapes the kernel does not take, oneDNN's packing."""
         n, k = weight.shape
-        if not (self.amx_tiles and weight.dtype == torch.bfloat16 and n % 16 == 0 and k % 32 == 0):
+        if not (self.amx_tiles and weight.dtype == torch.bfloat16 and tile_packable(n, k)):
             return super().pack_weight(weight, bias)
         pairs = weight.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4)  # [block, kk, pair, channel, 2]
         return pairs.reshape(n // 16, k // 32, 16, 32).contiguous()
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool) -> torch.Tensor:
         if packed and weight.dim() == 4:  # pack_weight's own layout, not oneDNN's
-            return self.ops.dense_linear(x.contiguous(), weight, bias)
+            return self.ops.dense_linear(x, weight, bias)  # the op makes x contiguous if it must
         return super().linear(x, weight, bias, packed)
 
     def dequantize(

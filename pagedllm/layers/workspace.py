@@ -16,6 +16,13 @@ QUANT_KERNEL_MAX_ROWS = 8
 DEQUANT_CHUNK_ELEMENTS = 8 * 1024 * 1024
 
 
+def tile_packable(out_features: int, in_features: int) -> bool:
+    """Whether the compiled kernels' packed bf16 GEMM (kernels/csrc/dense_gemm.cpp) takes a layer
+    of this shape: whole blocks of 16 output channels over whole steps of 32 columns. The backend
+    packs such layers for it; the planner counts them as it runs them."""
+    return out_features % 16 == 0 and in_features % 32 == 0
+
+
 def padded_rows(rows: int) -> int:
     """Rows a prepacked bf16 GEMM runs on (``pagedllm.layers.linear``). oneDNN builds (JIT-compiles)
     a kernel for every new input shape, 2-6 ms each, measured here: a row count that changes

@@ -53,6 +53,7 @@ from ..layers.workspace import (
     QUANT_KERNEL_MAX_ROWS,
     SAMPLER_CHUNK_ROWS,
     padded_rows,
+    tile_packable,
 )
 from ..sizes import CONVERT_CHUNK_BYTES, KV_SCALE_BYTES, ceil_div, dtype_bytes, kv_element_bytes, kv_is_quantized
 from ..sizes import INDEX_BYTES as INDEX
@@ -284,7 +285,7 @@ class _Gemms:
         self.tiled = self.pad and s.amx_tiles and s.kernels == "compiled"
 
     def ours(self, k: int, out: int, packed: bool) -> bool:
-        return self.tiled and packed and k % 32 == 0 and out % 16 == 0
+        return self.tiled and packed and tile_packable(out, k)
 
     def rows_of(self, rows: int, k: int, out: int, packed: bool | None = None) -> int:
         """The rows of the GEMM's output tensor."""

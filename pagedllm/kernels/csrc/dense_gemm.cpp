@@ -9,11 +9,11 @@
 //
 // - Two rows and more, on AMX tiles: 16 channels at a time against every 16 rows
 //   (amx::rows_by_blocks), weights read in place. Measured here (2 cores, the default model's
-//   30 layers of shapes): at 2-16 rows, as a decode step has them, 14-16 ms a step where oneDNN's
-//   packed GEMM took 22-24 (it reads its weights at ~10 GB/s at any row count below 32); level
-//   with it at 208 rows.
+//   30 layers of shapes, benchmarks/dense_gemm.py): at 2-16 rows, as a decode step has them,
+//   ~11 ms a step (19 GB/s of weights) where oneDNN's packed GEMM took 18-20 (it reads its weights
+//   at ~10-12 GB/s at any row count below 32); 0.87-1.03x of it at 208 rows.
 // - One row: AVX512-BF16 dot products, each 64-byte row of weights one operand for 16 channels
-//   (a 32-bit pair of x broadcast against it): 11-12 ms a step, at the memory's rate.
+//   (a 32-bit pair of x broadcast against it): ~11 ms a step, at the memory's rate.
 // The backend packs for this only where amx_tiles() (AMX built, granted, not capped): the dot
 // products alone are compute-bound from a few rows (one instruction per 32 multiplies), and
 // oneDNN's GEMM beats them at prefill sizes on a CPU without AMX. The op itself runs anywhere
