@@ -82,9 +82,12 @@ class LLM:
         return self._name
 
     def close(self) -> None:
-        """Stops the engine's process (``engine_process=True``; it also ends with this one)."""
+        """Stops the engine's process (``engine_process=True``), or the other ranks of a split
+        model; either also ends with this process."""
         if self.process is not None:
             self.process.stop()
+        elif isinstance(self.engine, LLMEngine):
+            self.engine.close()
 
     @property
     def max_model_len(self) -> int:

@@ -117,8 +117,9 @@ class Backend:
 
     # ---- the machine ----------------------------------------------------------------------
 
-    def thread_policy(self, max_threads: int | None = None) -> ThreadPolicy:
-        """A new policy for one engine; ``max_threads``: ``EngineConfig.threads``."""
+    def thread_policy(self, max_threads: int | None = None, cpus: list[int] | None = None) -> ThreadPolicy:
+        """A new policy for one engine; ``max_threads``: ``EngineConfig.threads``; ``cpus``: the
+        cores this rank of a split model owns (its threads stay there, in a fixed number)."""
         raise NotImplementedError
 
     def plan_facts(self, dtype: str) -> PlanFacts:

@@ -84,8 +84,8 @@ class CPUCompiledBackend(CPUTorchBackend):
         else:
             super().mask_logits(logits, bitmask, rows, vocab_size)
 
-    def thread_policy(self, max_threads: int | None = None) -> ThreadGovernor:
-        return ThreadGovernor(pin=self.ops.pin_threads, max_threads=max_threads)
+    def thread_policy(self, max_threads: int | None = None, cpus: list[int] | None = None) -> ThreadGovernor:
+        return ThreadGovernor(pin=self.ops.pin_threads, max_threads=max_threads, cpus=cpus)
 
     def plan_facts(self, dtype: str) -> PlanFacts:
         facts = super().plan_facts(dtype)

@@ -58,15 +58,22 @@ class ThreadGovernor:
     """Sets torch's thread count and affinity at start, then adjusts them between steps.
 
     ``pin(cpus, each)`` binds torch's worker threads (one per CPU of ``cpus`` if ``each``, else
-    all to the set): the compiled kernels' ``pin_threads``. Without it only the count applies."""
+    all to the set): the compiled kernels' ``pin_threads``. Without it only the count applies.
+    ``cpus``: the cores of one rank of a split model, which shares the host with the other ranks
+    by design: its threads stay on them and their count never adapts to the others' load."""
 
-    def __init__(self, pin: Callable[[torch.Tensor, bool], int] | None = None, max_threads: int | None = None):
+    def __init__(
+        self,
+        pin: Callable[[torch.Tensor, bool], int] | None = None,
+        max_threads: int | None = None,
+        cpus: list[int] | None = None,
+    ):
         self._pin = pin
-        self.cpus = allowed_cpus()
+        self.cpus = sorted(cpus) if cpus else allowed_cpus()
         self.cores = physical_cores(self.cpus)
         self.max_threads = max_threads or int(os.environ.get("PAGEDLLM_THREADS", 0)) or len(self.cores)
         self.pin = _env_flag("PAGEDLLM_PIN_THREADS", True) and pin is not None
-        self.adapt = _env_flag("PAGEDLLM_ADAPT_THREADS", True) and _proc_stat() is not None
+        self.adapt = not cpus and _env_flag("PAGEDLLM_ADAPT_THREADS", True) and _proc_stat() is not None
         self.threads = 0
         self.pinned = False
         self._pinned_for: int | None = None  # the thread whose worker team the pinning applies to

@@ -115,10 +115,9 @@ class CPUTorchBackend(Backend):
 
     # ---- the machine ----------------------------------------------------------------------
 
-    def thread_policy(self, max_threads: int | None = None) -> ThreadGovernor:
-        return ThreadGovernor(
-            pin=None, max_threads=max_threads
-        )  # pinning needs the compiled kernels; the count still applies
+    def thread_policy(self, max_threads: int | None = None, cpus: list[int] | None = None) -> ThreadGovernor:
+        # pinning needs the compiled kernels; the count still applies
+        return ThreadGovernor(pin=None, max_threads=max_threads, cpus=cpus)
 
     def plan_facts(self, dtype: str) -> PlanFacts:
         from ..layers.onednn_probe import gemm_kind_to_plan

@@ -113,3 +113,71 @@ def rank_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     return replace(
         cfg, num_heads=s.heads, num_kv_heads=s.kv_heads, intermediate_size=s.intermediate, vocab_size=s.vocab
     )
+
+
+@dataclass(frozen=True)
+class Slice:
+    """The part of one checkpoint tensor a rank reads: ``[start, stop)`` along ``dim`` (0: rows,
+    1: columns), in the tensor's logical elements. ``zero``: the rank holds zeros of that shape
+    instead (a row-parallel layer's bias is added once, by rank 0, not once per rank)."""
+
+    dim: int
+    start: int
+    stop: int
+    total: int  # the tensor's whole length along ``dim``
+    zero: bool = False
+
+
+_COLUMN_PARALLEL = {"q_proj": "heads", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "up_proj": "mlp"}
+_ROW_PARALLEL = {"o_proj": "heads", "down_proj": "mlp"}
+_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+@dataclass(frozen=True)
+class RankShard:
+    """What one rank of a split reads of a checkpoint: ``slice_of`` names its part of each tensor."""
+
+    cfg: ModelConfig  # the whole model's
+    layout: ShardLayout
+    rank: int
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, tp: int, rank: int) -> RankShard:
+        return cls(cfg, shard_layout(cfg, tp), rank)
+
+    @property
+    def local_config(self) -> ModelConfig:
+        return rank_config(self.cfg, self.layout.tp)
+
+    def vocab_range(self) -> range:
+        return self.layout.vocab_range(self.rank, self.cfg.vocab_size)
+
+    def slice_of(self, name: str) -> Slice | None:
+        """This rank's part of the HF tensor ``name`` (its logical [rows, columns]), or None when
+        every rank holds it whole (norms, Qwen3's per-head q/k norms)."""
+        if name in _VOCAB:
+            r = self.vocab_range()
+            return Slice(0, r.start, r.stop, self.cfg.vocab_size)
+        parts = name.split(".")
+        if len(parts) < 2:
+            return None
+        layer, leaf = parts[-2], parts[-1]
+        if layer in _COLUMN_PARALLEL:
+            r, total = self._range(_COLUMN_PARALLEL[layer])
+            return Slice(0, r.start, r.stop, total)
+        if layer in _ROW_PARALLEL:
+            r, total = self._range(_ROW_PARALLEL[layer])
+            if leaf == "bias":  # the output is whole on every rank after the all-reduce
+                h = self.cfg.hidden_size
+                return Slice(0, 0, h, h, zero=self.rank != 0)
+            return Slice(1, r.start, r.stop, total)
+        return None
+
+    def _range(self, kind: str) -> tuple[range, int]:
+        """The rank's rows of a column-parallel layer's output (or columns of a row-parallel
+        one's input), and the whole width."""
+        s, c, d = self.layout, self.cfg, self.cfg.head_dim
+        if kind == "mlp":
+            return s.intermediate_range(self.rank), c.intermediate_size
+        heads = s.head_range(self.rank) if kind == "heads" else s.kv_head_range(self.rank)
+        return range(heads.start * d, heads.stop * d), (c.num_heads if kind == "heads" else c.num_kv_heads) * d

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from .. import backends, loading, structured
 from ..config import ModelConfig
-from ..engine_config import ConfigError, EngineConfig
+from ..distributed.shards import RankShard
+from ..engine_config import EngineConfig
+from ..errors import ModelLoadError
 from ..memory.machine import (
     bound_allocator_slack,
     bound_kernel_caches,
@@ -17,19 +19,33 @@ from ..memory.machine import (
     resident_bytes,
     return_freed_heap,
 )
+from . import rank_worker, ranks
 from .llm_engine import LLMEngine, plan_for, stop_token_ids
 
 
 def build_engine(config: EngineConfig, api_process_bytes: int = 0) -> LLMEngine:
     """``api_process_bytes``: what the server's API process holds at its peak when the engine runs
     in a process of its own; the budget covers both processes, so it is counted in the baseline.
-    Raises CacheDoesNotFitError (before loading) when the plan cannot fit."""
-    if config.tensor_parallel_size > 1:
-        raise ConfigError(
-            "tensor_parallel_size",
-            f"{config.tensor_parallel_size}: the engine runs on one process only (tensor parallelism is not "
-            "implemented yet); `pagedllm plan --tensor-parallel-size N` sizes each rank of a split model",
-        )
+    Raises CacheDoesNotFitError (before loading) when the plan cannot fit.
+
+    With ``tensor_parallel_size`` > 1 this process is the driver (rank 0): it starts or joins
+    the other ranks first (``ranks.start``). On a launched rank other than 0 (torchrun) the call
+    serves the driver headless until it closes the group, then ends the process (SystemExit 0)."""
+    if config.tensor_parallel_size == 1:
+        return _build(config, api_process_bytes, None)
+    launched = ranks.launched_rank()
+    if launched is not None and launched[0] != 0:
+        rank_worker.serve_launched(*launched)
+        raise SystemExit(0)
+    group = ranks.start(config)
+    try:
+        return _build(config, api_process_bytes, group)
+    except BaseException:
+        group.close()
+        raise
+
+
+def _build(config: EngineConfig, api_process_bytes: int, group: ranks.Ranks | None) -> LLMEngine:
     model_dir, name = loading.resolve_model_dir(config.model)  # a GGUF file is converted in a child process
     tokenizer = loading.load_tokenizer(model_dir)  # before measuring: it belongs to the baseline
     model_config = ModelConfig.from_file(model_dir)
@@ -56,7 +72,26 @@ def build_engine(config: EngineConfig, api_process_bytes: int = 0) -> LLMEngine:
         baseline_bytes=resident_bytes()[0],
         api_process_bytes=api_process_bytes,
     )
-    loaded = loading.load_dir(
-        model_dir, name, config.dtype, tokenizer=tokenizer, quantization=config.quantization, backend=backend
-    )
-    return LLMEngine(loaded, config, plan=plan, grammars=grammars)
+    shard = None
+    if group is not None:  # every rank loads its shard at once; the cache is the driver's plan's
+        group.group.broadcast(rank_worker.RankSetup(config, plan.num_blocks, plan.block_size, plan.kv_dtype))
+        shard = RankShard.of(model_config, config.tensor_parallel_size, 0)
+    try:
+        loaded = loading.load_dir(
+            model_dir,
+            name,
+            config.dtype,
+            tokenizer=tokenizer,
+            quantization=config.quantization,
+            backend=backend,
+            shard=shard,
+        )
+    except Exception as e:
+        if group is not None:
+            group.group.gather_objects(f"rank 0: {type(e).__name__}: {e}")
+        raise
+    if group is not None:
+        failed = [f for f in group.group.gather_objects(None) if f]
+        if failed:
+            raise ModelLoadError("a rank of the split model could not load its shard: " + "; ".join(failed))
+    return LLMEngine(loaded, config, plan=plan, grammars=grammars, ranks=group)

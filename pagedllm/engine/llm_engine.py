@@ -34,6 +34,7 @@ from ..structured import GRAMMAR_CACHE_BYTES, Grammars
 from .block_manager import BlockManager
 from .detokenizer import Detokenizer
 from .model_runner import ModelRunner
+from .ranks import Ranks
 from .scheduler import Scheduler, SchedulerCounters
 from .sequence import Sequence
 
@@ -73,11 +74,14 @@ class LLMEngine:
         *,
         plan: MemoryPlan | None = None,
         grammars: Grammars | None = None,
+        ranks: Ranks | None = None,
         **options,
     ):
         """``grammars``: the structured-output compiler for this tokenizer (``LLM`` builds it
         before measuring the process); without one, the first constrained request builds it.
-        With a budget (``config.memory``/``memory_fraction``) the whole KV cache is committed now."""
+        With a budget (``config.memory``/``memory_fraction``) the whole KV cache is committed now.
+        ``ranks``: the other ranks of a split model (``build_engine`` starts them); this engine is
+        their driver, and ``loaded`` its shard."""
         cfg = loaded.config
         model_dtype = dtype_name(next(loaded.model.parameters()).dtype)
         config = config or EngineConfig.from_options(**{"dtype": model_dtype, **options})
@@ -109,15 +113,19 @@ class LLMEngine:
             cfg.vocab_size, plan.max_num_seqs, plan.max_model_len, plan.num_blocks, plan.block_size
         )
         self.scheduler = Scheduler(self.blocks, plan.max_batch_tokens, plan.max_num_seqs, self.detokenizer.check_stop)
-        self.kv_cache = self.backend.allocate_kv_cache(
-            cfg, plan.num_blocks, plan.block_size, plan.kv_dtype, resident=config.budgeted
+        self.ranks = ranks
+        if ranks is not None:
+            loaded.model.tensor_parallel = ranks.group
+        self.kv_cache = self.backend.allocate_kv_cache(  # the model's own heads: a rank's, when split
+            loaded.model.config, plan.num_blocks, plan.block_size, plan.kv_dtype, resident=config.budgeted
         )
         self._grammars = grammars
         self.structured_output = config.structured_output
         self._grammars_lock = threading.Lock()
         sampler = Sampler(self.eos_token_ids, grammars, self.backend)
         self.runner = ModelRunner(loaded.model, self.kv_cache, sampler, self.backend)
-        self.threads = self.backend.thread_policy(config.threads)
+        cpus = ranks.cpus if ranks is not None else None
+        self.threads = self.backend.thread_policy(config.threads or (len(cpus) if cpus else None), cpus=cpus)
         # Debug mode (the test suite runs with it): verify every step's bookkeeping.
         self.check_invariants_every_step = os.environ.get("PAGEDLLM_CHECK_INVARIANTS", "") not in ("", "0")
         self.record_step_shapes = False  # the memory tests turn it on to read last_step_shape
@@ -212,6 +220,11 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def close(self) -> None:
+        """Ends the other ranks of a split model (nothing to do for one process)."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     # ---- the step ---------------------------------------------------------------------------
 

@@ -46,7 +46,7 @@ class ModelRunner:
         self,
         model: DecoderLM,
         kv_cache: KVCache,
-        sampler: Sampler,
+        sampler: Sampler | None,  # None on a worker rank of a split model: it never samples
         backend: Backend,
         pairs_budget: int = PAIRS_BUDGET,
         gather_budget: int = GATHER_BUDGET,
@@ -61,9 +61,13 @@ class ModelRunner:
         self.group_size = cfg.num_heads // cfg.num_kv_heads
 
     def run(self, out: SchedulerOutput, seqs: list[Sequence]) -> RunResult:
-        """prepare -> execute -> sample: one step on this process. ``seqs``: the live sequences
-        of ``out.rows``, in order."""
-        return self.sample(self.execute(self.prepare(out)), out, seqs)
+        """prepare -> execute -> sample: one step on this process (and, for a split model, the
+        step input sent to every other rank first). ``seqs``: the live sequences of
+        ``out.rows``, in order."""
+        step = self.prepare(out)
+        if self.model.tensor_parallel is not None:
+            self.model.tensor_parallel.broadcast(step)
+        return self.sample(self.execute(step), out, seqs)
 
     def prepare(self, out: SchedulerOutput) -> StepInput:
         device = self.backend.device
@@ -118,6 +122,7 @@ class ModelRunner:
             logits = logits[[r for r, ok in enumerate(finite) if ok]]
         tokens, logprobs = [], []
         if good:
+            assert self.sampler is not None, "only the driver samples"
             sampled = self.sampler(logits, [seqs[i] for i in good])
             tokens, logprobs = sampled.token_ids, sampled.logprobs
         return RunResult(good, tokens, logprobs, failed)

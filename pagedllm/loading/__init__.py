@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # torch is imported by the functions that load weights, not b
     import torch  # a server's API process reads tokenizers through it and holds no torch
 
     from ..backends import Backend
+    from ..distributed.shards import RankShard
     from ..models import DecoderLM
 
 log = logging.getLogger(__name__)
@@ -76,14 +77,16 @@ def load_dir(
     tokenizer: Any = None,
     quantization: str | None = None,
     backend: Backend | None = None,
+    shard: RankShard | None = None,
 ) -> LoadedModel:
     """Weights (and the tokenizer, unless the caller loaded it already) of an HF-style directory;
-    ``quantization`` and ``backend`` as ``checkpoint.load_decoder`` takes them."""
+    ``quantization``, ``backend`` and ``shard`` as ``checkpoint.load_decoder`` takes them."""
     from .checkpoint import load_decoder
 
-    decoder = load_decoder(model_dir, torch_dtype(dtype), quantization, backend)
+    decoder = load_decoder(model_dir, torch_dtype(dtype), quantization, backend, shard)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
-    return LoadedModel(decoder, decoder.config, tokenizer, model_dir, name, sampling_defaults(model_dir))
+    config = shard.cfg if shard is not None else decoder.config  # the whole model's, not the rank's
+    return LoadedModel(decoder, config, tokenizer, model_dir, name, sampling_defaults(model_dir))
 
 
 def checkpoint_weights(model_dir: Path, dtype: str, quantization: str | None) -> tuple[int, bool]:

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..backends import Backend
 from ..config import ModelConfig
+from ..distributed.shards import RankShard, Slice
 from ..errors import ModelLoadError
 from ..layers.linear import Linear, StackedRows
 from ..layers.quantized import SCHEMES, QuantizedEmbedding, QuantizedLinear, QuantizedWeight
@@ -54,10 +55,15 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def load_decoder(
-    model_dir: Path, dtype: torch.dtype, quantization: str | None = None, backend: Backend | None = None
+    model_dir: Path,
+    dtype: torch.dtype,
+    quantization: str | None = None,
+    backend: Backend | None = None,
+    shard: RankShard | None = None,
 ) -> DecoderLM:
     """``backend``: what the model computes with (default: ``backends.get()``, as
-    PAGEDLLM_KERNELS says); weights it re-lays out are packed by it after loading."""
+    PAGEDLLM_KERNELS says); weights it re-lays out are packed by it after loading. ``shard``:
+    load one rank of a split model, reading only its slice of each tensor."""
     if backend is None:
         from .. import backends
 
@@ -70,7 +76,7 @@ def load_decoder(
     headers = [(f, *read_header(f)) for f in files]  # validate every file before reading any
     stored = _stored_quantized(headers)
     with torch.device("meta"):
-        model = DecoderLM(cfg, backend)
+        model = DecoderLM(cfg, backend, shard)
     _choose_quantized(model, stored, quantization, dtype)
     slots = model.checkpoint_slots()
     loaded: set[str] = set()
@@ -86,8 +92,9 @@ def load_decoder(
     def keep_dtype(name: str) -> bool:
         return name.endswith((QWEIGHT, SCALE, ZERO))
 
+    select = _rank_slices(path_of=model_dir, shard=shard) if shard is not None else None
     for path, header, start in headers:
-        for name, tensor in iter_tensors(path, header, start, dtype, destination, keep_dtype):
+        for name, tensor in iter_tensors(path, header, start, dtype, destination, keep_dtype, select):
             value: torch.Tensor | QuantizedWeight = tensor
             if keep_dtype(name):
                 base, _, field = name.rpartition(".")
@@ -102,6 +109,8 @@ def load_decoder(
             module, leaf, part = slots[name]
             stacked = module if isinstance(module, StackedRows) else None
             want = stacked.part_shape(leaf, part or 0) if stacked is not None else tuple(getattr(module, leaf).shape)
+            if shard is not None:
+                value = _fit_to_rank(value, shard.slice_of(name), want)
             if tuple(value.shape) != tuple(want):
                 raise ModelLoadError(
                     f"{path}: tensor {name!r} has shape {tuple(value.shape)}, config.json implies {want}"
@@ -205,3 +214,56 @@ def _choose_quantized(model: DecoderLM, stored: dict[str, set[str]], quantizatio
     elif embed in stored:
         embedding = None
     model.use_quantized(schemes, embedding, dtype)
+
+
+def _rank_slices(path_of: Path, shard: RankShard):
+    """``iter_tensors``' ``select`` for one rank: its part of each stored tensor, in the stored
+    tensor's own elements. A quantized tensor (``<name>.qweight`` / ``.scale`` / ``.zero``) is
+    cut along its columns only at whole groups of the quantization: a cut inside one is an error
+    naming the tensor."""
+
+    def select(name: str, entry: dict) -> tuple[int, int, int] | None:
+        base, field = name, ""
+        if name.endswith((QWEIGHT, SCALE, ZERO)):
+            base, _, field = name.rpartition(".")
+        part = shard.slice_of(base)
+        if part is None:
+            return None
+        if part.zero:
+            return (0, 0, 0)  # nothing read: the rank holds zeros (``_fit_to_rank``)
+        if not field or part.dim == 0:
+            return part.dim, part.start, part.stop
+        columns = int(entry["shape"][1])
+        if field == "qweight":
+            group = 32 if entry["dtype"] == "U8" else 1  # 4-bit: a group's 32 columns share 16 bytes
+        else:
+            group = part.total // columns  # one scale (and zero) per group of columns
+        if part.start % group or part.stop % group:
+            raise ModelLoadError(
+                f"{path_of}: tensor {base!r} is quantized in groups of {group} columns; tensor parallelism "
+                f"cuts it at columns {part.start}-{part.stop}, inside a group: choose a tensor_parallel_size "
+                "that splits its width into whole groups, or a float checkpoint"
+            )
+        return 1, part.start * columns // part.total, part.stop * columns // part.total
+
+    return select
+
+
+def _fit_to_rank(value: torch.Tensor | QuantizedWeight, part: Slice | None, want: tuple[int, ...]):
+    """What a rank keeps of a tensor it read: zeros for a row-parallel bias off rank 0; its
+    vocabulary rows padded with zero rows to the rank's equal share."""
+    if part is None:
+        return value
+    if part.zero:
+        assert isinstance(value, torch.Tensor)
+        return value.new_zeros(want)
+    missing = want[0] - value.shape[0]
+    if missing <= 0 or part.dim != 0:
+        return value
+    if isinstance(value, QuantizedWeight):
+        pad = [
+            None if t is None else torch.cat([t, t.new_zeros(missing, *t.shape[1:])])
+            for t in (value.qweight, value.scale, value.zero)
+        ]
+        return QuantizedWeight(pad[0], pad[1], pad[2], value.bits, value.group)
+    return torch.cat([value, value.new_zeros(missing, *value.shape[1:])])

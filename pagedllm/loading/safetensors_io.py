@@ -80,6 +80,7 @@ def iter_tensors(
     dtype: torch.dtype | None = None,
     destination: Callable[[str], torch.Tensor | None] | None = None,
     keep_dtype: Callable[[str], bool] | None = None,
+    select: Callable[[str, dict], tuple[int, int, int] | None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (name, tensor) in file order, each in a fresh buffer of ``dtype`` (default: as stored),
     or read straight into ``destination(name)`` when that gives a contiguous tensor (the rows a
@@ -89,30 +90,54 @@ def iter_tensors(
     read ``CONVERT_CHUNK_BYTES`` at a time into one reused buffer and converted from there into
     its final one: a float32 checkpoint loads as bfloat16 without a float32 copy of any tensor.
     Tensors for which ``keep_dtype(name)`` is true (a quantized weight's parts) stay as stored.
+
+    ``select(name, entry)``: ``(dim, start, stop)`` to read only that part of a 1-D or 2-D tensor
+    (rows, or columns: one run of bytes per row), None for all of it: a rank of a split model
+    reads its own slice and nothing else.
     """
     scratch = torch.empty(CONVERT_CHUNK_BYTES, dtype=torch.uint8)
     with open(path, "rb") as f:
         for name, e in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-            begin, end = e["data_offsets"]
             stored = DTYPES[e["dtype"]]
             target = stored if dtype is None or (keep_dtype is not None and keep_dtype(name)) else dtype
-            f.seek(data_start + begin)
+            shape, runs = _runs(e, data_start, select(name, e) if select is not None else None, stored.itemsize)
             given = destination(name) if destination is not None else None
-            if given is not None and (tuple(given.shape) != tuple(e["shape"]) or given.dtype != target):
+            if given is not None and (tuple(given.shape) != shape or given.dtype != target):
                 given = None  # a mismatch is the loader's to report, with the names
-            out = given if given is not None else torch.empty(e["shape"], dtype=target)
-            if target == stored:
-                _read_into(f, out.reshape(-1).view(torch.uint8), path, name)
-                yield name, out
-                continue
-            flat = out.reshape(-1)
-            step = CONVERT_CHUNK_BYTES // stored.itemsize
-            for first in range(0, flat.numel(), step):
-                count = min(step, flat.numel() - first)
-                piece = scratch[: count * stored.itemsize]
-                _read_into(f, piece, path, name)
-                flat[first : first + count].copy_(piece.view(stored))
+            out = given if given is not None else torch.empty(shape, dtype=target)
+            flat, done = out.reshape(-1), 0
+            for offset, nbytes in runs:
+                f.seek(offset)
+                if target == stored:
+                    _read_into(f, flat[done : done + nbytes // stored.itemsize].view(torch.uint8), path, name)
+                    done += nbytes // stored.itemsize
+                    continue
+                step = CONVERT_CHUNK_BYTES // stored.itemsize
+                for first in range(0, nbytes // stored.itemsize, step):
+                    count = min(step, nbytes // stored.itemsize - first)
+                    piece = scratch[: count * stored.itemsize]
+                    _read_into(f, piece, path, name)
+                    flat[done : done + count].copy_(piece.view(stored))
+                    done += count
             yield name, out
+
+
+def _runs(
+    entry: dict, data_start: int, part: tuple[int, int, int] | None, itemsize: int
+) -> tuple[tuple[int, ...], list[tuple[int, int]]]:
+    """(shape read, [(file offset, bytes)]) for all of a tensor or the part ``select`` chose."""
+    begin, end = entry["data_offsets"]
+    shape = tuple(int(d) for d in entry["shape"])
+    if part is None:
+        return shape, [(data_start + begin, end - begin)]
+    dim, start, stop = part
+    if not (0 <= start <= stop <= shape[dim]) or len(shape) not in (1, 2):
+        raise ValueError(f"cannot read [{start}, {stop}) along dim {dim} of a tensor shaped {shape}")
+    row = itemsize * (shape[1] if len(shape) == 2 else 1)
+    if dim == 0:
+        return (stop - start, *shape[1:]), [(data_start + begin + start * row, (stop - start) * row)]
+    width = (stop - start) * itemsize
+    return (shape[0], stop - start), [(data_start + begin + r * row + start * itemsize, width) for r in range(shape[0])]
 
 
 def _read_into(f, buffer: torch.Tensor, path: Path, name: str) -> None:

@@ -12,6 +12,10 @@ the same quantized matrix).
 ``forward`` takes one flat batch of tokens from many sequences (no padding), their positions,
 the attention seam for this step, and the rows whose logits are wanted: logits are computed for
 those rows only, never for every prompt token.
+
+A rank of a split model (``distributed.shards``) is the same decoder built from its rank's config
+(its heads, KV heads, MLP width and vocabulary rows): ``tensor_parallel`` sums the row-parallel
+outputs and the vocab-parallel embedding over the ranks and gathers the logits on the driver.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..distributed.shards import RankShard
 from ..layers.linear import Linear
 from ..layers.mlp import MLP
 from ..layers.norm import RMSNorm, add_rms_norm
@@ -30,6 +35,7 @@ from ..layers.rotary import Rotary
 
 if TYPE_CHECKING:
     from ..backends import Backend
+    from ..distributed.group import RankGroup
 
 
 class Attention(nn.Module):
@@ -87,12 +93,19 @@ class DecoderBody(nn.Module):
 
 
 class DecoderLM(nn.Module):
-    """``backend``: what every layer computes with (``pagedllm.backends``), chosen once."""
+    """``backend``: what every layer computes with (``pagedllm.backends``), chosen once.
+    ``shard``: this process's rank of a split model; ``config`` is then that rank's share (its
+    heads, KV heads, MLP width, vocabulary rows), ``vocab_size`` the whole model's."""
 
-    def __init__(self, cfg: ModelConfig, backend: Backend):
+    def __init__(self, cfg: ModelConfig, backend: Backend, shard: RankShard | None = None):
         super().__init__()
+        self.shard = shard
+        self.vocab_size = cfg.vocab_size
+        cfg = shard.local_config if shard is not None else cfg
         self.config = cfg
         self.backend = backend
+        self.vocab_rows = shard.vocab_range() if shard is not None else range(cfg.vocab_size)  # real tokens held
+        self.tensor_parallel: RankGroup | None = None  # the ranks' collectives, set by a split engine
         self.model = DecoderBody(cfg, backend)
         self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], bias=False, backend=backend)
         if cfg.tie_word_embeddings:
@@ -194,17 +207,38 @@ class DecoderLM(nn.Module):
 
         Returns float32 logits [S, vocab].
         """
-        body = self.model
-        h = body.embed_tokens(input_ids)  # the residual stream: this step's own buffer, added to in place
+        body, tp = self.model, self.tensor_parallel
+        h = self.embed(input_ids)  # the residual stream: this step's own buffer, added to in place
         cos, sin = body.rotary.tables(positions, h.dtype)
         layers = body.decoder_layers()
         x = layers[0].input_layernorm(h)
+        summed = tp.all_reduce_ if tp is not None else _whole
         for i, layer in enumerate(layers):
             # each sub-layer's residual add is fused with the norm that follows it
-            x = add_rms_norm(h, layer.self_attn(x, cos, sin, attn), layer.post_attention_layernorm)
+            x = add_rms_norm(h, summed(layer.self_attn(x, cos, sin, attn)), layer.post_attention_layernorm)
             following = layers[i + 1].input_layernorm if i + 1 < len(layers) else body.norm
-            x = add_rms_norm(h, layer.mlp(x), following)
+            x = add_rms_norm(h, summed(layer.mlp(x)), following)
         del h
         h = x.index_select(0, logits_rows)
         del x
-        return self.lm_head(h).float()
+        logits = self.lm_head(h).float()
+        if tp is None:
+            return logits
+        whole = tp.gather_rows(logits)  # [R, padded vocabulary] on the driver, None elsewhere
+        return whole[:, : self.vocab_size] if whole is not None else logits[:0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings; split by vocabulary, each rank looks up the tokens it holds
+        (zeros for the others) and the ranks' rows are summed."""
+        embed_tokens = self.model.embed_tokens
+        if self.tensor_parallel is None:
+            return embed_tokens(input_ids)
+        local = input_ids - self.vocab_rows.start
+        elsewhere = (local < 0) | (local >= len(self.vocab_rows))
+        h = embed_tokens(local.masked_fill(elsewhere, 0))
+        h.masked_fill_(elsewhere[:, None], 0)
+        return self.tensor_parallel.all_reduce_(h)
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t

@@ -1,0 +1,92 @@
+"""The ranks of a split model as one group: the collectives a step needs, over torch.distributed.
+
+gloo carries every collective on CPU, on one host or across hosts (NCCL would be the GPU path
+behind the same three methods). A step costs, per layer, two all-reduces of the hidden states
+(after the row-parallel o and down projections), one more for the vocab-parallel embedding, one
+gather of the logits rows onto the driver, and one broadcast of the step input from it.
+
+A rank that dies (killed, out of memory, an exception) closes its sockets: every other rank's
+next collective raises, and ``RankGroup`` turns that into ``RankLost``, which the driver reports
+as the engine's failure. A rank that hangs is caught by the group's timeout
+(``PAGEDLLM_TP_TIMEOUT``, seconds).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import PagedLLMError
+
+DEFAULT_TIMEOUT_S = 300.0  # a collective waits this long for a silent rank (loading a shard included)
+
+
+class RankLost(PagedLLMError, RuntimeError):
+    """Another rank of the split model died or stopped answering: the engine cannot step."""
+
+
+def timeout() -> timedelta:
+    return timedelta(seconds=float(os.environ.get("PAGEDLLM_TP_TIMEOUT", DEFAULT_TIMEOUT_S)))
+
+
+class RankGroup:
+    """This process's place in the split: ``rank`` of ``size``; rank 0 is the driver."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank = rank
+        self.size = size
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the ranks, in place (and returned)."""
+        self._call(dist.all_reduce, t)
+        return t
+
+    def gather_rows(self, t: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's ``t`` ([R, C], the same shape on all) side by side, [R, size * C], on the
+        driver; None elsewhere."""
+        t = t.contiguous()
+        if not self.is_driver:
+            self._call(dist.gather, t, None, 0)
+            return None
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        self._call(dist.gather, t, parts, 0)
+        return torch.cat(parts, dim=1)
+
+    def broadcast(self, obj: Any = None) -> Any:
+        """The driver's ``obj`` (picklable: ints, lists, tensors, dataclasses of them) on every rank."""
+        box = [obj]
+        self._call(dist.broadcast_object_list, box, 0)
+        return box[0]
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        out: list[Any] = [None] * self.size
+        self._call(dist.all_gather_object, out, obj)
+        return out
+
+    def _call(self, collective, *args) -> None:
+        try:
+            collective(*args)
+        except (RuntimeError, dist.DistBackendError) as e:
+            raise RankLost(
+                f"tensor parallelism: a rank of {self.size} stopped answering ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else 'no message'}); the engine cannot go on"
+            ) from None
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def join(rank: int, size: int, init_method: str) -> RankGroup:
+    """Joins (or, on the driver, opens) the group over gloo; every rank calls it."""
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size, timeout=timeout())
+    return RankGroup(rank, size)

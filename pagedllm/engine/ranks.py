@@ -1,0 +1,125 @@
+"""Starting the ranks of a split model (``tensor_parallel_size`` > 1), on the driver's side.
+
+Two ways a group comes to be:
+
+- **one host, started by the driver** (``LLM(tensor_parallel_size=N)``, any ``pagedllm`` command
+  with ``-tp N``): the driver starts ranks 1..N-1 as processes of their own
+  (``python -m pagedllm.engine.rank_worker``), so a plain script needs no ``__main__`` guard; they
+  meet it over gloo on 127.0.0.1 and exit when it closes the group or goes away;
+- **launched** (``torchrun``, or ``--nnodes/--node-rank/--master-addr/--master-port``): every
+  rank runs the same command; ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` say who is
+  who, rank 0 drives and the others serve it headless (``rank_worker.serve``).
+
+Each rank takes its own share of the host's cores (``LOCAL_RANK`` of ``LOCAL_WORLD_SIZE``): the
+ranks' OpenMP teams never share a core.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from ..backends.cpu_threads import allowed_cpus, physical_cores
+from ..distributed.group import RankGroup, RankLost, join
+from ..engine_config import ConfigError, EngineConfig
+
+log = logging.getLogger(__name__)
+
+
+def launched_rank() -> tuple[int, int] | None:
+    """(rank, world size) when a launcher (torchrun) started this process as one rank, else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def rank_cpus(local_rank: int, local_size: int) -> list[int]:
+    """This rank's share of the host's cores (one CPU per physical core); all of them when there
+    are more ranks than cores (the ranks then share, unpinned)."""
+    cores = physical_cores(allowed_cpus())
+    each = len(cores) // local_size
+    if each == 0:
+        return allowed_cpus()
+    return cores[local_rank * each : (local_rank + 1) * each]
+
+
+@dataclass
+class Ranks:
+    """The group as the driver holds it: the collectives, and the workers it started (if any)."""
+
+    group: RankGroup
+    cpus: list[int]  # the driver's own cores
+    workers: list[subprocess.Popen] = field(default_factory=list)
+    closed: bool = False
+
+    def close(self) -> None:
+        """Tells every rank to stop (``None`` in place of a step), then waits for the workers it
+        started; a worker that does not end in 10 s is killed. Safe to call twice."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.group.broadcast(None)
+        except RankLost:
+            pass  # a rank is gone already: the others' collectives fail and they exit
+        for worker in self.workers:
+            try:
+                worker.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
+        self.group.close()
+
+
+def start(config: EngineConfig) -> Ranks:
+    """Rank 0 of ``config.tensor_parallel_size``: joins a launched group, or starts its workers on
+    this host and opens one. Raises ConfigError when a launcher's world size is not the config's."""
+    size = config.tensor_parallel_size
+    launched = launched_rank()
+    if launched is not None:
+        rank, world = launched
+        if world != size:
+            raise ConfigError("tensor_parallel_size", f"{size}, but the launcher started {world} ranks (WORLD_SIZE)")
+        local, local_size = int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        ranks = Ranks(join(rank, world, "env://"), rank_cpus(local, local_size))
+        atexit.register(ranks.close)  # the headless ranks wait for it to stop
+        return ranks
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "pagedllm.engine.rank_worker", str(rank), str(size), address, str(os.getpid())],
+            stdin=subprocess.DEVNULL,
+        )
+        for rank in range(1, size)
+    ]
+    try:
+        group = join(0, size, address)
+    except Exception:
+        for w in workers:
+            w.kill()
+        raise
+    log.info("tensor parallelism: %d ranks on this host (workers %s)", size, [w.pid for w in workers])
+    ranks = Ranks(group, rank_cpus(0, size), workers)
+    atexit.register(ranks.close)  # a script that never calls close() still ends its workers cleanly
+    return ranks
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def watch_parent(parent_pid: int) -> None:
+    """On a thread of a worker the driver started: exit when the driver is gone (killed, or ended
+    without closing the group), so no rank outlives it."""
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        time.sleep(0.5)
