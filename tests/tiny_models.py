@@ -46,11 +46,12 @@ ARCHS = {
 }
 
 
-def build_hf_model(name: str, seed: int = 0):
+def build_hf_model(name: str, seed: int = 0, **overrides):
+    """``overrides``: config fields over the architecture's (another vocabulary, KV heads...)."""
     import transformers
 
     class_name, extra = ARCHS[name]
-    config = getattr(transformers, class_name)(**{**COMMON, **extra})
+    config = getattr(transformers, class_name)(**{**COMMON, **extra, **overrides})
     config._attn_implementation = "eager"  # the plainest formulation as the oracle
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
@@ -65,8 +66,8 @@ def build_hf_model(name: str, seed: int = 0):
     return model.eval()
 
 
-def save_tiny_model(name: str, directory: Path, seed: int = 0):
-    model = build_hf_model(name, seed)
+def save_tiny_model(name: str, directory: Path, seed: int = 0, **overrides):
+    model = build_hf_model(name, seed, **overrides)
     model.save_pretrained(directory, safe_serialization=True)
     return model
 

@@ -60,7 +60,9 @@ def _build(config: EngineConfig, api_process_bytes: int, group: ranks.Ranks | No
         bound_allocator_slack()
         bound_kernel_caches()
         release_library_pages()
-    weights_bytes, quantized = loading.checkpoint_weights(model_dir, config.dtype, config.quantization)
+    tp = config.tensor_parallel_size
+    shard = RankShard.of(model_config, tp, 0) if tp > 1 else None  # ranks hold equal shares: the driver's bounds all
+    weights_bytes, quantized = loading.checkpoint_weights(model_dir, config.dtype, config.quantization, shard)
     plan = plan_for(
         config,
         model_config,
@@ -72,10 +74,8 @@ def _build(config: EngineConfig, api_process_bytes: int, group: ranks.Ranks | No
         baseline_bytes=resident_bytes()[0],
         api_process_bytes=api_process_bytes,
     )
-    shard = None
     if group is not None:  # every rank loads its shard at once; the cache is the driver's plan's
         group.group.broadcast(rank_worker.RankSetup(config, plan.num_blocks, plan.block_size, plan.kv_dtype))
-        shard = RankShard.of(model_config, config.tensor_parallel_size, 0)
     try:
         loaded = loading.load_dir(
             model_dir,

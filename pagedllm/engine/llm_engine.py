@@ -123,6 +123,7 @@ class LLMEngine:
         self.structured_output = config.structured_output
         self._grammars_lock = threading.Lock()
         sampler = Sampler(self.eos_token_ids, grammars, self.backend)
+        self.sampler = sampler
         self.runner = ModelRunner(loaded.model, self.kv_cache, sampler, self.backend)
         cpus = ranks.cpus if ranks is not None else None
         self.threads = self.backend.thread_policy(config.threads or (len(cpus) if cpus else None), cpus=cpus)
@@ -208,7 +209,7 @@ class LLMEngine:
                 if self.tokenizer is None:
                     raise RequestRejected("structured output needs the model's tokenizer", param="structured_output")
                 self._grammars = Grammars(self.tokenizer, self.loaded.config.vocab_size, self.eos_token_ids)
-                self.runner.sampler.grammars = self._grammars
+                self.sampler.grammars = self._grammars
             return self._grammars
 
     def abort(self, request_id: str) -> list[RequestOutput]:

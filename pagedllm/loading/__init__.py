@@ -89,11 +89,13 @@ def load_dir(
     return LoadedModel(decoder, config, tokenizer, model_dir, name, sampling_defaults(model_dir))
 
 
-def checkpoint_weights(model_dir: Path, dtype: str, quantization: str | None) -> tuple[int, bool]:
+def checkpoint_weights(
+    model_dir: Path, dtype: str, quantization: str | None, shard: RankShard | None = None
+) -> tuple[int, bool]:
     """(bytes, quantized) of the weights as they will be loaded (``checkpoint.checkpoint_weights``)."""
     from .checkpoint import checkpoint_weights as weights
 
-    return weights(model_dir, dtype, quantization)
+    return weights(model_dir, dtype, quantization, shard)
 
 
 def load_tokenizer(model_dir: Path):

@@ -137,10 +137,13 @@ def load_decoder(
     return model.eval()
 
 
-def checkpoint_weights(model_dir: Path, dtype: str, quantization: str | None) -> tuple[int, bool]:
+def checkpoint_weights(
+    model_dir: Path, dtype: str, quantization: str | None, shard: RankShard | None = None
+) -> tuple[int, bool]:
     """(bytes, whether they run quantized) of the loaded weights, from the checkpoint's headers
     alone: the planner's figures when the checkpoint is at hand (exact for tensors kept as
-    stored, whatever their format)."""
+    stored, whatever their format). ``shard``: one rank's, as ``load_decoder`` holds them (its
+    slices, its vocabulary rows padded, zeros for a row-parallel bias off rank 0)."""
     from ..memory.footprint import weight_bytes
     from ..sizes import dtype_bytes
 
@@ -148,21 +151,35 @@ def checkpoint_weights(model_dir: Path, dtype: str, quantization: str | None) ->
     headers = [(f, *read_header(f)) for f in safetensors_files(model_dir)]
     stored = _stored_quantized(headers)
     if quantization is not None or not stored:
-        return weight_bytes(cfg, dtype, quantization), quantization in SCHEMES
+        local = shard.local_config if shard is not None else cfg
+        return weight_bytes(local, dtype, quantization), quantization in SCHEMES
     total = 0
     for _, header, _ in headers:
         for name, e in header.items():
             if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
                 continue
             begin, end = e["data_offsets"]
+            held = _held_fraction(shard, name, e) if shard is not None else 1.0
             if name.endswith((QWEIGHT, SCALE, ZERO)):
-                total += end - begin
+                total += round((end - begin) * held)
             else:
                 count = 1
                 for d in e["shape"]:
                     count *= int(d)
-                total += count * dtype_bytes(dtype)
+                total += round(count * held) * dtype_bytes(dtype)
     return total, True
+
+
+def _held_fraction(shard: RankShard, name: str, entry: dict) -> float:
+    """How much of a stored tensor one rank holds, as a fraction of it (above 1 for vocabulary
+    rows padded to the rank's equal share)."""
+    base = name.rpartition(".")[0] if name.endswith((QWEIGHT, SCALE, ZERO)) else name
+    part = shard.slice_of(base)
+    if part is None or part.zero:
+        return 1.0
+    if base in ("model.embed_tokens.weight", "lm_head.weight"):
+        return shard.layout.vocab / part.total
+    return (part.stop - part.start) / part.total
 
 
 def _stored_quantized(headers) -> dict[str, set[str]]:
@@ -261,9 +278,10 @@ def _fit_to_rank(value: torch.Tensor | QuantizedWeight, part: Slice | None, want
     if missing <= 0 or part.dim != 0:
         return value
     if isinstance(value, QuantizedWeight):
-        pad = [
-            None if t is None else torch.cat([t, t.new_zeros(missing, *t.shape[1:])])
-            for t in (value.qweight, value.scale, value.zero)
-        ]
-        return QuantizedWeight(pad[0], pad[1], pad[2], value.bits, value.group)
+
+        def padded(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t, t.new_zeros(missing, *t.shape[1:])])
+
+        zero = None if value.zero is None else padded(value.zero)
+        return QuantizedWeight(padded(value.qweight), padded(value.scale), zero, value.bits, value.group)
     return torch.cat([value, value.new_zeros(missing, *value.shape[1:])])

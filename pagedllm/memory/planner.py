@@ -444,14 +444,15 @@ class _Failure:
         raise CacheDoesNotFitError("\n".join(lines), breakdown, suggestions)
 
 
-def _one_rank(cfg: ModelConfig, tp: int, quantized_weights: bool | None) -> tuple[ModelConfig, dict]:
+def _one_rank(cfg: ModelConfig, tp: int, weights_bytes: int | None, stored: bool) -> tuple[ModelConfig, dict]:
     """The config one of ``tp`` ranks runs, and the EngineSettings fields of the split (none at
-    tp=1): the driver gathers every rank's logits, the padded vocabulary wide."""
+    tp=1): the driver gathers every rank's logits, the padded vocabulary wide. Weights stored
+    quantized are sized from the checkpoint's header (``weights_bytes``, the rank's share)."""
     if tp == 1:
         return cfg, {}
-    if quantized_weights:
+    if stored and weights_bytes is None:
         raise ConfigError(
-            "tensor_parallel_size", "planning a split of weights stored quantized (a GGUF) is not supported yet"
+            "tensor_parallel_size", "planning a split of weights stored quantized (a GGUF) needs the checkpoint"
         )
     return rank_config(cfg, tp), {"tensor_parallel": tp, "gathered_vocab": shard_layout(cfg, tp).padded_vocab}
 
@@ -472,24 +473,25 @@ def plan_engine(
     """The plan an engine starts from: the budget, then ``plan``. Everything the user chose is in
     ``config`` (default: ``EngineConfig()``); the rest are facts of this process and checkpoint.
 
-    ``config.memory`` bounds the whole process, ``baseline_bytes`` (its resident memory before
-    any weight is loaded; estimated when not given) included. ``config.memory_fraction`` is a
-    fraction of the memory free now (host or container), which the baseline has already taken,
-    so the process may reach ``baseline + fraction x free``. ``already_loaded``: weights the
-    caller holds already, counted as free. ``backend``: the kernels, the bf16 GEMMs' kind and
-    whether quantized rows run on AMX tiles (``Backend.plan_facts``; default: what
-    ``expected_kernels`` and the CPU's flags with ONEDNN_MAX_CPU_ISA say, without torch).
-    ``weights_bytes``: the weights' exact size when the checkpoint is at hand (else computed from
-    the config); ``quantized_weights``: whether they run quantized (default: when
+    ``config.memory`` bounds the whole process, ``baseline_bytes`` (its resident memory before any
+    weight is loaded; estimated when not given) included. ``config.memory_fraction`` is a fraction
+    of the memory free now (host or container), which the baseline has already taken, so the process
+    may reach ``baseline + fraction x free``. ``already_loaded``: weights the caller holds already,
+    counted as free. ``backend``: the kernels, the bf16 GEMMs' kind and whether quantized rows run
+    on AMX tiles (``Backend.plan_facts``; default: what ``expected_kernels`` and the CPU's flags
+    with ONEDNN_MAX_CPU_ISA say, without torch). ``weights_bytes``: the weights' exact size when the
+    checkpoint is at hand (else computed from the config; with ``tensor_parallel_size`` > 1, one
+    rank's share); ``quantized_weights``: whether they run quantized (default: when
     ``config.quantization`` says so). With no budget given, a solved cache is capped at what
-    ``max_num_seqs`` requests of ``max_model_len`` tokens can use at once, so a small model does
-    not reserve the whole host. ``grammar_cache_bytes``: the bound of structured output's caches
-    (when it is on), counted in the overhead. ``api_process_bytes``: the peak of the server's API
-    process when the engine runs in its own (``engine_process``): the budget bounds the sum of
-    both processes, so it joins the baseline.
+    ``max_num_seqs`` requests of ``max_model_len`` tokens can use at once, so a small model does not
+    reserve the whole host. ``grammar_cache_bytes``: the bound of structured output's caches (when
+    it is on), counted in the overhead. ``api_process_bytes``: the peak of the server's API process
+    when the engine runs in its own (``engine_process``): the budget bounds the sum of both
+    processes, so it joins the baseline.
     """
     c = config or EngineConfig()
-    cfg, split = _one_rank(cfg, c.tensor_parallel_size, quantized_weights)
+    stored_quantized = bool(quantized_weights) and c.quantization not in ("int8", "int4")
+    cfg, split = _one_rank(cfg, c.tensor_parallel_size, weights_bytes, stored_quantized)
     baseline = (baseline_bytes if baseline_bytes is not None else ESTIMATED_BASELINE_BYTES) + api_process_bytes
     budget, source = resolve_budget(
         c.memory, c.memory_fraction, "cpu" if backend is None else backend.device, already_loaded
@@ -509,7 +511,7 @@ def plan_engine(
         kernels=kernels,
         threads=c.threads or usable_cpus(),
         quantization=c.quantization,
-        weights_bytes=None if split else weights_bytes,  # a checkpoint's size is the whole model's
+        weights_bytes=weights_bytes,  # one rank's when split (``checkpoint_weights`` with its shard)
         quantized_weights=c.quantization in ("int8", "int4") if quantized_weights is None else quantized_weights,
         packed=isa != "avx2",  # oneDNN packs bf16 weights from AVX-512 up (backends.cpu_torch)
         amx_tiles=amx_tiles,
