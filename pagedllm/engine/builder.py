@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .. import backends, loading, structured
 from ..config import ModelConfig
-from ..distributed.shards import RankShard
+from ..distributed.shards import RankShard, shard_layout
 from ..engine_config import EngineConfig
 from ..errors import ModelLoadError
 from ..memory.machine import (
@@ -33,6 +33,8 @@ def build_engine(config: EngineConfig, api_process_bytes: int = 0) -> LLMEngine:
     serves the driver headless until it closes the group, then ends the process (SystemExit 0)."""
     if config.tensor_parallel_size == 1:
         return _build(config, api_process_bytes, None)
+    model_dir, _ = loading.resolve_model_dir(config.model)
+    shard_layout(ModelConfig.from_file(model_dir), config.tensor_parallel_size)  # one that does not split: now
     launched = ranks.launched_rank()
     if launched is not None and launched[0] != 0:
         rank_worker.serve_launched(*launched)
