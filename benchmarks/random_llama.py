@@ -1,7 +1,7 @@
 """A random-weight Llama of a realistic size, for speed and memory figures where no larger
 checkpoint can be downloaded (quality is measured on the real default model only).
 
-    python benchmarks/random_llama.py OUT_DIR [--config tinyllama] [--dtype bfloat16]
+    python benchmarks/random_llama.py OUT_DIR [--config tinyllama|qwen2.5-0.5b] [--dtype bfloat16]
 
 Writes config.json, model.safetensors (normal(0, 0.02) weights, unit norms: one tensor in memory
 at a time) and the default model's tokenizer, so ``pagedllm bench --model OUT_DIR`` runs its
@@ -32,6 +32,18 @@ CONFIGS = {
         max_position_embeddings=2048,
         rope_theta=10000.0,
         rms_norm_eps=1e-5,
+    ),
+    # Qwen2.5-0.5B's shapes (as a Llama: no q/k/v bias): 14 heads and 2 KV heads split over 2
+    # ranks, where the default model's 9 and 3 split only over 3 (tensor parallelism's benchmark)
+    "qwen2.5-0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
     ),
 }
 

@@ -221,18 +221,28 @@ def test_a_size_that_does_not_split_the_model_fails_before_any_rank_starts(check
 
 COLLECTIVES = """
 import sys, torch
+from pagedllm.distributed import shm
 from pagedllm.distributed.group import join
 rank = int(sys.argv[1])
 g = join(rank, 2, sys.argv[2])
+assert (g.shm is not None) == (sys.argv[3] == "shm")
+shm.SLOT_BYTES = 4096  # a tensor larger than a slot goes through in pieces
 for dtype in (torch.float32, torch.bfloat16):
-    x = torch.arange(6, dtype=dtype).view(2, 3) * (rank + 1)
+    for n in (6, 5000):  # one slot, several
+        x = torch.arange(n, dtype=dtype) * (rank + 1)
+        g.all_reduce_(x)
+        assert torch.equal(x, torch.arange(n, dtype=dtype) * 3), x
+    x = torch.full((3, 1000), 1.0 + rank, dtype=dtype)[:, ::2]  # not contiguous
     g.all_reduce_(x)
-    assert torch.equal(x, (torch.arange(6, dtype=dtype).view(2, 3) * 3)), x
-rows = g.gather_rows(torch.full((2, 2), float(rank)))
-if rank == 0:
-    assert torch.equal(rows, torch.tensor([[0.0, 0, 1, 1], [0, 0, 1, 1]])), rows
-else:
-    assert rows is None
+    assert torch.equal(x, torch.full((3, 500), 3.0, dtype=dtype))
+for rows_, cols in ((2, 2), (9, 300)):  # 9 rows of 1200 bytes: three slots' worth
+    mine = torch.arange(rows_ * cols, dtype=torch.float32).view(rows_, cols) + 1000 * rank
+    got = g.gather_rows(mine)
+    if rank == 0:
+        base = torch.arange(rows_ * cols, dtype=torch.float32).view(rows_, cols)
+        assert torch.equal(got, torch.cat([base, base + 1000], dim=1)), got
+    else:
+        assert got is None
 got = g.broadcast({"step": [1, 2], "t": torch.arange(3)} if rank == 0 else None)
 assert got["step"] == [1, 2] and torch.equal(got["t"], torch.arange(3))
 assert g.gather_objects(rank * 10) == [0, 10]
@@ -241,7 +251,8 @@ print("ok", rank)
 """
 
 
-def test_collectives_sum_gather_and_broadcast_what_arithmetic_says(tmp_path):
+@pytest.mark.parametrize("path", ["shm", "gloo"])
+def test_collectives_sum_gather_and_broadcast_what_arithmetic_says(tmp_path, path):
     import socket
 
     with socket.socket() as s:
@@ -249,10 +260,10 @@ def test_collectives_sum_gather_and_broadcast_what_arithmetic_says(tmp_path):
         port = s.getsockname()[1]
     script = tmp_path / "collectives.py"
     script.write_text(COLLECTIVES)
+    env = {**os.environ, "PAGEDLLM_TP_SHM": "1" if path == "shm" else "0"}
+    cmd = [sys.executable, str(script)]
     procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(r), f"tcp://127.0.0.1:{port}"], stdout=subprocess.PIPE, text=True
-        )
+        subprocess.Popen([*cmd, str(r), f"tcp://127.0.0.1:{port}", path], stdout=subprocess.PIPE, text=True, env=env)
         for r in (0, 1)
     ]
     outs = [p.communicate(timeout=60)[0] for p in procs]

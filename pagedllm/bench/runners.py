@@ -65,6 +65,11 @@ def run_pagedllm(workload: dict, model_dir: str, dtype: str, options: dict) -> d
         if len(o.token_ids) > 1
     ]
     plan = llm.memory_plan
+    ranks = getattr(llm.engine, "ranks", None)
+    split = {}
+    if ranks is not None:  # each rank's peak above what it held before loading its shard
+        split = dict(tensor_parallel_size=ranks.group.size, rank_memory=ranks.memory())
+        llm.close()
     return _result(
         "pagedllm",
         workload,
@@ -78,6 +83,7 @@ def run_pagedllm(workload: dict, model_dir: str, dtype: str, options: dict) -> d
         memory_budget_bytes=plan.budget_bytes,
         interpreter_rss_bytes=interpreter,
         weights_bytes=plan.weights_bytes,
+        **split,
     )
 
 

@@ -20,10 +20,13 @@ from ..distributed.group import RankGroup, RankLost, join
 from ..distributed.shards import RankShard
 from ..engine_config import EngineConfig
 from ..loading.checkpoint import load_decoder
+from ..memory.machine import resident_bytes
 from ..sizes import torch_dtype
 from .model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
+
+MEMORY = "memory"  # in place of a step: every rank reports (resident before loading, peak resident)
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class RankSetup:
 def serve(group: RankGroup, cpus: list[int]) -> None:
     """A worker's life: its share of the model, then steps until the driver sends None."""
     os.sched_setaffinity(0, cpus)
+    interpreter = resident_bytes()[0]  # before the shard: what the rank holds besides the model
     setup: RankSetup = group.broadcast()
     if setup is None:  # the driver failed before loading (its plan did not fit, say)
         return
@@ -61,6 +65,9 @@ def serve(group: RankGroup, cpus: list[int]) -> None:
     model.tensor_parallel = group
     runner = ModelRunner(model, kv, None, backend)
     while (step := group.broadcast()) is not None:
+        if step == MEMORY:
+            group.gather_objects((interpreter, resident_bytes()[1]))
+            continue
         with threads.running():
             runner.execute(step)
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from ..backends.cpu_threads import allowed_cpus, physical_cores
 from ..distributed.group import RankGroup, RankLost, join
 from ..engine_config import ConfigError, EngineConfig
+from ..memory.machine import resident_bytes
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,14 @@ class Ranks:
     cpus: list[int]  # the driver's own cores
     workers: list[subprocess.Popen] = field(default_factory=list)
     closed: bool = False
+    interpreter_bytes: int = field(default_factory=lambda: resident_bytes()[0])  # the driver's, before loading
+
+    def memory(self) -> list[tuple[int, int]]:
+        """Every rank's (resident before loading, peak resident) bytes, in rank order."""
+        from .rank_worker import MEMORY
+
+        self.group.broadcast(MEMORY)
+        return self.group.gather_objects((self.interpreter_bytes, resident_bytes()[1]))
 
     def close(self) -> None:
         """Tells every rank to stop (``None`` in place of a step), then waits for the workers it

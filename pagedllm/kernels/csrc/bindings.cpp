@@ -24,6 +24,11 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def("dense_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("mask_logits(Tensor(a!) logits, Tensor bitmask, int[] rows, int vocab) -> ()");
   m.def("pin_threads(Tensor cpus, bool each) -> int");
+  m.def(
+      "shm_exchange(Tensor(a!) x, Tensor(b!) region, int rank, int world, int slot_bytes, int seq, float wait_s, "
+      "bool published, bool reduce) -> bool");
+  m.def("shm_region_bytes(int world, int slot_bytes) -> int", &pagedllm::shm_region_bytes);
+  m.def("shm_slot_offset(int world, int slot_bytes, int seq, int rank) -> int", &pagedllm::shm_slot_offset);
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
@@ -37,4 +42,5 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
   m.impl("dense_linear", &pagedllm::dense_linear);
   m.impl("mask_logits", &pagedllm::mask_logits);
   m.impl("pin_threads", &pagedllm::pin_threads);
+  m.impl("shm_exchange", &pagedllm::shm_exchange);
 }

@@ -39,6 +39,12 @@ Tensor dense_linear(const Tensor& x, const Tensor& packed, const c10::optional<T
 // grammar_mask.cpp: the tokens a row's grammar forbids become -inf.
 void mask_logits(at::Tensor& logits, const at::Tensor& bitmask, at::IntArrayRef rows, int64_t vocab);
 
+// shm_exchange.cpp: the ranks of a split model on one host sum (or gather) a tensor through shared memory.
+bool shm_exchange(Tensor x, Tensor region, int64_t rank, int64_t world, int64_t slot_bytes, int64_t seq,
+                  double wait_s, bool published, bool reduce);
+int64_t shm_region_bytes(int64_t world, int64_t slot_bytes);
+int64_t shm_slot_offset(int64_t world, int64_t slot_bytes, int64_t seq, int64_t rank);
+
 // threads.cpp: binds torch's intra-op threads to CPUs.
 int64_t pin_threads(const Tensor& cpus, bool each);
 
