@@ -326,6 +326,16 @@ def _bench_flags(bench: argparse.ArgumentParser) -> None:
         help="--serve: requests/s (Poisson arrivals, seeded) or inf (all at once); several, comma-separated",
     )
     bench.add_argument("--api-key", default=None, help="--serve: the server's API key")
+    bench.add_argument(
+        "--tensor-parallel-sizes",
+        default="",
+        help="every pagedllm row at each of these tensor-parallel sizes, e.g. 1,2 (threads: the cores / size)",
+    )
+    bench.add_argument(
+        "--allreduce",
+        action="store_true",
+        help="time tensor parallelism's all-reduce (shared memory and gloo) over --tensor-parallel-size ranks",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

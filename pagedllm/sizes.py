@@ -13,6 +13,7 @@ INDEX_BYTES = 8  # int64 index tensors
 # A checkpoint tensor stored in another dtype than the one loaded is converted through a buffer
 # of this many bytes (pagedllm.loading.safetensors_io); the planner counts it in the loading peak.
 CONVERT_CHUNK_BYTES = 8 * 1024 * 1024
+SHM_SLOT_BYTES = 4 * 1024 * 1024  # tensor parallelism: a rank's slot of the shared-memory all-reduce
 
 # Every accepted spelling -> (canonical name, bytes per element).
 _DTYPES = {"float32": ("float32", 4), "fp32": ("float32", 4), "bfloat16": ("bfloat16", 2), "bf16": ("bfloat16", 2)}

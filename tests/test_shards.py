@@ -120,11 +120,11 @@ def test_the_driver_plans_for_the_whole_vocabulary_it_samples_from():
     assert phases["logits gathered"] >= rows * 128256 * 2 + rows * s.vocab * 2
 
 
-def test_the_engine_refuses_a_split_it_cannot_run_and_says_where_to_plan_it(capsys):
+def test_a_command_refuses_a_split_the_model_cannot_take_and_plan_sizes_one_that_can(capsys):
     from pagedllm.cli import main
 
-    assert main(["generate", "-tp", "2", "hello"]) == 1
-    assert "tensor_parallel_size: 2: the engine runs on one process only" in capsys.readouterr().err
+    assert main(["generate", "-tp", "2", "hello"]) == 1  # the default model: 9 heads, 3 KV heads
+    assert "does not split this model: it does not divide its 9 attention heads" in capsys.readouterr().err
     args = ["--dtype", "bfloat16", "--max-model-len", "8192", "-tp", "4", "--memory", "64GiB"]
     assert main(["plan", "--model", str(CONFIGS / "llama-3-70b.json"), *args]) == 0
     assert re.search(r"^ranks +4: each rank's process", capsys.readouterr().out, re.M)

@@ -4,6 +4,7 @@ table (with pagedllm's ratio to each peer)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import platform
@@ -13,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 from ..engine_config import EngineConfig
+from ..memory.machine import usable_cpus
 from . import workloads
 
 PEERS = ("hf-static", "hf-cb", "vllm", "llama.cpp")
@@ -100,6 +102,27 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def split_summary(results: list[dict], per_variant: int) -> str:
+    """Each tensor-parallel row against its variant's first (tp=1): output tok/s, and each rank's
+    peak resident memory above what it held before loading (the driver's: above the interpreter)."""
+    lines = ["", "| rows | output tok/s ratio | largest rank's peak above its interpreter, ratio |", "|---|---:|---:|"]
+    for i in range(0, len(results), per_variant):
+        base = results[i]
+        if "skipped" in base:
+            continue
+        base_above = base["peak_rss_bytes"] - base["interpreter_rss_bytes"]
+        for r in results[i + 1 : i + per_variant]:
+            if "skipped" in r:
+                continue
+            ranks = r.get("rank_memory") or []
+            above = max([peak - before for before, peak in ranks] or [r["peak_rss_bytes"] - r["interpreter_rss_bytes"]])
+            lines.append(
+                f"| {r['engine']} / {base['engine']} | {r['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}x | "
+                f"{above / 1e9:.3f} / {base_above / 1e9:.3f} GB = {above / base_above:.2f}x |"
+            )
+    return "\n".join(lines)
+
+
 def machine() -> str:
     """The facts a figure depends on: bf16 runs on other kernels with and without AMX."""
     import torch
@@ -120,6 +143,11 @@ def machine() -> str:
 def main(args) -> int:
     from ..loading import load_tokenizer, resolve_model_dir
 
+    if args.allreduce:
+        from . import allreduce
+
+        print(f"# {machine()}")
+        return allreduce.main(max(2, args.tensor_parallel_size))
     if args.workload == "structured":
         from . import structured
 
@@ -146,6 +174,7 @@ def main(args) -> int:
         for f in dataclasses.fields(EngineConfig)
         if f.name not in ("model", "dtype", "quantization", "kv_cache_dtype") and getattr(args, f.name) != f.default
     }
+    sizes = [int(n) for n in args.tensor_parallel_sizes.split(",") if n] or [args.tensor_parallel_size]
     gguf = args.gguf
     if gguf is None and args.model is None:
         from ..loading.default_model import default_gguf_path
@@ -160,13 +189,17 @@ def main(args) -> int:
     print(f"# {machine()}", flush=True)
     results = []
     try:
-        for dtype, quantization, kv in variants(args):
+        for (dtype, quantization, kv), tp in itertools.product(variants(args), sizes):
             options = {**engine_options, "quantization": quantization}
             if kv:
                 options["kv_cache_dtype"] = kv
+            if len(sizes) > 1:  # the same cores, split between the ranks
+                options.update(tensor_parallel_size=tp, threads=args.threads or max(1, usable_cpus() // tp))
             result = run_engine("pagedllm", workload_file, str(model_dir), dtype, options, pythons, args.timeout)
             if args.variants:
                 result["engine"] = f"pagedllm {dtype} {quantization or 'stored'}" + (f" kv {kv}" if kv else "")
+            if len(sizes) > 1 and "skipped" not in result:
+                result["engine"] = f"{result['engine']} {dtype} tp={tp}"
             results.append(result)
             print(f"# {result['engine']}: done", file=sys.stderr, flush=True)
         for engine in compare:
@@ -177,6 +210,8 @@ def main(args) -> int:
     finally:
         os.unlink(workload_file)
     print(table(results))
+    if len(sizes) > 1:
+        print(split_summary(results, len(sizes)))
     if args.json:
         Path(args.json).write_text(
             json.dumps(

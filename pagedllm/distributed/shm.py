@@ -23,7 +23,9 @@ from typing import Any
 
 import torch
 
-SLOT_BYTES = 4 * 1024 * 1024  # a larger tensor goes through in pieces of this size
+from ..sizes import SHM_SLOT_BYTES
+
+SLOT_BYTES = SHM_SLOT_BYTES  # a larger tensor goes through in pieces of this size
 POLL_S = 0.2
 
 

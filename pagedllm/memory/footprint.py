@@ -55,8 +55,18 @@ from ..layers.workspace import (
     padded_rows,
     tile_packable,
 )
-from ..sizes import CONVERT_CHUNK_BYTES, KV_SCALE_BYTES, ceil_div, dtype_bytes, kv_element_bytes, kv_is_quantized
+from ..sizes import (
+    CONVERT_CHUNK_BYTES,
+    KV_SCALE_BYTES,
+    SHM_SLOT_BYTES,
+    ceil_div,
+    dtype_bytes,
+    kv_element_bytes,
+    kv_is_quantized,
+)
 from ..sizes import INDEX_BYTES as INDEX
+
+PAGE = 4096  # what a first write commits of a mapping
 
 SAMPLER_BYTES_PER_LOGIT = 25  # full sampling path: float32 copies, int64 sort order, masks
 SCALAR_SLACK = 256  # one-element temporaries (eps, scale factors) that ops create on the way
@@ -442,6 +452,22 @@ def _whole_blocks(n: int, block_size: int) -> int:
 def activation_peak(
     cfg: ModelConfig, s: EngineSettings, max_batch_tokens: int, max_num_seqs: int, max_model_len: int
 ) -> int:
-    """The worst step's tensors, plus the compiled kernels' scratch (outside torch's allocator)."""
+    """The worst step's tensors, plus the compiled kernels' scratch (outside torch's allocator) and
+    the shared memory the ranks of a split model sum through."""
     worst = step_transient_bytes(cfg, s, worst_step(cfg, s, max_batch_tokens, max_num_seqs, max_model_len))
-    return worst + kernel_scratch_bytes(cfg, s, s.threads, max_model_len)
+    return (
+        worst
+        + kernel_scratch_bytes(cfg, s, s.threads, max_model_len)
+        + shared_memory_bytes(cfg, s, max_batch_tokens, max_num_seqs)
+    )
+
+
+def shared_memory_bytes(cfg: ModelConfig, s: EngineSettings, max_batch_tokens: int, max_num_seqs: int) -> int:
+    """The region every rank on one host maps (``distributed/shm.py``), as far as a step touches
+    it: two banks of a slot per rank, each slot written up to the largest message (a step's
+    hidden states, or a rank's logits rows), at most ``SHM_SLOT_BYTES``; every rank reads every
+    slot, so each counts them all."""
+    if s.tensor_parallel == 1 or s.kernels != "compiled":
+        return 0
+    largest = max(max_batch_tokens * cfg.hidden_size * dtype_bytes(s.dtype), max_num_seqs * cfg.vocab_size * 4)
+    return 2 * s.tensor_parallel * ceil_div(min(SHM_SLOT_BYTES, largest), PAGE) * PAGE
