@@ -26,7 +26,8 @@ import json, sys
 from pagedllm import LLM, SamplingParams
 from pagedllm.memory.machine import resident_bytes
 a = json.loads(sys.argv[1])
-llm = LLM(a["model"], memory=a["memory"], dtype=a["dtype"], quantization=a.get("quantization"))
+split = dict(tensor_parallel_size=a["tp"], threads=1) if a.get("tp", 1) > 1 else {}
+llm = LLM(a["model"], memory=a["memory"], dtype=a["dtype"], quantization=a.get("quantization"), **split)
 vocab = llm.loaded.config.vocab_size
 prompts = [[(7 * i + 3 * j) % (vocab - 10) + 5 for j in range(n)] for i, n in enumerate(a["lengths"])]
 outs = llm.generate(prompts, SamplingParams(max_tokens=a["new"], temperature=0, ignore_eos=True))
@@ -38,9 +39,10 @@ if a.get("schemas"):  # then constrained requests under as many distinct schemas
     params = [SamplingParams(max_tokens=16, temperature=0, structured_output=StructuredOutput(json=s)) for s in schemas]
     llm.generate([prompts[i % len(prompts)] for i in range(len(schemas))], params)
 p = llm.memory_plan
+ranks = llm.engine.ranks.memory() if split else []  # every rank's (before loading, peak) resident bytes
 print(json.dumps({"hwm": resident_bytes()[1], "budget": p.budget_bytes, "plan": p.total_bytes,
                   "overhead": p.overhead_bytes, "max_model_len": p.max_model_len,
-                  "preemptions": llm.stats.preemptions}))
+                  "preemptions": llm.stats.preemptions, "ranks": ranks}))
 """
 
 # A wrapper whose only child is the command: its children's peak is the command's.
@@ -52,7 +54,14 @@ print(rc, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
 
 
 def run_library(
-    model, memory: str, dtype: str, lengths: list[int], new: int, quantization: str | None = None, schemas: int = 0
+    model,
+    memory: str,
+    dtype: str,
+    lengths: list[int],
+    new: int,
+    quantization: str | None = None,
+    schemas: int = 0,
+    tp: int = 1,
 ) -> dict:
     args = json.dumps(
         {
@@ -63,6 +72,7 @@ def run_library(
             "new": new,
             "quantization": quantization,
             "schemas": schemas,
+            "tp": tp,
         }
     )
     out = subprocess.run([sys.executable, "-c", LIBRARY_RUN, args], capture_output=True, text=True, timeout=900)
@@ -100,6 +110,18 @@ def test_a_tiny_hf_checkpoint_stays_within_a_tight_budget(tiny_checkpoints):
     directory = str(tiny_checkpoints["qwen3"][0])
     r = run_library(directory, "520MiB", "float32", [40, 90, 200, 300], 16)
     check_within_and_used(r, 520 * MiB)
+
+
+def test_each_rank_of_a_split_model_stays_within_its_budget(tiny_checkpoints):
+    """``memory=`` bounds each rank's process: the driver's peak (which also gathers the logits
+    and samples) within it and using it, the worker's within it too."""
+    directory = str(tiny_checkpoints["qwen3"][0])
+    r = run_library(directory, "520MiB", "float32", [40, 90, 200, 300], 16, tp=2)
+    check_within_and_used(r, 520 * MiB)
+    assert len(r["ranks"]) == 2 and r["ranks"][0][1] == r["hwm"]
+    worker_peak = r["ranks"][1][1]
+    print(f"worker's peak RSS {worker_peak / MiB:.0f} MiB")
+    assert worker_peak <= 520 * MiB
 
 
 @pytest.mark.slow

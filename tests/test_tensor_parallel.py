@@ -20,6 +20,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -340,3 +341,62 @@ def test_torchrun_launches_pagedllm_generate_on_two_ranks(checkpoints, tmp_path)
     expected = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, temperature=0))[0].token_ids
     results = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     assert [r["token_ids"] for r in results] == [expected]  # rank 0 alone writes the results
+
+
+# ---- the server ------------------------------------------------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tp-serve") / "tiny-qwen2.gguf"
+    save_tiny_gguf("qwen2", path)
+    return path
+
+
+def test_the_server_streams_a_split_model_and_leaves_no_rank_behind(tiny_gguf):
+    from server_process import ServerProcess
+
+    prompt = [5, 6, 7, 8]
+    llm = LLM(str(tiny_gguf), threads=1)
+    expected = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].text
+    server = ServerProcess("--model", str(tiny_gguf), "-tp", "2", "--threads", "1")
+    engine = server.engine_pid()
+    assert engine is not None
+    worker = _children(engine)[0]
+    body = {"model": "tiny-qwen2", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    body["stream"] = True
+    text = ""
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += json.loads(line[6:])["choices"][0]["text"]
+    assert text == expected
+    assert server.stop() == 0
+    for pid in (engine, worker):
+        deadline = time.monotonic() + 15
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(pid), f"process {pid} outlived the server"
+
+
+def test_a_worker_that_dies_ends_the_server_with_status_1(tiny_gguf):
+    from server_process import ServerProcess
+
+    server = ServerProcess("--model", str(tiny_gguf), "-tp", "2", "--threads", "1")
+    engine = server.engine_pid()
+    assert engine is not None
+    os.kill(_children(engine)[0], signal.SIGKILL)
+    body = {"model": "tiny-qwen2", "prompt": [5, 6, 7], "max_tokens": 8}
+    response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code >= 500, response.text
+    assert "rank 1 has exited" in response.text or "a rank of 2 stopped answering" in response.text, response.text
+    assert server.proc.wait(60) == 1
+    server.stop()
