@@ -400,3 +400,50 @@ def test_a_worker_that_dies_ends_the_server_with_status_1(tiny_gguf):
     assert "rank 1 has exited" in response.text or "a rank of 2 stopped answering" in response.text, response.text
     assert server.proc.wait(60) == 1
     server.stop()
+
+
+# ---- out of memory -----------------------------------------------------------------------------
+
+# Run in the worker (a sitecustomize module): its MLP runs out of memory once, in a step of more
+# than 8 tokens, part-way through the forward pass.
+WORKER_OOM = """
+import pagedllm.layers.mlp as mlp
+forward, failed = mlp.MLP.forward, []
+def failing_once(self, x):
+    if x.shape[0] > 8 and not failed:
+        failed.append(1)
+        raise MemoryError("planted")
+    return forward(self, x)
+mlp.MLP.forward = failing_once
+"""
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_out_of_memory_fails_the_step_on_every_rank_and_the_retry_matches(
+    checkpoints, tmp_path, monkeypatch, rank
+):
+    directory, _ = checkpoints["llama"]
+    prompts = [list(range(3, 40)), list(range(50, 70))]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    whole = LLM(str(directory), threads=1).generate(prompts, params)
+    if rank == 1:
+        (tmp_path / "sitecustomize.py").write_text(WORKER_OOM)
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    llm = LLM(str(directory), tensor_parallel_size=2, threads=1, max_batch_tokens=64)
+    try:
+        if rank == 0:
+            mlp = llm.engine.loaded.model.model.layers[1].mlp
+            forward, failed = mlp.forward, []
+
+            def failing_once(x):
+                if x.shape[0] > 8 and not failed:
+                    failed.append(1)
+                    raise torch.OutOfMemoryError("planted")
+                return forward(x)
+
+            monkeypatch.setattr(mlp, "forward", failing_once)
+        split = llm.generate(prompts, params)
+        assert llm.engine.stats.oom_recoveries == 1
+        assert [o.token_ids for o in split] == [o.token_ids for o in whole]
+    finally:
+        llm.close()

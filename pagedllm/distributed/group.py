@@ -52,6 +52,16 @@ class RankGroup:
         self.size = size
         self.steps = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         self.shm: SharedMemoryAllReduce | None = None
+        self.reduced = self.gathered = 0  # this step's collectives so far (``DecoderLM.finish_collectives``)
+
+    def new_step(self) -> None:
+        self.reduced = self.gathered = 0
+
+    def any_failed(self, failed: bool) -> bool:
+        """Whether any rank says its step failed (one more all-reduce, of a flag): every rank then
+        gives up the same step together, and the driver retries it smaller."""
+        flag = torch.tensor([1.0 if failed else 0.0])
+        return bool(self.all_reduce_(flag).item())
 
     @property
     def is_driver(self) -> bool:
@@ -59,6 +69,7 @@ class RankGroup:
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` summed over the ranks, in place (and returned)."""
+        self.reduced += 1
         if self.shm is not None:
             return self.shm.all_reduce_(t)
         flat = t if t.is_contiguous() else t.contiguous()  # gloo sums a strided view's storage, not it
@@ -70,6 +81,7 @@ class RankGroup:
     def gather_rows(self, t: torch.Tensor) -> torch.Tensor | None:
         """Every rank's ``t`` ([R, C], the same shape on all) side by side, [R, size * C], on the
         driver; None elsewhere."""
+        self.gathered += 1
         if self.shm is not None:
             return self.shm.gather_rows(t)
         t = t.contiguous()

@@ -102,7 +102,26 @@ class ModelRunner:
         )
 
     def execute(self, step: StepInput) -> torch.Tensor:
-        """Float32 logits [R, vocab] of the step's sampled rows."""
+        """Float32 logits [R, vocab] of the step's sampled rows (on a worker rank of a split model:
+        none). A split model's ranks fail a step together: a rank that runs out of memory still
+        takes part in the step's remaining collectives, then every rank raises MemoryError."""
+        tp = self.model.tensor_parallel
+        if tp is None:
+            return self._execute(step)
+        tp.new_step()
+        try:
+            logits, failed = self._execute(step), False
+        except (torch.OutOfMemoryError, MemoryError):
+            self.model.finish_collectives(step.input_ids.numel(), step.logits_rows.numel())
+            logits, failed = None, True
+        if tp.any_failed(failed):
+            raise MemoryError(
+                f"a rank of the split model ran out of memory in a step of {step.input_ids.numel()} tokens"
+            )
+        assert logits is not None
+        return logits
+
+    def _execute(self, step: StepInput) -> torch.Tensor:
         # Before anything computes: a source block may be rewritten by its new owner this step.
         self.kv_cache.zero_blocks(step.zeros.tolist())
         self.kv_cache.copy_blocks(step.copies.tolist())  # [source, destination] pairs

@@ -69,7 +69,10 @@ def serve(group: RankGroup, cpus: list[int]) -> None:
             group.gather_objects((interpreter, resident_bytes()[1]))
             continue
         with threads.running():
-            runner.execute(step)
+            try:
+                runner.execute(step)
+            except MemoryError:  # every rank gave the step up together: the driver retries it smaller
+                pass
 
 
 def serve_launched(rank: int, size: int) -> None:

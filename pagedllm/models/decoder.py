@@ -227,6 +227,19 @@ class DecoderLM(nn.Module):
         whole = tp.gather_rows(logits)  # [R, padded vocabulary] on the driver, None elsewhere
         return whole[:, : self.vocab_size] if whole is not None else logits[:0]
 
+    def finish_collectives(self, tokens: int, rows: int) -> None:
+        """After this rank's step failed part-way (out of memory), the collectives the other ranks
+        still wait for in it, on zeros of the same shapes: the embedding's and two a layer's sums
+        of [tokens, hidden], then the logits' gather of [rows, vocabulary rows]."""
+        tp = self.tensor_parallel
+        assert tp is not None
+        cfg = self.config
+        dtype = next(p for p in self.parameters() if p.is_floating_point()).dtype
+        for _ in range(tp.reduced, 1 + 2 * cfg.num_layers):
+            tp.all_reduce_(torch.zeros(tokens, cfg.hidden_size, dtype=dtype))
+        if not tp.gathered:
+            tp.gather_rows(torch.zeros(rows, cfg.vocab_size))
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The tokens' embeddings; split by vocabulary, each rank looks up the tokens it holds
         (zeros for the others) and the ranks' rows are summed."""
