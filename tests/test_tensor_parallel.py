@@ -210,6 +210,17 @@ def test_a_cut_inside_a_quantization_group_is_refused_naming_the_tensor(checkpoi
     assert select("model.layers.0.mlp.up_proj.weight.scale", {"shape": [160, 2], "dtype": "F32"}) == (0, 80, 160)
 
 
+def test_each_rank_gets_its_own_cores_within_one_numa_node_where_the_counts_allow():
+    from pagedllm.engine.ranks import split_cores
+
+    one_node = dict.fromkeys(range(8), 0)
+    assert [split_cores(list(range(8)), one_node, r, 2) for r in (0, 1)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    two_nodes = {c: c % 2 for c in range(8)}  # CPUs interleaved over two sockets
+    assert [split_cores(list(range(8)), two_nodes, r, 2) for r in (0, 1)] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert [split_cores(list(range(8)), two_nodes, r, 4) for r in range(4)] == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert split_cores([0, 1], one_node, 1, 3) == []  # more ranks than cores: they share (unpinned)
+
+
 def test_a_size_that_does_not_split_the_model_fails_before_any_rank_starts(checkpoints):
     directory, _ = checkpoints["llama"]  # 4 heads
     started = time.perf_counter()

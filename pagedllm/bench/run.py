@@ -199,7 +199,7 @@ def main(args) -> int:
             if args.variants:
                 result["engine"] = f"pagedllm {dtype} {quantization or 'stored'}" + (f" kv {kv}" if kv else "")
             if len(sizes) > 1 and "skipped" not in result:
-                result["engine"] = f"{result['engine']} {dtype} tp={tp}"
+                result["engine"] += f" tp={tp}" if args.variants else f" {dtype} tp={tp}"
             results.append(result)
             print(f"# {result['engine']}: done", file=sys.stderr, flush=True)
         for engine in compare:

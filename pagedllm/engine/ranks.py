@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..backends.cpu_threads import allowed_cpus, physical_cores
 from ..distributed.group import RankGroup, RankLost, join
@@ -41,13 +42,27 @@ def launched_rank() -> tuple[int, int] | None:
 
 
 def rank_cpus(local_rank: int, local_size: int) -> list[int]:
-    """This rank's share of the host's cores (one CPU per physical core); all of them when there
-    are more ranks than cores (the ranks then share, unpinned)."""
+    """This rank's share of the host's cores (one CPU per physical core), within one NUMA node
+    where the counts allow (its memory, first touched by its own threads, then stays on its
+    node); all CPUs when there are more ranks than cores (the ranks then share, unpinned)."""
     cores = physical_cores(allowed_cpus())
-    each = len(cores) // local_size
-    if each == 0:
-        return allowed_cpus()
-    return cores[local_rank * each : (local_rank + 1) * each]
+    share = split_cores(cores, {cpu: _numa_node(cpu) for cpu in cores}, local_rank, local_size)
+    return share or allowed_cpus()
+
+
+def split_cores(cores: list[int], node_of: dict[int, int], rank: int, size: int) -> list[int]:
+    """Rank ``rank`` of ``size``'s cores: the ``rank``-th equal slice of the cores ordered by NUMA
+    node (so a rank's cores share a node wherever the counts allow); [] when there are fewer cores
+    than ranks."""
+    ordered = sorted(cores, key=lambda c: (node_of[c], c))
+    each = len(ordered) // size
+    return ordered[rank * each : (rank + 1) * each]
+
+
+def _numa_node(cpu: int) -> int:
+    for entry in Path(f"/sys/devices/system/cpu/cpu{cpu}").glob("node[0-9]*"):
+        return int(entry.name[4:])
+    return 0
 
 
 @dataclass
