@@ -36,8 +36,8 @@ def build_engine(config: EngineConfig, api_process_bytes: int = 0) -> LLMEngine:
     model_dir, _ = loading.resolve_model_dir(config.model)
     shard_layout(ModelConfig.from_file(model_dir), config.tensor_parallel_size)  # one that does not split: now
     launched = ranks.launched_rank()
-    if launched is not None and launched[0] != 0:
-        rank_worker.serve_launched(*launched)
+    if launched is not None and launched.rank != 0:
+        rank_worker.serve_launched(launched)
         raise SystemExit(0)
     group = ranks.start(config)
     try:

@@ -13,6 +13,7 @@ import os
 import sys
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .. import backends, loading
 from ..config import ModelConfig
@@ -23,6 +24,9 @@ from ..loading.checkpoint import load_decoder
 from ..memory.machine import resident_bytes
 from ..sizes import torch_dtype
 from .model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from .ranks import Launched
 
 log = logging.getLogger(__name__)
 
@@ -75,14 +79,11 @@ def serve(group: RankGroup, cpus: list[int]) -> None:
                 pass
 
 
-def serve_launched(rank: int, size: int) -> None:
+def serve_launched(launched: Launched) -> None:
     """A rank a launcher (torchrun) started, other than 0: serves the driver headless."""
-    from .ranks import rank_cpus
-
-    group = join(rank, size, "env://")
-    local, local_size = int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", size))
+    group = join(launched.rank, launched.size, "env://")
     try:
-        serve(group, rank_cpus(local, local_size))
+        serve(group, launched.cpus())
     finally:
         group.close()
 

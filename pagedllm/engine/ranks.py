@@ -34,10 +34,25 @@ from ..memory.machine import resident_bytes
 log = logging.getLogger(__name__)
 
 
-def launched_rank() -> tuple[int, int] | None:
-    """(rank, world size) when a launcher (torchrun) started this process as one rank, else None."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+@dataclass(frozen=True)
+class Launched:
+    """What a launcher (torchrun) says of this process: its rank of ``size``, and of this host's."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+
+    def cpus(self) -> list[int]:
+        return rank_cpus(self.local_rank, self.local_size)
+
+
+def launched_rank() -> Launched | None:
+    """This process's place when a launcher (torchrun) started it as one rank, else None."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
+        rank, size = int(env["RANK"]), int(env["WORLD_SIZE"])
+        return Launched(rank, size, int(env.get("LOCAL_RANK", rank)), int(env.get("LOCAL_WORLD_SIZE", size)))
     return None
 
 
@@ -107,11 +122,11 @@ def start(config: EngineConfig) -> Ranks:
     size = config.tensor_parallel_size
     launched = launched_rank()
     if launched is not None:
-        rank, world = launched
-        if world != size:
-            raise ConfigError("tensor_parallel_size", f"{size}, but the launcher started {world} ranks (WORLD_SIZE)")
-        local, local_size = int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        ranks = Ranks(join(rank, world, "env://"), rank_cpus(local, local_size))
+        if launched.size != size:
+            raise ConfigError(
+                "tensor_parallel_size", f"{size}, but the launcher started {launched.size} ranks (WORLD_SIZE)"
+            )
+        ranks = Ranks(join(launched.rank, size, "env://"), launched.cpus())
         atexit.register(ranks.close)  # the headless ranks wait for it to stop
         return ranks
     address = f"tcp://127.0.0.1:{_free_port()}"
