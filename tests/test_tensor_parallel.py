@@ -308,6 +308,7 @@ if sys.argv[2] == "hang":
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("end", ["exit without close", "killed"])
 def test_no_worker_outlives_its_driver(checkpoints, tmp_path, end):
     directory, _ = checkpoints["llama"]
@@ -338,6 +339,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.slow
 def test_torchrun_launches_pagedllm_generate_on_two_ranks(checkpoints, tmp_path):
     directory, _ = checkpoints["llama"]
     torchrun = Path(sys.executable).with_name("torchrun")
@@ -371,6 +373,7 @@ def tiny_gguf(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_the_server_streams_a_split_model_and_leaves_no_rank_behind(tiny_gguf):
     from server_process import ServerProcess
 
@@ -398,6 +401,7 @@ def test_the_server_streams_a_split_model_and_leaves_no_rank_behind(tiny_gguf):
         assert not _alive(pid), f"process {pid} outlived the server"
 
 
+@pytest.mark.slow
 def test_a_worker_that_dies_ends_the_server_with_status_1(tiny_gguf):
     from server_process import ServerProcess
 
