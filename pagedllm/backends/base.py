@@ -124,3 +124,8 @@ class Backend:
 
     def plan_facts(self, dtype: str) -> PlanFacts:
         raise NotImplementedError
+
+    def shared_memory_ops(self) -> Any:
+        """The compiled ops through which a split model's ranks on one host sum (``distributed.shm``),
+        or None: the ranks then sum over torch.distributed alone."""
+        return None

@@ -87,6 +87,9 @@ class CPUCompiledBackend(CPUTorchBackend):
     def thread_policy(self, max_threads: int | None = None, cpus: list[int] | None = None) -> ThreadGovernor:
         return ThreadGovernor(pin=self.ops.pin_threads, max_threads=max_threads, cpus=cpus)
 
+    def shared_memory_ops(self) -> Any:
+        return self.ops
+
     def plan_facts(self, dtype: str) -> PlanFacts:
         facts = super().plan_facts(dtype)
         return PlanFacts(kernels=self.kernels, gemm_kind=facts.gemm_kind, amx_tiles=self.amx_tiles)

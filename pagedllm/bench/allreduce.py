@@ -57,13 +57,14 @@ def _run(ranks: int, iterations: int, path: str) -> dict[int, float]:
 def _rank(rank: int, ranks: int, address: str, iterations: int) -> None:
     import torch
 
+    from .. import backends
     from ..distributed.group import join
     from ..engine.ranks import rank_cpus
 
     cpus = rank_cpus(rank, ranks)
     os.sched_setaffinity(0, cpus)
     torch.set_num_threads(len(cpus))
-    group = join(rank, ranks, address)
+    group = join(rank, ranks, address, backends.get("auto").shared_memory_ops())
     if os.environ.get("PAGEDLLM_TP_SHM") != "0" and group.shm is None:
         group.close()
         return  # no shared memory here (no compiled kernels): nothing to time

@@ -102,6 +102,31 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def pagedllm_rows(args, workload_file: str, model_dir: str, sizes: list[int], pythons: dict) -> list[dict]:
+    """One row per variant and tensor-parallel size, each engine in its own process."""
+    # every engine flag the user set, but the ones each variant sets itself (dtype, quantization, kv dtype)
+    engine_options = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(EngineConfig)
+        if f.name not in ("model", "dtype", "quantization", "kv_cache_dtype") and getattr(args, f.name) != f.default
+    }
+    results = []
+    for (dtype, quantization, kv), tp in itertools.product(variants(args), sizes):
+        options = {**engine_options, "quantization": quantization}
+        if kv:
+            options["kv_cache_dtype"] = kv
+        if len(sizes) > 1:  # the same cores, split between the ranks
+            options.update(tensor_parallel_size=tp, threads=args.threads or max(1, usable_cpus() // tp))
+        result = run_engine("pagedllm", workload_file, model_dir, dtype, options, pythons, args.timeout)
+        if args.variants:
+            result["engine"] = f"pagedllm {dtype} {quantization or 'stored'}" + (f" kv {kv}" if kv else "")
+        if len(sizes) > 1 and "skipped" not in result:
+            result["engine"] += f" tp={tp}" if args.variants else f" {dtype} tp={tp}"
+        results.append(result)
+        print(f"# {result['engine']}: done", file=sys.stderr, flush=True)
+    return results
+
+
 def split_summary(results: list[dict], per_variant: int) -> str:
     """Each tensor-parallel row against its variant's first (tp=1): output tok/s, and each rank's
     peak resident memory above what it held before loading (the driver's: above the interpreter)."""
@@ -168,12 +193,6 @@ def main(args) -> int:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(workload.to_json(), f)
         workload_file = f.name
-    # every engine flag the user set, but the ones each variant sets itself (dtype, quantization, kv dtype)
-    engine_options = {
-        f.name: getattr(args, f.name)
-        for f in dataclasses.fields(EngineConfig)
-        if f.name not in ("model", "dtype", "quantization", "kv_cache_dtype") and getattr(args, f.name) != f.default
-    }
     sizes = [int(n) for n in args.tensor_parallel_sizes.split(",") if n] or [args.tensor_parallel_size]
     gguf = args.gguf
     if gguf is None and args.model is None:
@@ -187,21 +206,8 @@ def main(args) -> int:
         f"prompt tokens, {sum(workload.max_tokens)} new tokens, greedy, ignore_eos, {args.dtype}"
     )
     print(f"# {machine()}", flush=True)
-    results = []
     try:
-        for (dtype, quantization, kv), tp in itertools.product(variants(args), sizes):
-            options = {**engine_options, "quantization": quantization}
-            if kv:
-                options["kv_cache_dtype"] = kv
-            if len(sizes) > 1:  # the same cores, split between the ranks
-                options.update(tensor_parallel_size=tp, threads=args.threads or max(1, usable_cpus() // tp))
-            result = run_engine("pagedllm", workload_file, str(model_dir), dtype, options, pythons, args.timeout)
-            if args.variants:
-                result["engine"] = f"pagedllm {dtype} {quantization or 'stored'}" + (f" kv {kv}" if kv else "")
-            if len(sizes) > 1 and "skipped" not in result:
-                result["engine"] += f" tp={tp}" if args.variants else f" {dtype} tp={tp}"
-            results.append(result)
-            print(f"# {result['engine']}: done", file=sys.stderr, flush=True)
+        results = pagedllm_rows(args, workload_file, str(model_dir), sizes, pythons)
         for engine in compare:
             results.append(
                 run_engine(engine, workload_file, str(model_dir), args.dtype, peer_options, pythons, args.timeout)

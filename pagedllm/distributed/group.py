@@ -3,7 +3,7 @@
 gloo carries every collective on CPU, on one
 host or across hosts (NCCL would be the GPU path behind the same methods); ranks that all share one
 host sum through shared memory instead (``shm``: microseconds where gloo's loopback TCP takes a
-millisecond or more), unless ``PAGEDLLM_TP_SHM=0`` or the compiled kernels are not available (then
+millisecond or more), unless ``PAGEDLLM_TP_SHM=0`` or the backend has no compiled kernels (then
 gloo). A step costs, per layer, two all-reduces of the hidden states (after the row-parallel o and
 down projections), one more for the vocab-parallel embedding, one gather of the logits rows onto the
 driver, and one broadcast of the step input from it.
@@ -24,7 +24,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import kernels
 from ..errors import PagedLLMError
 from .shm import SharedMemoryAllReduce
 
@@ -119,14 +118,13 @@ class RankGroup:
             dist.destroy_process_group()
 
 
-def join(rank: int, size: int, init_method: str) -> RankGroup:
+def join(rank: int, size: int, init_method: str, shm_ops: Any = None) -> RankGroup:
     """Joins (or, on the driver, opens) the group over gloo, and the shared-memory all-reduce
-    when every rank is on this host; every rank calls it."""
+    when every rank is on this host and has ``shm_ops`` (``Backend.shared_memory_ops``); every
+    rank calls it."""
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size, timeout=timeout())
     group = RankGroup(rank, size)
-    ops = None
-    if os.environ.get("PAGEDLLM_TP_SHM", "1") != "0" and kernels.kernels_mode() != "torch":
-        ops = kernels.compiled_ops()
+    ops = shm_ops if os.environ.get("PAGEDLLM_TP_SHM", "1") != "0" else None
     where = group.gather_objects((socket.gethostname(), os.getpid(), ops is not None))
     if len({host for host, _, _ in where}) == 1 and all(ok for _, _, ok in where):
         path = group.broadcast(SharedMemoryAllReduce.create(ops, size) if rank == 0 else None)

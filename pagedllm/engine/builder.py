@@ -8,6 +8,7 @@ is checked against the budget from config.json alone, then the weights load and 
 from __future__ import annotations
 
 from .. import backends, loading, structured
+from ..backends import Backend
 from ..config import ModelConfig
 from ..distributed.shards import RankShard, shard_layout
 from ..engine_config import EngineConfig
@@ -31,27 +32,27 @@ def build_engine(config: EngineConfig, api_process_bytes: int = 0) -> LLMEngine:
     With ``tensor_parallel_size`` > 1 this process is the driver (rank 0): it starts or joins
     the other ranks first (``ranks.start``). On a launched rank other than 0 (torchrun) the call
     serves the driver headless until it closes the group, then ends the process (SystemExit 0)."""
+    backend = backends.get(config.backend)  # kernels built or loaded before measuring
     if config.tensor_parallel_size == 1:
-        return _build(config, api_process_bytes, None)
+        return _build(config, api_process_bytes, backend, None)
     model_dir, _ = loading.resolve_model_dir(config.model)
     shard_layout(ModelConfig.from_file(model_dir), config.tensor_parallel_size)  # one that does not split: now
     launched = ranks.launched_rank()
     if launched is not None and launched.rank != 0:
-        rank_worker.serve_launched(launched)
+        rank_worker.serve_launched(launched, config.backend)
         raise SystemExit(0)
-    group = ranks.start(config)
+    group = ranks.start(config, backend)
     try:
-        return _build(config, api_process_bytes, group)
+        return _build(config, api_process_bytes, backend, group)
     except BaseException:
         group.close()
         raise
 
 
-def _build(config: EngineConfig, api_process_bytes: int, group: ranks.Ranks | None) -> LLMEngine:
+def _build(config: EngineConfig, api_process_bytes: int, backend: Backend, group: ranks.Ranks | None) -> LLMEngine:
     model_dir, name = loading.resolve_model_dir(config.model)  # a GGUF file is converted in a child process
     tokenizer = loading.load_tokenizer(model_dir)  # before measuring: it belongs to the baseline
     model_config = ModelConfig.from_file(model_dir)
-    backend = backends.get(config.backend)  # kernels built or loaded before measuring
     grammars = None
     with_grammars = config.structured_output and tokenizer is not None and structured.available()
     if with_grammars and config.budgeted:  # before measuring too; else at the first constrained request

@@ -3,7 +3,7 @@
 tokenizer or server: those are the driver's.
 
 Started by the driver on its host (``python -m pagedllm.engine.rank_worker RANK SIZE ADDRESS
-PARENT_PID``), or by a launcher, where ``serve`` runs in place of the command's own work.
+PARENT_PID BACKEND``), or by a launcher, where ``serve`` runs in place of the command's own work.
 """
 
 from __future__ import annotations
@@ -79,9 +79,9 @@ def serve(group: RankGroup, cpus: list[int]) -> None:
                 pass
 
 
-def serve_launched(launched: Launched) -> None:
+def serve_launched(launched: Launched, backend: str) -> None:
     """A rank a launcher (torchrun) started, other than 0: serves the driver headless."""
-    group = join(launched.rank, launched.size, "env://")
+    group = join(launched.rank, launched.size, "env://", backends.get(backend).shared_memory_ops())
     try:
         serve(group, launched.cpus())
     finally:
@@ -89,12 +89,12 @@ def serve_launched(launched: Launched) -> None:
 
 
 def main(argv: list[str]) -> int:
-    rank, size, address, parent = int(argv[0]), int(argv[1]), argv[2], int(argv[3])
+    rank, size, address, parent, backend = int(argv[0]), int(argv[1]), argv[2], int(argv[3]), argv[4]
     from .ranks import rank_cpus, watch_parent
 
     threading.Thread(target=watch_parent, args=(parent,), daemon=True).start()
     logging.basicConfig(level=logging.WARNING, format=f"pagedllm rank {rank}: %(message)s")
-    group = join(rank, size, address)
+    group = join(rank, size, address, backends.get(backend).shared_memory_ops())
     try:
         serve(group, rank_cpus(rank, size))
     except RankLost as e:

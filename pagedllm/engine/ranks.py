@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..backends import Backend
 from ..backends.cpu_threads import allowed_cpus, physical_cores
 from ..distributed.group import RankGroup, RankLost, join
 from ..engine_config import ConfigError, EngineConfig
@@ -116,9 +117,10 @@ class Ranks:
         self.group.close()
 
 
-def start(config: EngineConfig) -> Ranks:
+def start(config: EngineConfig, backend: Backend) -> Ranks:
     """Rank 0 of ``config.tensor_parallel_size``: joins a launched group, or starts its workers on
     this host and opens one. Raises ConfigError when a launcher's world size is not the config's."""
+    shm_ops = backend.shared_memory_ops()
     size = config.tensor_parallel_size
     launched = launched_rank()
     if launched is not None:
@@ -126,19 +128,28 @@ def start(config: EngineConfig) -> Ranks:
             raise ConfigError(
                 "tensor_parallel_size", f"{size}, but the launcher started {launched.size} ranks (WORLD_SIZE)"
             )
-        ranks = Ranks(join(launched.rank, size, "env://"), launched.cpus())
+        ranks = Ranks(join(launched.rank, size, "env://", shm_ops), launched.cpus())
         atexit.register(ranks.close)  # the headless ranks wait for it to stop
         return ranks
     address = f"tcp://127.0.0.1:{_free_port()}"
     workers = [
         subprocess.Popen(
-            [sys.executable, "-m", "pagedllm.engine.rank_worker", str(rank), str(size), address, str(os.getpid())],
+            [
+                sys.executable,
+                "-m",
+                "pagedllm.engine.rank_worker",
+                str(rank),
+                str(size),
+                address,
+                str(os.getpid()),
+                config.backend,
+            ],
             stdin=subprocess.DEVNULL,
         )
         for rank in range(1, size)
     ]
     try:
-        group = join(0, size, address)
+        group = join(0, size, address, shm_ops)
     except Exception:
         for w in workers:
             w.kill()

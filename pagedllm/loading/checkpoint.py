@@ -64,13 +64,8 @@ def load_decoder(
     """``backend``: what the model computes with (default: ``backends.get()``, as
     PAGEDLLM_KERNELS says); weights it re-lays out are packed by it after loading. ``shard``:
     load one rank of a split model, reading only its slice of each tensor."""
-    if backend is None:
-        from .. import backends
-
-        backend = backends.get()
-    if quantization is not None and quantization not in QUANTIZATIONS:
-        choices = ", ".join(QUANTIZATIONS)
-        raise ValueError(f"quantization {quantization!r}: choose one of {choices} (or None: as stored)")
+    backend = backend or _default_backend()
+    _check_quantization(quantization)
     cfg = ModelConfig.from_file(model_dir)
     files = safetensors_files(model_dir)
     headers = [(f, *read_header(f)) for f in files]  # validate every file before reading any
@@ -135,6 +130,19 @@ def load_decoder(
     model.pack()
     return_freed_heap()  # the plain copies packing replaced
     return model.eval()
+
+
+def _default_backend() -> Backend:
+    from .. import backends
+
+    return backends.get()
+
+
+def _check_quantization(quantization: str | None) -> None:
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(
+            f"quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)} (or None: as stored)"
+        )
 
 
 def checkpoint_weights(

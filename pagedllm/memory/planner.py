@@ -444,13 +444,17 @@ class _Failure:
         raise CacheDoesNotFitError("\n".join(lines), breakdown, suggestions)
 
 
-def _one_rank(cfg: ModelConfig, tp: int, weights_bytes: int | None, stored: bool) -> tuple[ModelConfig, dict]:
-    """The config one of ``tp`` ranks runs, and the EngineSettings fields of the split (none at
-    tp=1): the driver gathers every rank's logits, the padded vocabulary wide. Weights stored
-    quantized are sized from the checkpoint's header (``weights_bytes``, the rank's share)."""
+def _one_rank(
+    cfg: ModelConfig, c: EngineConfig, weights_bytes: int | None, quantized_weights: bool | None
+) -> tuple[ModelConfig, dict]:
+    """The config one of ``c.tensor_parallel_size`` ranks runs, and the EngineSettings fields of
+    the split (none at tp=1): the driver gathers every rank's logits, the padded vocabulary wide.
+    Weights stored quantized are sized from the checkpoint's header (``weights_bytes``, the
+    rank's share)."""
+    tp = c.tensor_parallel_size
     if tp == 1:
         return cfg, {}
-    if stored and weights_bytes is None:
+    if quantized_weights and c.quantization not in ("int8", "int4") and weights_bytes is None:
         raise ConfigError(
             "tensor_parallel_size", "planning a split of weights stored quantized (a GGUF) needs the checkpoint"
         )
@@ -490,8 +494,7 @@ def plan_engine(
     processes, so it joins the baseline.
     """
     c = config or EngineConfig()
-    stored_quantized = bool(quantized_weights) and c.quantization not in ("int8", "int4")
-    cfg, split = _one_rank(cfg, c.tensor_parallel_size, weights_bytes, stored_quantized)
+    cfg, split = _one_rank(cfg, c, weights_bytes, quantized_weights)
     baseline = (baseline_bytes if baseline_bytes is not None else ESTIMATED_BASELINE_BYTES) + api_process_bytes
     budget, source = resolve_budget(
         c.memory, c.memory_fraction, "cpu" if backend is None else backend.device, already_loaded
