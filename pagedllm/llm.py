@@ -89,6 +89,17 @@ class LLM:
         elif isinstance(self.engine, LLMEngine):
             self.engine.close()
 
+    def set_memory(self, memory: str | int):
+        """A new budget (``"640MiB"``, or bytes) for the running engine: the cache shrinks in
+        place (the newest requests preempted and recomputed later if what runs no longer fits,
+        its freed pages given back to the OS) or grows; returns the new ``MemoryPlan``.
+        ``CacheDoesNotFitError`` (nothing changed) when even the smallest cache does not fit.
+        Not yet for ``engine_process=True`` or a split model."""
+        if not isinstance(self.engine, LLMEngine):
+            raise NotImplementedError("set_memory: not yet for an engine in its own process (engine_process=True)")
+        self.memory_plan = self.engine.set_memory(memory)
+        return self.memory_plan
+
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len

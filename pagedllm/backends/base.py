@@ -68,8 +68,15 @@ class Backend:
         raise NotImplementedError
 
     def allocate_kv_cache(
-        self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype | str, resident: bool
+        self,
+        cfg: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype | str,
+        resident: bool,
+        capacity_blocks: int | None = None,
     ) -> KVCache:
+        """``num_blocks`` in use, room for ``capacity_blocks`` (``KVCache.resize``)."""
         raise NotImplementedError
 
     def attention_metadata(self, step: StepInput, group_size: int) -> StepLayout:

@@ -34,10 +34,19 @@ class CPUTorchBackend(Backend):
         return (num_kv_heads, num_blocks * block_size, head_dim)
 
     def allocate_kv_cache(
-        self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype | str, resident: bool
+        self,
+        cfg: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype | str,
+        resident: bool,
+        capacity_blocks: int | None = None,
     ) -> KVCache:
-        shape = self.kv_cache_shape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        return KVCache(cfg, num_blocks, block_size, dtype, device=self.device, resident=resident, shape=shape)
+        capacity = max(num_blocks, capacity_blocks or num_blocks)
+        shape = self.kv_cache_shape(capacity, block_size, cfg.num_kv_heads, cfg.head_dim)
+        return KVCache(
+            cfg, num_blocks, block_size, dtype, self.device, resident=resident, shape=shape, capacity_blocks=capacity
+        )
 
     def attention_metadata(self, step: StepInput, group_size: int) -> attention.StepLayout:
         return attention.StepLayout.from_step(step, group_size)

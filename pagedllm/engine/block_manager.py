@@ -201,6 +201,47 @@ class BlockManager:
                 del self._by_hash[key[0]]
         return own
 
+    # ---- resizing -----------------------------------------------------------------------------
+
+    def resize(self, num_blocks: int) -> list[tuple[int, int]]:
+        """Blocks [0, num_blocks) from now on; returns the (source, destination) moves of live
+        blocks that sat past the new end, for the caller to copy before anything reads them.
+
+        Growing adds the new blocks under the free stack (handed out after the blocks that were
+        already touched). Shrinking forgets the free blocks past the end, evicts the cached
+        unused ones there from the prefix cache, and moves each live one into a block below the
+        end: its reference count, its place in every table that holds it (forks share blocks)
+        and its prefix-cache registration go with it. The caller must first have freed enough
+        (``num_used <= num_blocks``): shrinking never preempts by itself."""
+        old = self.num_blocks
+        if num_blocks >= old:
+            self._free[:0] = range(num_blocks - 1, old - 1, -1)
+            self.ref_counts += [0] * (num_blocks - old)
+            self.num_blocks = num_blocks
+            return []
+        if self.num_used > num_blocks:
+            raise RuntimeError(f"resize to {num_blocks} blocks: {self.num_used} are in use")
+        for block in [b for b in self._evictable if b >= num_blocks]:
+            del self._evictable[block]
+            del self._by_hash[self._block_key.pop(block)[0]]
+            self.prefix_stats.evictions += 1
+        self._free = [b for b in self._free if b < num_blocks]
+        moved = {}
+        for source in range(num_blocks, old):
+            if self.ref_counts[source]:
+                destination = self._take()  # below the end now: the free list and cache hold no other
+                self.ref_counts[destination] = self.ref_counts[source]
+                key = self._block_key.pop(source, None)
+                if key is not None:
+                    self._block_key[destination] = key
+                    self._by_hash[key[0]] = destination
+                moved[source] = destination
+        for table in self.tables.values():
+            table[:] = [moved.get(b, b) for b in table]
+        del self.ref_counts[num_blocks:]
+        self.num_blocks = num_blocks
+        return list(moved.items())
+
     # ---- checks -------------------------------------------------------------------------------
 
     def check_invariants(self) -> None:

@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -24,6 +24,7 @@ from ..errors import CacheDoesNotFitError, RequestRejected
 from ..layers.sampler import Sampler
 from ..limits import RequestLimits
 from ..loading import LoadedModel
+from ..memory.budget import total_memory
 from ..memory.footprint import StepShape
 from ..memory.machine import resident_bytes
 from ..memory.planner import MemoryPlan, plan_engine
@@ -117,7 +118,12 @@ class LLMEngine:
         if ranks is not None:
             loaded.model.tensor_parallel = ranks.group
         self.kv_cache = self.backend.allocate_kv_cache(  # the model's own heads: a rank's, when split
-            loaded.model.config, plan.num_blocks, plan.block_size, plan.kv_dtype, resident=config.budgeted
+            loaded.model.config,
+            plan.num_blocks,
+            plan.block_size,
+            plan.kv_dtype,
+            resident=config.budgeted,
+            capacity_blocks=max(plan.num_blocks, total_memory() // plan.kv_bytes_per_block),  # set_memory's room
         )
         self._grammars = grammars
         self.structured_output = config.structured_output
@@ -221,6 +227,73 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    # ---- the budget at run time --------------------------------------------------------------
+
+    def set_memory(self, memory: str | int) -> MemoryPlan:
+        """Moves the engine to a new budget while it keeps its requests: the planner solves the
+        cache for it (the step budget too, only if the cache alone cannot make it fit), and the
+        cache shrinks or grows in place (``_resize``). Raises CacheDoesNotFitError, changing
+        nothing, when even the smallest cache does not fit. Call it on the thread that steps."""
+        if self.ranks is not None:
+            raise ConfigError("memory", "a split model's budget cannot change at run time yet")
+        old = self.memory_plan
+        kept = self.config.replace(
+            memory=memory,
+            memory_fraction=None,
+            num_blocks=None,
+            max_batch_tokens=old.max_batch_tokens,
+            max_num_seqs=old.max_num_seqs,
+            max_model_len=old.max_model_len,
+        )
+        try:
+            plan = self._replan(kept)
+        except CacheDoesNotFitError:
+            plan = self._replan(kept.replace(max_batch_tokens=None))  # raises if nothing fits
+        if plan.num_blocks > self.kv_cache.capacity_blocks:
+            plan = replace(plan, num_blocks=self.kv_cache.capacity_blocks)
+        self._resize(plan)
+        log.info(
+            "memory budget %s -> %s: %d -> %d KV blocks",
+            old.budget_bytes,
+            plan.budget_bytes,
+            old.num_blocks,
+            plan.num_blocks,
+        )
+        return plan
+
+    def _replan(self, config: EngineConfig) -> MemoryPlan:
+        """The plan for ``config`` with this process's facts as they were at start (its baseline,
+        its weights, the API process beside it)."""
+        old = self.memory_plan
+        return plan_for(
+            config,
+            self.loaded.config,
+            self.loaded.name,
+            self.backend,
+            with_grammars=self.tokenizer is not None,
+            weights_bytes=old.weights_bytes,
+            quantized_weights=self.loaded.model.quantized(),
+            baseline_bytes=old.baseline_bytes - old.api_process_bytes,
+            api_process_bytes=old.api_process_bytes,
+        )
+
+    def _resize(self, plan: MemoryPlan) -> None:
+        """The cache, the block manager and the limits to ``plan``. Shrinking: the newest
+        requests are preempted until what runs fits, the blocks past the new end are moved down
+        (a copy each, 8-bit scales included), then their pages go back to the OS."""
+        n = plan.num_blocks
+        if n < self.blocks.num_blocks:
+            self.kv_cache.copy_blocks(self.scheduler.shrink_cache(n))
+            self.kv_cache.resize(n)
+        else:
+            self.kv_cache.resize(n)
+            self.blocks.resize(n)
+        self.scheduler.max_batch_tokens = plan.max_batch_tokens
+        self.limits = replace(self.limits, num_blocks=n)
+        self.memory_plan = plan
+        self.config = self.config.replace(memory=plan.budget_bytes, memory_fraction=None)
+        self._refresh_stats(0)
 
     def close(self) -> None:
         """Ends the other ranks of a split model (nothing to do for one process)."""

@@ -255,6 +255,25 @@ class Scheduler:
             child.status = Status.RUNNING
         self.running[at:at] = children
 
+    def shrink_cache(self, num_blocks: int) -> list[tuple[int, int]]:
+        """Fits everything running into the first ``num_blocks`` blocks: preempts the newest
+        sequences (recomputed later, as when blocks run out) until the live blocks fit, then has
+        the block manager move what lives past the end. Returns its (source, destination) moves;
+        the cache maintenance carried to the next step follows them."""
+        while self.blocks.num_used > num_blocks and self.running:
+            victim = self.running[-1]
+            self._preempt(victim)
+            self.counters.preemptions += 1
+        moves = self.blocks.resize(num_blocks)
+        moved = dict(moves)
+        self._to_zero = [moved.get(b, b) for b in self._to_zero if b < num_blocks or b in moved]
+        self._to_copy = [
+            (moved.get(a, a), moved.get(b, b))
+            for a, b in self._to_copy
+            if (a < num_blocks or a in moved) and (b < num_blocks or b in moved)
+        ]
+        return moves
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq.seq_id)

@@ -7,8 +7,15 @@
                  each slot = num_kv_heads x head_dim values
 
 A token's K/V lives at *slot* ``block_id * block_size + offset``; a sequence's block table maps
-its token positions to blocks. The tensors are allocated once at start-up and never grow: the
+its token positions to blocks. The tensors are allocated once at start-up and never move: the
 block manager hands blocks out and takes them back, the attention seam reads and writes slots.
+
+The budget may change at run time (``LLMEngine.set_memory``), so each tensor's mapping reserves
+address space for ``capacity_blocks`` (no memory: pages exist only once written) and only the
+first ``num_blocks`` are in use. ``resize`` moves that line: shrinking gives the pages of each
+head's tail back to the OS (the layout is head-major, so a head's blocks from ``num_blocks`` on
+are one contiguous range), growing lets more blocks be handed out (committed at once when the
+cache is resident, else faulted in as they are first written).
 
 An 8-bit cache (``int8``, or ``fp8``: float8 e4m3) stores each token's head_dim values in one
 byte each with one float32 scale per token and head (absmax over the values mapped to the type's
@@ -45,25 +52,33 @@ class KVCache:
         device: torch.device | str = "cpu",
         resident: bool = False,
         shape: tuple[int, ...] | None = None,
+        capacity_blocks: int | None = None,
     ):
-        """``resident``: commit every page now (the engine does when a budget is given, so the
-        process's memory is what the plan says from the start and load cannot grow it); else
-        pages are committed as blocks are first written."""
+        """``resident``: commit every page of the blocks in use now (the engine does when a budget
+        is given, so the process's memory is what the plan says from the start and load cannot
+        grow it); else pages are committed as blocks are first written. ``capacity_blocks``: the
+        most blocks a later ``resize`` may grow to (default: ``num_blocks``); ``shape`` is then
+        the layout of that many."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be >= 1")
+        self.capacity_blocks = max(num_blocks, capacity_blocks or num_blocks)
         self.num_blocks = num_blocks
+        self.resident = resident
         self.block_size = block_size
         self.quantized = isinstance(dtype, str) and dtype in EIGHT_BIT
         if isinstance(dtype, str) and not self.quantized:
             dtype = getattr(torch, dtype)
         self.dtype: torch.dtype = EIGHT_BIT[dtype][0] if isinstance(dtype, str) else dtype
         self.top = EIGHT_BIT[dtype][1] if isinstance(dtype, str) else 0.0
-        shape = shape or (cfg.num_kv_heads, num_blocks * block_size, cfg.head_dim)
-        self.k = [_zeros(shape, self.dtype, device, resident) for _ in range(cfg.num_layers)]
-        self.v = [_zeros(shape, self.dtype, device, resident) for _ in range(cfg.num_layers)]
+        shape = shape or (cfg.num_kv_heads, self.capacity_blocks * block_size, cfg.head_dim)
+        self._maps: dict[int, mmap.mmap] = {}  # data_ptr of a tensor -> its mapping (CPU only)
+        self.k = [self._zeros(shape, self.dtype, device) for _ in range(cfg.num_layers)]
+        self.v = [self._zeros(shape, self.dtype, device) for _ in range(cfg.num_layers)]
         layers = range(cfg.num_layers) if self.quantized else range(0)
-        self.k_scale = [_zeros(shape[:2], torch.float32, device, resident) for _ in layers]
-        self.v_scale = [_zeros(shape[:2], torch.float32, device, resident) for _ in layers]
+        self.k_scale = [self._zeros(shape[:2], torch.float32, device) for _ in layers]
+        self.v_scale = [self._zeros(shape[:2], torch.float32, device) for _ in layers]
+        if resident:
+            self._commit(0, num_blocks)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """The step's K/V ([T, KVH, D]) into their slots (the PyTorch path; the kernel does its own)."""
@@ -111,20 +126,64 @@ class KVCache:
             for cache in self._tensors():
                 cache[:, block * bs : (block + 1) * bs].zero_()
 
+    def resize(self, num_blocks: int) -> None:
+        """Blocks [0, num_blocks) in use from now on. Shrinking releases every page that holds
+        only blocks past the new end (they read as zeros if used again); the caller has moved
+        what lived there. Growing commits the new blocks' pages when the cache is resident."""
+        if not 1 <= num_blocks <= self.capacity_blocks:
+            raise ValueError(f"num_blocks {num_blocks}: this cache holds 1 to {self.capacity_blocks} blocks")
+        old, self.num_blocks = self.num_blocks, num_blocks
+        if num_blocks < old:
+            self._release(num_blocks)
+        elif num_blocks > old and self.resident:
+            self._commit(old, num_blocks)
+
+    def _heads(self) -> list[tuple[torch.Tensor, int]]:
+        """Every tensor, with the bytes of one head's slots in it ([KVH, slots, ...] layout)."""
+        return [(t, t.stride(0) * t.element_size()) for t in self._tensors()]
+
+    def _commit(self, first: int, end: int) -> None:
+        """Writes zeros over blocks [first, end) of every head, so their pages are resident now."""
+        bs = self.block_size
+        for cache in self._tensors():
+            writable = cache.view(torch.uint8) if cache.element_size() == 1 else cache  # CPU fills lack fp8
+            writable[:, first * bs : end * bs].zero_()
+
+    def _release(self, first: int) -> None:
+        """Gives back the pages of blocks [first, capacity) of every head: MADV_REMOVE frees the
+        shared anonymous pages themselves, not only this process's view of them."""
+        for cache, head_bytes in self._heads():
+            buffer = self._maps.get(cache.data_ptr())
+            if buffer is None:
+                continue  # not a mapping of ours (a device tensor): nothing to give back
+            slot_bytes = head_bytes // cache.shape[1]
+            for h in range(cache.shape[0]):
+                start = _page_up(h * head_bytes + first * self.block_size * slot_bytes)
+                end = (h + 1) * head_bytes // mmap.PAGESIZE * mmap.PAGESIZE
+                if end > start:
+                    buffer.madvise(mmap.MADV_REMOVE, start, end - start)
+
     def _tensors(self) -> list[torch.Tensor]:
         return [*self.k, *self.v, *self.k_scale, *self.v_scale]
 
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+        """Zeros in a shared anonymous memory map, whose pages the kernel zero-fills on first
+        touch (only the blocks in use are, see ``_commit``); its address space is reserved, not
+        its memory (MAP_NORESERVE). Masked keys past a context's end are read (gathers are whole
+        blocks), so what they hold must be finite; zeros are, and so is any stale K/V."""
+        if torch.device(device).type != "cpu":
+            return torch.zeros(shape, dtype=dtype, device=device)
+        nbytes = dtype.itemsize
+        for d in shape:
+            nbytes *= d
+        buffer = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
+        tensor = torch.frombuffer(buffer, dtype=dtype, count=nbytes // dtype.itemsize).view(shape)
+        self._maps[tensor.data_ptr()] = buffer
+        return tensor
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device, resident: bool) -> torch.Tensor:
-    """Zeros in an anonymous memory map, whose pages the kernel zero-fills: on first touch, or
-    all at once when ``resident`` (MAP_POPULATE). Masked keys past a context's end are read
-    (gathers are whole blocks), so what they hold must be finite; zeros are, and so is any
-    stale K/V."""
-    if torch.device(device).type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = dtype.itemsize
-    for d in shape:
-        nbytes *= d
-    flags = mmap.MAP_SHARED | mmap.MAP_ANONYMOUS | (mmap.MAP_POPULATE if resident else 0)
-    buffer = mmap.mmap(-1, max(nbytes, 1), flags=flags)
-    return torch.frombuffer(buffer, dtype=dtype, count=nbytes // dtype.itemsize).view(shape)
+
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux's value; Python 3.11's mmap lacks the name
+
+
+def _page_up(offset: int) -> int:
+    return -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE

@@ -25,10 +25,21 @@ def free_memory(device: str = "cpu") -> tuple[int, str]:
     return min(candidates)
 
 
+def total_memory() -> int:
+    """The most memory this process could ever have: the host's, or its container's limit if
+    lower (the KV cache reserves room to grow to it, ``LLMEngine.set_memory``)."""
+    limits = [v for v in (_meminfo("MemTotal"), _read_int("/sys/fs/cgroup/memory.max")) if v]
+    return min(limits) if limits else 1 << 40
+
+
 def _meminfo_available() -> int | None:
+    return _meminfo("MemAvailable")
+
+
+def _meminfo(field: str) -> int | None:
     try:
         for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         return None

@@ -1,0 +1,136 @@
+"""The budget changes while the engine runs (``LLM.set_memory``): shrinking loses no request and
+changes no output (the newest requests are preempted and recomputed, live blocks past the new end
+are moved down with their prefix-cache registrations and their sharers), the freed pages go back
+to the OS (the process's resident memory falls under the new budget, measured), growing back
+restores the cache, and a budget that cannot fit is refused without changing anything."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.engine.block_manager import BlockManager
+from pagedllm.errors import CacheDoesNotFitError
+
+MiB = 1024**2
+
+
+def test_shrinking_the_block_manager_moves_live_blocks_with_their_sharers_and_registrations():
+    bm = BlockManager(16, 4)
+    for seq in range(4):  # 4 sequences of 3 blocks each: blocks 0-11
+        bm.prepare_write(seq, 0, 12)
+        bm.register_computed(seq, lambda a, b, s=seq: [s * 100 + t for t in range(a, b)], 12)
+    bm.fork(3, 9)  # sequence 9 shares sequence 3's blocks
+    bm.free(0)  # its blocks stay cached (registered, unused)
+    bm.free(1)
+    content = {b: f"kv{b}" for b in range(16)}  # what each block holds, moved as the caller would
+    before = {seq: [content[b] for b in bm.table(seq)] for seq in (2, 3, 9)}
+    moves = bm.resize(7)  # 3 x 2 live blocks (3 and 9 share), 6 + cached ones past the end
+    for source, destination in moves:
+        assert source >= 7 > destination
+        content[destination] = content[source]
+    bm.check_invariants()
+    assert bm.num_blocks == 7 and all(b < 7 for t in bm.tables.values() for b in t)
+    assert {seq: [content[b] for b in bm.table(seq)] for seq in (2, 3, 9)} == before
+    assert bm.table(3) == bm.table(9) and all(bm.ref_counts[b] == 2 for b in bm.table(3))
+    # sequence 2's prefix is still found in the cache, at its new blocks
+    assert bm.adopt_prefix(50, [200 + t for t in range(13)]) == 12
+    assert bm.table(50) == bm.table(2)
+    with pytest.raises(RuntimeError, match="in use"):
+        bm.resize(3)
+    assert bm.resize(20) == [] and bm.num_free == 20 - bm.num_used
+    bm.check_invariants()
+
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def prompts(vocab: int, n: int = 32) -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(1, vocab, (20,), generator=g).tolist()
+    return [prefix + torch.randint(1, vocab, (5 + 3 * i,), generator=g).tolist() for i in range(n)]
+
+
+def run(llm: LLM, batch, params, shrink_after: int | None = None):
+    """``batch`` through the engine; after ``shrink_after`` steps, ``set_memory`` to a budget
+    whose cache holds half the blocks in use then (so some requests must be preempted)."""
+    engine = llm.engine
+    ids = [engine.add_request(p, q) for p, q in zip(batch, params)]
+    outs, steps = {}, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outs.setdefault(out.request_id, {})[out.index] = out.token_ids
+        steps += 1
+        if steps == shrink_after:
+            preempted, first = engine.stats.preemptions, engine.blocks.num_blocks
+            plan = llm.set_memory(_budget_for(llm, max(40, engine.blocks.num_used // 2)))
+            engine.check_invariants()
+            assert plan.num_blocks < first and engine.blocks.num_blocks == plan.num_blocks
+            assert engine.stats.preemptions > preempted, "the shrink must preempt something"
+    return [outs[i] for i in ids]
+
+
+@pytest.mark.parametrize("kv", [None, "int8"])
+def test_shrinking_under_load_loses_nothing_and_changes_no_output(tiny_checkpoints, kv):
+    directory, _ = tiny_checkpoints["llama"]
+    options = dict(memory="700MiB", block_size=4, max_num_seqs=32, max_model_len=160, kv_cache_dtype=kv)
+    batch = prompts(320)
+    params = [GREEDY] * 30 + [SamplingParams(max_tokens=24, temperature=0.8, seed=3, n=2, ignore_eos=True)] * 2
+    fixed = run(LLM(str(directory), **options), batch, params)
+
+    llm = LLM(str(directory), **options)
+    engine = llm.engine
+    first = engine.blocks.num_blocks
+    assert run(llm, batch, params) == fixed  # warm, with prefix-cache hits from this first run
+    assert run(llm, batch, params, shrink_after=6) == fixed
+    assert engine.blocks.num_free == engine.blocks.num_blocks  # nothing leaked
+    llm.set_memory("700MiB")
+    assert engine.blocks.num_blocks == first
+    assert run(llm, batch, params) == fixed
+
+
+def _budget_for(llm: LLM, blocks: int) -> int:
+    """The budget whose plan has about ``blocks`` cache blocks (the planner's own arithmetic)."""
+    plan = llm.memory_plan
+    return plan.budget_bytes - (plan.num_blocks - blocks) * plan.kv_bytes_per_block
+
+
+def test_a_budget_that_cannot_fit_is_refused_and_changes_nothing(tiny_checkpoints):
+    directory, _ = tiny_checkpoints["llama"]
+    llm = LLM(str(directory), memory="700MiB")
+    before = (llm.memory_plan, llm.engine.blocks.num_blocks)
+    with pytest.raises(CacheDoesNotFitError):
+        llm.set_memory("100MiB")  # less than the interpreter alone
+    assert (llm.memory_plan, llm.engine.blocks.num_blocks) == before
+    assert llm.generate([[1, 2, 3]], GREEDY)[0].token_ids
+
+
+RSS_RUN = r"""
+import json, sys
+from pagedllm import LLM, SamplingParams
+from pagedllm.memory.machine import resident_bytes
+llm = LLM(sys.argv[1], memory="800MiB", block_size=16, max_model_len=256)
+full = resident_bytes()[0]
+outs = llm.generate([[(7 * i + j) % 300 + 5 for j in range(200)] for i in range(40)],
+                    SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+plan = llm.set_memory("500MiB")
+after = resident_bytes()[0]
+more = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+print(json.dumps({"full": full, "after": after, "blocks": plan.num_blocks, "ok": bool(more[0].token_ids)}))
+"""
+
+
+def test_shrinking_gives_the_pages_back_resident_memory_falls_under_the_new_budget(tiny_checkpoints):
+    directory, _ = tiny_checkpoints["qwen3"]
+    out = subprocess.run([sys.executable, "-c", RSS_RUN, str(directory)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"resident {r['full'] / MiB:.0f} MiB at 800 MiB, {r['after'] / MiB:.0f} MiB after set_memory(500MiB)")
+    assert r["full"] > 500 * MiB, "the cache must hold more than the new budget allows before the shrink"
+    assert r["after"] <= 500 * MiB and r["ok"]
