@@ -134,3 +134,35 @@ def test_shrinking_gives_the_pages_back_resident_memory_falls_under_the_new_budg
     print(f"resident {r['full'] / MiB:.0f} MiB at 800 MiB, {r['after'] / MiB:.0f} MiB after set_memory(500MiB)")
     assert r["full"] > 500 * MiB, "the cache must hold more than the new budget allows before the shrink"
     assert r["after"] <= 500 * MiB and r["ok"]
+
+
+@pytest.mark.slow
+def test_the_server_changes_its_budget_behind_the_api_key(tiny_checkpoints):
+    import httpx
+    from server_process import ServerProcess, parse_metrics
+
+    directory, _ = tiny_checkpoints["llama"]
+    server = ServerProcess("--model", str(directory), "--memory", "800MiB", "--api-key", "k3y")
+    key = {"Authorization": "Bearer k3y"}
+    try:
+        assert httpx.get(server.url + "/v1/memory", timeout=10).status_code == 401
+        assert httpx.post(server.url + "/v1/memory", json={"memory": "600MiB"}, timeout=10).status_code == 401
+        before = httpx.get(server.url + "/v1/memory", headers=key, timeout=10).json()
+        refused = httpx.post(server.url + "/v1/memory", json={"memory": "100MiB"}, headers=key, timeout=30)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "memory"
+        assert httpx.get(server.url + "/v1/memory", headers=key, timeout=10).json() == before
+        target = before["num_blocks"] // 2
+        budget = before["budget_bytes"] - (before["num_blocks"] - target) * before["kv_bytes_per_block"]
+        moved = httpx.post(server.url + "/v1/memory", json={"memory": budget}, headers=key, timeout=60)
+        assert moved.status_code == 200, moved.text
+        after = moved.json()
+        assert after["budget_bytes"] == budget and after["num_blocks"] < before["num_blocks"]
+        assert httpx.get(server.url + "/v1/memory", headers=key, timeout=10).json() == after
+        body = {"model": directory.name, "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
+        assert httpx.post(server.url + "/v1/completions", json=body, headers=key, timeout=60).status_code == 200
+        metrics = parse_metrics(httpx.get(server.url + "/metrics", headers=key, timeout=10).text)
+        assert metrics["pagedllm_memory_resizes_total"] == 1
+        assert metrics["pagedllm_memory_budget_bytes"] == budget
+        assert metrics["pagedllm_kv_blocks_total"] == after["num_blocks"]
+    finally:
+        server.stop()

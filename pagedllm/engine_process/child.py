@@ -123,6 +123,8 @@ def run_messages(conn: Connection, engine, link: ParentLink) -> None:
             engine.abort_all()
         elif isinstance(message, m.Compile):
             link.send(m.Compiled(message.ticket, compile_rejection(engine, message.constraint)))
+        elif isinstance(message, m.SetMemory):
+            answer_when_set(engine.set_memory_later(message.memory), message.ticket, link)
         elif isinstance(message, m.Shutdown):
             engine.stop()
             return
@@ -135,6 +137,16 @@ def add(engine, message: m.Add, link: ParentLink) -> None:
         engine.add(message.request_id, message.prompt, message.params, link)
     except RequestRejected as e:  # (on this thread: its own report, not the engine thread's batch)
         link.report([delta(RequestOutput.failed(message.request_id, [], e.message, kind="rejected"), 0, 0)])
+
+
+def answer_when_set(done, ticket: int, link: ParentLink) -> None:
+    """Sends ``MemorySet`` once the engine thread has moved to the new budget or refused it."""
+
+    def send(future) -> None:
+        error = future.exception()
+        link.send(m.MemorySet(ticket, None if error else future.result(), str(error) if error else None))
+
+    done.add_done_callback(send)
 
 
 def compile_rejection(engine, constraint) -> tuple[str, str | None, str | None] | None:

@@ -118,7 +118,7 @@ class EngineProcess:
         self._adds_sent = 0
         self._adds_taken = 0
         self._tickets = itertools.count()
-        self._compiling: dict[int, Future] = {}  # answered on the reader thread
+        self._answers: dict[int, Future] = {}  # answered on the reader thread
         self._stopping = False
         self._lock = threading.Lock()  # a late add vs. the failure that answers everyone
         self.error: BaseException | None = None
@@ -198,12 +198,27 @@ class EngineProcess:
         """``compile``, waiting on this thread (for ``LLM``)."""
         _raise_rejection(self._ask_compile(constraint).result())
 
+    async def set_memory(self, memory: str | int):
+        """The engine moved to a new budget (``LLMEngine.set_memory``, in its process); raises
+        CacheDoesNotFitError with the planner's message when it refused (nothing changed)."""
+        if self.error is not None:
+            raise EngineStopped(f"the engine has stopped: {self.error}")
+        ticket = next(self._tickets)
+        answer: Future = Future()
+        self._answers[ticket] = answer
+        self._send(m.SetMemory(ticket, memory))
+        plan, error = await asyncio.wrap_future(answer)
+        if error is not None:
+            raise CacheDoesNotFitError(error, {}, {})  # (its figures stayed in the engine process)
+        self.memory_plan = plan
+        return plan
+
     def _ask_compile(self, constraint: StructuredOutput) -> Future:
         if self.error is not None:
             raise EngineStopped(f"the engine has stopped: {self.error}")
         ticket = next(self._tickets)
         answer: Future = Future()
-        self._compiling[ticket] = answer
+        self._answers[ticket] = answer
         self._send(m.Compile(ticket, constraint))
         return answer
 
@@ -267,7 +282,9 @@ class EngineProcess:
             if isinstance(message, m.Report):
                 self._deliver(message)
             elif isinstance(message, m.Compiled):
-                self._compiling.pop(message.ticket).set_result(message.rejection)
+                self._answers.pop(message.ticket).set_result(message.rejection)
+            elif isinstance(message, m.MemorySet):
+                self._answers.pop(message.ticket).set_result((message.plan, message.error))
             elif isinstance(message, m.Died):
                 self._failed(message.error)
 
@@ -294,7 +311,7 @@ class EngineProcess:
             sinks, self._sinks = self._sinks, {}
         for rid, sink in sinks.items():
             sink.put(RequestOutput.failed(rid, [], f"engine failure: {reason}", kind="engine"))
-        for answer in self._compiling.values():
+        for answer in self._answers.values():
             answer.set_exception(error)
         if first:
             for callback in self.on_failure:

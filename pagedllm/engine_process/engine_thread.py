@@ -12,11 +12,13 @@ engine's process, with a sink that forwards outputs to the API process.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -27,6 +29,7 @@ from ..sampling_params import SamplingParams, StructuredOutput
 if TYPE_CHECKING:
     from ..engine import LLMEngine
     from ..engine.llm_engine import EngineStats
+    from ..memory.planner import MemoryPlan
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +59,14 @@ class _AbortAll:
     """Abort every request added before this (see ``AsyncEngine.abort_all``)."""
 
 
+@dataclass
+class _SetMemory:
+    """A new budget (``LLMEngine.set_memory``), applied between steps; the answer in ``done``."""
+
+    memory: str | int
+    done: Future
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_waiting: int = 256, beside_event_loop: bool = True):
         """``beside_event_loop``: this process also runs a server's event loop, so the engine's
@@ -65,7 +76,7 @@ class AsyncEngine:
         self.engine = engine
         self.beside_event_loop = beside_event_loop
         self.max_waiting = max_waiting
-        self._ops: queue.SimpleQueue[_Add | _Abort | _AbortAll] = queue.SimpleQueue()
+        self._ops: queue.SimpleQueue[_Add | _Abort | _AbortAll | _SetMemory] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -143,6 +154,18 @@ class AsyncEngine:
         self._ops.put(_Abort(request_id))
         self._wake.set()
 
+    async def set_memory(self, memory: str | int) -> MemoryPlan:
+        """The engine moved to a new budget between two steps (``LLMEngine.set_memory``); raises
+        what it raises (CacheDoesNotFitError: nothing changed)."""
+        return await asyncio.wrap_future(self.set_memory_later(memory))
+
+    def set_memory_later(self, memory: str | int) -> Future:
+        """``set_memory`` from any thread: a future of the new plan."""
+        done: Future = Future()
+        self._ops.put(_SetMemory(memory, done))
+        self._wake.set()
+        return done
+
     def abort_all(self) -> None:
         """Ends everything added so far (for shutdown): requests in the engine are aborted, and
         adds still queued fail without entering it. Done on the engine thread, like every change
@@ -198,6 +221,11 @@ class AsyncEngine:
         for op in self._queued_ops():
             if isinstance(op, _Add):
                 self._add(op, aborted=self._take_pending())
+            elif isinstance(op, _SetMemory):
+                try:
+                    op.done.set_result(self.engine.set_memory(op.memory))
+                except Exception as e:  # the planner's refusal, or a budget that does not parse
+                    op.done.set_exception(e)
             elif isinstance(op, _Abort):
                 self._deliver(self.engine.abort(op.request_id))
                 self._sinks.pop(op.request_id, None)

@@ -62,6 +62,14 @@ class Compile:
 
 
 @dataclass
+class SetMemory:
+    """A new budget for the engine (``LLMEngine.set_memory``). Answered by ``MemorySet``."""
+
+    ticket: int
+    memory: str | int
+
+
+@dataclass
 class Shutdown:
     """Stop stepping, answer what is left, exit 0."""
 
@@ -128,6 +136,13 @@ class Report:
 class Compiled:
     ticket: int
     rejection: tuple[str, str | None, str | None] | None  # RequestRejected's (message, param, code)
+
+
+@dataclass
+class MemorySet:
+    ticket: int
+    plan: MemoryPlan | None  # None when refused
+    error: str | None  # why it was refused (the planner's message): nothing changed
 
 
 @dataclass

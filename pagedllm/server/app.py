@@ -49,7 +49,7 @@ def create_app(
     throughput = ThroughputMeter()
     engine.observers.append(throughput.observe)
     model_name = served_model_name or model.name
-    metrics = Metrics(engine, throughput, model_name)
+    metrics = Metrics(engine, throughput, model_name, plan=lambda: model.memory_plan)
 
     app = FastAPI(title="pagedllm", lifespan=lifespan, exception_handlers=ERROR_HANDLERS)
     document_responses(app)

@@ -39,8 +39,11 @@ class ThroughputMeter:
 
 
 class Metrics:
-    def __init__(self, engine, throughput: ThroughputMeter, model_name: str):
+    def __init__(self, engine, throughput: ThroughputMeter, model_name: str, plan=None):
+        """``plan``: the engine's memory plan now (a callable: ``POST /v1/memory`` replaces it)."""
         self.registry = CollectorRegistry()
+        self.plan = plan
+        self.resizes = 0  # budgets changed at run time
         self.ttft = Histogram(
             "pagedllm_time_to_first_token_seconds",
             "Time from arrival to the first token",
@@ -82,6 +85,10 @@ class _EngineCollector:
             ),
             "pagedllm_generation_tokens_per_second": ("Generated tokens per second, last 10 s", self.throughput.rate()),
         }
+        if self.metrics.plan is not None:
+            plan = self.metrics.plan()
+            gauges["pagedllm_memory_budget_bytes"] = ("The memory budget (memory=)", plan.budget_bytes)
+            gauges["pagedllm_memory_planned_bytes"] = ("The plan's peak under load", plan.total_bytes)
         counters = {
             "pagedllm_prompt_tokens": ("Prompt tokens computed", s.prompt_tokens_computed),
             "pagedllm_generation_tokens": ("Tokens generated", s.tokens_generated),
@@ -100,6 +107,7 @@ class _EngineCollector:
                 "Shared blocks copied on first write (samples of one request)",
                 s.blocks_copied,
             ),
+            "pagedllm_memory_resizes": ("Budgets changed at run time (POST /v1/memory)", self.metrics.resizes),
         }
         for family, table in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
             for name, (doc, value) in table.items():

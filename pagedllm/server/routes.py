@@ -18,7 +18,8 @@ from typing import TypeVar
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..errors import EngineStopped, RequestRejected
+from ..engine_config import ConfigError
+from ..errors import CacheDoesNotFitError, EngineStopped, RequestRejected
 from ..sampling_params import StructuredOutput
 from . import tool_calls
 from .errors import APIError, unavailable
@@ -56,6 +57,29 @@ async def models(request: Request):
 @router.get("/v1/plan")
 async def plan(request: Request):
     return request.app.state.model.memory_plan.to_dict()
+
+
+@router.get("/v1/memory")
+async def memory(request: Request):
+    """The plan the engine runs under now (``POST`` changes it)."""
+    return request.app.state.model.memory_plan.to_dict()
+
+
+@router.post("/v1/memory")
+async def set_memory(request: Request):
+    """``{"memory": "640MiB"}``: a new budget for the running engine (``LLMEngine.set_memory``);
+    the new plan back, or 400 with the planner's reason (nothing changed)."""
+    body = await request.json()
+    budget = body.get("memory") if isinstance(body, dict) else None
+    if not isinstance(budget, (str, int)) or isinstance(budget, bool):
+        raise RequestRejected('give the new budget as {"memory": "640MiB"} (or a number of bytes)', param="memory")
+    try:
+        plan = await request.app.state.engine.set_memory(budget)
+    except (CacheDoesNotFitError, ConfigError, ValueError) as e:
+        raise RequestRejected(str(e), param="memory") from None
+    request.app.state.model.memory_plan = plan
+    request.app.state.metrics.resizes += 1
+    return plan.to_dict()
 
 
 @router.get("/metrics")
