@@ -60,7 +60,13 @@ class EngineConfig:
     max_batch_tokens: int | None = _knob(None, "tokens computed per step", type=int)
     max_num_seqs: int | None = _knob(None, "sequences per step", type=int)
     max_model_len: int | None = _knob(None, "longest prompt + output", type=int)
-    memory: str | int | None = _knob(None, "the whole engine's budget, e.g. 6GiB", type=str, exclusive="memory")
+    memory: str | int | None = _knob(
+        None,
+        "the whole engine's budget, e.g. 6GiB; follow: the container's limit (or the host's memory) "
+        "less 5%%, tracked while it runs",
+        type=str,
+        exclusive="memory",
+    )
     memory_fraction: float | None = _knob(
         None,
         "fraction of the memory free at start (default 0.9, cache capped at what max_num_seqs "
@@ -115,7 +121,7 @@ class EngineConfig:
                 raise ConfigError(name, f"must be a whole number >= 1, got {value!r}")
         if self.memory is not None and self.memory_fraction is not None:
             raise ConfigError("memory", "give memory or memory_fraction, not both")
-        if self.memory is not None:
+        if self.memory is not None and self.memory != "follow":
             _checked("memory", self.memory, parse_memory)
         if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
             raise ConfigError("memory_fraction", f"must be in (0, 1], got {self.memory_fraction}")

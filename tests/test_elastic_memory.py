@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from test_memory_planner import over_baseline
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.block_manager import BlockManager
@@ -79,7 +80,8 @@ def run(llm: LLM, batch, params, shrink_after: int | None = None):
 @pytest.mark.parametrize("kv", [None, "int8"])
 def test_shrinking_under_load_loses_nothing_and_changes_no_output(tiny_checkpoints, kv):
     directory, _ = tiny_checkpoints["llama"]
-    options = dict(memory="700MiB", block_size=4, max_num_seqs=32, max_model_len=160, kv_cache_dtype=kv)
+    budget = over_baseline(300)  # memory= bounds the whole (test) process, which is large
+    options = dict(memory=budget, block_size=4, max_num_seqs=32, max_model_len=160, kv_cache_dtype=kv)
     batch = prompts(320)
     params = [GREEDY] * 30 + [SamplingParams(max_tokens=24, temperature=0.8, seed=3, n=2, ignore_eos=True)] * 2
     fixed = run(LLM(str(directory), **options), batch, params)
@@ -90,7 +92,7 @@ def test_shrinking_under_load_loses_nothing_and_changes_no_output(tiny_checkpoin
     assert run(llm, batch, params) == fixed  # warm, with prefix-cache hits from this first run
     assert run(llm, batch, params, shrink_after=6) == fixed
     assert engine.blocks.num_free == engine.blocks.num_blocks  # nothing leaked
-    llm.set_memory("700MiB")
+    llm.set_memory(budget)
     assert engine.blocks.num_blocks == first
     assert run(llm, batch, params) == fixed
 
@@ -103,7 +105,7 @@ def _budget_for(llm: LLM, blocks: int) -> int:
 
 def test_a_budget_that_cannot_fit_is_refused_and_changes_nothing(tiny_checkpoints):
     directory, _ = tiny_checkpoints["llama"]
-    llm = LLM(str(directory), memory="700MiB")
+    llm = LLM(str(directory), memory=over_baseline(300))
     before = (llm.memory_plan, llm.engine.blocks.num_blocks)
     with pytest.raises(CacheDoesNotFitError):
         llm.set_memory("100MiB")  # less than the interpreter alone
@@ -166,3 +168,54 @@ def test_the_server_changes_its_budget_behind_the_api_key(tiny_checkpoints):
         assert metrics["pagedllm_kv_blocks_total"] == after["num_blocks"]
     finally:
         server.stop()
+
+
+# ---- memory="follow" ---------------------------------------------------------------------------
+
+
+def test_the_machine_watch_reads_cgroup_v2_v1_and_pressure(tmp_path):
+    from pagedllm.memory.follow import MachineWatch
+
+    watch = MachineWatch(tmp_path, tmp_path / "pressure", margin=0.05, interval_s=0)
+    assert watch.limit() is None and watch.pressure() is None
+    assert watch.budget(100, host_memory=1000) == (950, "0.95 x host memory")
+    (tmp_path / "memory").mkdir()
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1: no limit
+    assert watch.limit() is None
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text("4000\n")
+    assert watch.limit() == (4000, "cgroup v1 memory.limit_in_bytes")
+    (tmp_path / "memory.max").write_text("max\n")  # v2 wins over v1; "max" is no limit
+    (tmp_path / "memory.high").write_text("3000\n")
+    assert watch.limit() == (3000, "cgroup v2 memory.high")
+    (tmp_path / "memory.max").write_text("2000\n")
+    assert watch.limit() == (2000, "cgroup v2 memory.max")
+    (tmp_path / "pressure").write_text(
+        "some avg10=12.50 avg60=3.00 avg300=1.00 total=123456\nfull avg10=4.00 avg60=1.00 avg300=0.00 total=1\n"
+    )
+    assert watch.pressure() == 12.5
+    assert watch.budget(1000, host_memory=10**9) == (900, "memory pressure 12.5%: 0.9 x resident")
+    assert watch.budget(5000, host_memory=10**9) == (1900, "0.95 x cgroup v2 memory.max")  # holds more: the limit
+
+
+def test_an_engine_following_the_machine_moves_with_the_container_limit(tiny_checkpoints, tmp_path, monkeypatch):
+    directory, _ = tiny_checkpoints["llama"]
+    monkeypatch.setenv("PAGEDLLM_CGROUP_ROOT", str(tmp_path))
+    monkeypatch.setenv("PAGEDLLM_PSI_PATH", str(tmp_path / "pressure"))
+    monkeypatch.setenv("PAGEDLLM_FOLLOW_INTERVAL", "0")
+    high, low = over_baseline(500), over_baseline(300)  # container limits above this (large) process
+    (tmp_path / "memory.max").write_text(str(high))
+    (tmp_path / "pressure").write_text("some avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
+    llm = LLM(str(directory), memory="follow", max_model_len=128)
+    first = llm.memory_plan
+    assert first.budget_bytes == int(high * 0.95) and "cgroup v2 memory.max" in first.budget_source
+    (tmp_path / "memory.max").write_text(str(low))
+    out = llm.generate([[5, 6, 7]], GREEDY)[0]
+    shrunk = llm.engine.memory_plan
+    assert shrunk.budget_bytes == int(low * 0.95) and shrunk.num_blocks < first.num_blocks
+    assert llm.engine.blocks.num_blocks == shrunk.num_blocks
+    (tmp_path / "memory.max").write_text(str(low + MiB))  # within 1%: no move
+    llm.generate([[5, 6, 7]], GREEDY)
+    assert llm.engine.memory_plan is shrunk
+    (tmp_path / "memory.max").write_text(str(high))
+    assert llm.generate([[5, 6, 7]], GREEDY)[0].token_ids == out.token_ids
+    assert llm.engine.blocks.num_blocks == first.num_blocks

@@ -30,7 +30,21 @@ split = dict(tensor_parallel_size=a["tp"], threads=1) if a.get("tp", 1) > 1 else
 llm = LLM(a["model"], memory=a["memory"], dtype=a["dtype"], quantization=a.get("quantization"), **split)
 vocab = llm.loaded.config.vocab_size
 prompts = [[(7 * i + 3 * j) % (vocab - 10) + 5 for j in range(n)] for i, n in enumerate(a["lengths"])]
-outs = llm.generate(prompts, SamplingParams(max_tokens=a["new"], temperature=0, ignore_eos=True))
+greedy = SamplingParams(max_tokens=a["new"], temperature=0, ignore_eos=True)
+resident_after_shrink = None
+if a.get("shrink_to"):  # half the load, a smaller budget while requests run, then the rest
+    half = len(prompts) // 2
+    engine = llm.engine
+    ids = [engine.add_request(p, greedy) for p in prompts[:half]]
+    for _ in range(3):
+        engine.step()
+    llm.set_memory(a["shrink_to"])
+    while engine.has_unfinished():
+        engine.step()
+    outs = llm.generate(prompts[half:], greedy)
+    resident_after_shrink = resident_bytes()[0]
+else:
+    outs = llm.generate(prompts, greedy)
 assert all(len(o.token_ids) == a["new"] for o in outs)
 if a.get("schemas"):  # then constrained requests under as many distinct schemas: the grammar caches fill
     from pagedllm.bench.schemas import distinct_schemas
@@ -42,7 +56,8 @@ p = llm.memory_plan
 ranks = llm.engine.ranks.memory() if split else []  # every rank's (before loading, peak) resident bytes
 print(json.dumps({"hwm": resident_bytes()[1], "budget": p.budget_bytes, "plan": p.total_bytes,
                   "overhead": p.overhead_bytes, "max_model_len": p.max_model_len,
-                  "preemptions": llm.stats.preemptions, "ranks": ranks}))
+                  "preemptions": llm.stats.preemptions, "ranks": ranks,
+                  "resident_after_shrink": resident_after_shrink}))
 """
 
 # A wrapper whose only child is the command: its children's peak is the command's.
@@ -62,6 +77,7 @@ def run_library(
     quantization: str | None = None,
     schemas: int = 0,
     tp: int = 1,
+    shrink_to: str | None = None,
 ) -> dict:
     args = json.dumps(
         {
@@ -73,6 +89,7 @@ def run_library(
             "quantization": quantization,
             "schemas": schemas,
             "tp": tp,
+            "shrink_to": shrink_to,
         }
     )
     out = subprocess.run([sys.executable, "-c", LIBRARY_RUN, args], capture_output=True, text=True, timeout=900)
@@ -110,6 +127,18 @@ def test_a_tiny_hf_checkpoint_stays_within_a_tight_budget(tiny_checkpoints):
     directory = str(tiny_checkpoints["qwen3"][0])
     r = run_library(directory, "520MiB", "float32", [40, 90, 200, 300], 16)
     check_within_and_used(r, 520 * MiB)
+
+
+def test_a_budget_lowered_under_load_bounds_the_process_from_then_on(tiny_checkpoints):
+    """``set_memory`` part-way through the load: the peak stays within the first budget, and once
+    the cache has shrunk the process stays within the second while it serves the rest."""
+    directory = str(tiny_checkpoints["qwen3"][0])
+    r = run_library(directory, "700MiB", "float32", [40, 90, 200, 300] * 4, 16, shrink_to="520MiB")
+    print(
+        f"peak RSS {r['hwm'] / MiB:.0f} MiB (budget 700), after the shrink {r['resident_after_shrink'] / MiB:.0f} MiB"
+    )
+    assert r["hwm"] <= 700 * MiB
+    assert r["resident_after_shrink"] <= 520 * MiB
 
 
 def test_each_rank_of_a_split_model_stays_within_its_budget(tiny_checkpoints):

@@ -233,10 +233,11 @@ def test_a_size_that_does_not_split_the_model_fails_before_any_rank_starts(check
 
 COLLECTIVES = """
 import sys, torch
+from pagedllm import backends
 from pagedllm.distributed import shm
 from pagedllm.distributed.group import join
 rank = int(sys.argv[1])
-g = join(rank, 2, sys.argv[2])
+g = join(rank, 2, sys.argv[2], backends.get("cpu-compiled").shared_memory_ops())
 assert (g.shm is not None) == (sys.argv[3] == "shm")
 shm.SLOT_BYTES = 4096  # a tensor larger than a slot goes through in pieces
 for dtype in (torch.float32, torch.bfloat16):

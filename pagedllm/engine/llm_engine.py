@@ -25,12 +25,13 @@ from ..layers.sampler import Sampler
 from ..limits import RequestLimits
 from ..loading import LoadedModel
 from ..memory.budget import total_memory
+from ..memory.follow import FOLLOW, MachineWatch
 from ..memory.footprint import StepShape
 from ..memory.machine import resident_bytes
 from ..memory.planner import MemoryPlan, plan_engine
 from ..outputs import RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams, StructuredOutput
-from ..sizes import dtype_name
+from ..sizes import dtype_name, parse_memory
 from ..structured import GRAMMAR_CACHE_BYTES, Grammars
 from .block_manager import BlockManager
 from .detokenizer import Detokenizer
@@ -132,6 +133,9 @@ class LLMEngine:
         self.sampler = sampler
         self.runner = ModelRunner(loaded.model, self.kv_cache, sampler, self.backend)
         cpus = ranks.cpus if ranks is not None else None
+        # memory="follow": the budget moves with the machine (a split model's only at its start, for now)
+        self.following = MachineWatch.from_env() if config.memory == FOLLOW and ranks is None else None
+        self._next_look = 0.0
         self.threads = self.backend.thread_policy(config.threads or (len(cpus) if cpus else None), cpus=cpus)
         # Debug mode (the test suite runs with it): verify every step's bookkeeping.
         self.check_invariants_every_step = os.environ.get("PAGEDLLM_CHECK_INVARIANTS", "") not in ("", "0")
@@ -237,6 +241,8 @@ class LLMEngine:
         nothing, when even the smallest cache does not fit. Call it on the thread that steps."""
         if self.ranks is not None:
             raise ConfigError("memory", "a split model's budget cannot change at run time yet")
+        if parse_memory(memory) > total_memory():
+            raise ConfigError("memory", f"{memory}: more than this machine has ({total_memory() / 2**30:.1f} GiB)")
         old = self.memory_plan
         kept = self.config.replace(
             memory=memory,
@@ -261,6 +267,31 @@ class LLMEngine:
             plan.num_blocks,
         )
         return plan
+
+    def follow_machine(self) -> None:
+        """With ``memory="follow"``: at most every poll interval, the budget the machine allows
+        now (``memory.follow``); the engine moves to it when it changed by more than 1%."""
+        watch = self.following
+        if watch is None or time.monotonic() < self._next_look:
+            return
+        self._next_look = time.monotonic() + watch.interval_s
+        budget, why = watch.budget(resident_bytes()[0], total_memory())
+        old = self.memory_plan
+        if abs(budget - old.budget_bytes) <= max(16 * 1024**2, old.budget_bytes // 100):
+            return
+        try:
+            plan = self.set_memory(budget)
+        except (CacheDoesNotFitError, ConfigError) as e:
+            log.warning("memory=follow: %s allows %.0f MiB; keeping the plan (%s)", why, budget / 2**20, e)
+            return
+        log.warning(
+            "memory=follow: %s: budget %.0f -> %.0f MiB, %d -> %d KV blocks",
+            why,
+            old.budget_bytes / 2**20,
+            plan.budget_bytes / 2**20,
+            old.num_blocks,
+            plan.num_blocks,
+        )
 
     def _replan(self, config: EngineConfig) -> MemoryPlan:
         """The plan for ``config`` with this process's facts as they were at start (its baseline,
@@ -326,6 +357,7 @@ class LLMEngine:
                 outputs = self._outputs(self.scheduler.update_from_output(out, result))
         self._refresh_stats(out.total_tokens)
         self.threads.after_step()
+        self.follow_machine()
         if self.check_invariants_every_step:
             self.check_invariants()
         return outputs

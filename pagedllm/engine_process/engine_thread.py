@@ -184,6 +184,7 @@ class AsyncEngine:
                 if not self.engine.has_unfinished():
                     self._wake.wait(0.5)
                     self._wake.clear()
+                    self.engine.follow_machine()  # memory="follow" moves an idle engine too
                     continue
                 start = time.perf_counter()
                 outputs = self.engine.step()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from ..sizes import GiB, parse_memory
+from .follow import FOLLOW, MachineWatch
 
 
 def free_memory(device: str = "cpu") -> tuple[int, str]:
@@ -75,6 +76,11 @@ def resolve_budget(
     """
     if memory is not None and memory_fraction is not None:
         raise ValueError("give memory or memory_fraction, not both")
+    if memory == FOLLOW:
+        from .machine import resident_bytes
+
+        budget, why = MachineWatch.from_env().budget(resident_bytes()[0], total_memory())
+        return budget, f"memory=follow: {why}"
     if memory is not None:
         return parse_memory(memory), f"memory={memory}"
     fraction = 0.9 if memory_fraction is None else memory_fraction

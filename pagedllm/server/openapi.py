@@ -27,6 +27,7 @@ ERROR_BODY = {
     },
 }
 GUARD_ERRORS = {"401": "missing or wrong API key (with --api-key)", "413": "body over --max-body-bytes"}
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")  # SSE when streamed, 404 and 429 too
 GENERATION_ERRORS = {
     "400": "malformed, mistyped or out-of-range input",
     "404": "unknown model",
@@ -46,7 +47,9 @@ def document_responses(app: FastAPI) -> None:
                 responses = op.setdefault("responses", {})
                 responses.pop("422", None)
                 errors = {k: v for k, v in GUARD_ERRORS.items() if path != "/health" or k != "401"}
-                if method == "post":
+                if method == "post" and path not in GENERATION_PATHS:  # /v1/memory: a refusal is a 400
+                    errors["400"] = GENERATION_ERRORS["400"]
+                if method == "post" and path in GENERATION_PATHS:
                     errors.update(GENERATION_ERRORS)
                     responses["200"].setdefault("content", {})["text/event-stream"] = {
                         "schema": {"type": "string", "description": "SSE chunks when stream is true"}

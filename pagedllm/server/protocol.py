@@ -32,6 +32,14 @@ def _refuse_if_set(value, info):
 STRICT = ConfigDict(strict=True, extra="ignore")
 
 
+class MemoryRequest(BaseModel):
+    """``POST /v1/memory``: the engine's new budget, "640MiB" or a number of bytes."""
+
+    model_config = STRICT
+
+    memory: str | int
+
+
 class StreamOptions(BaseModel):
     model_config = STRICT
 

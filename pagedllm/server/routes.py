@@ -24,7 +24,7 @@ from ..sampling_params import StructuredOutput
 from . import tool_calls
 from .errors import APIError, unavailable
 from .generation import generate
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .protocol import ChatCompletionRequest, CompletionRequest, MemoryRequest
 from .served import Engine, ServedModel
 
 router = APIRouter()
@@ -66,15 +66,11 @@ async def memory(request: Request):
 
 
 @router.post("/v1/memory")
-async def set_memory(request: Request):
+async def set_memory(req: MemoryRequest, request: Request):
     """``{"memory": "640MiB"}``: a new budget for the running engine (``LLMEngine.set_memory``);
     the new plan back, or 400 with the planner's reason (nothing changed)."""
-    body = await request.json()
-    budget = body.get("memory") if isinstance(body, dict) else None
-    if not isinstance(budget, (str, int)) or isinstance(budget, bool):
-        raise RequestRejected('give the new budget as {"memory": "640MiB"} (or a number of bytes)', param="memory")
     try:
-        plan = await request.app.state.engine.set_memory(budget)
+        plan = await request.app.state.engine.set_memory(req.memory)
     except (CacheDoesNotFitError, ConfigError, ValueError) as e:
         raise RequestRejected(str(e), param="memory") from None
     request.app.state.model.memory_plan = plan
