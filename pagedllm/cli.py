@@ -99,7 +99,15 @@ def cmd_serve(args) -> int:
 
     import uvicorn
 
+    from .engine import ranks
     from .server.app import create_app, drain
+
+    launched = ranks.launched_rank()
+    if args.tensor_parallel_size > 1 and launched is not None and launched.rank != 0:
+        from .engine.builder import build_engine
+
+        build_engine(EngineConfig.from_args(args))  # a launched worker rank: no server; it serves the driver
+        return 0  # (build_engine ends such a rank's process itself)
 
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY")
     failed: list[BaseException] = []

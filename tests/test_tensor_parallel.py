@@ -382,19 +382,22 @@ def test_the_server_streams_a_split_model_and_leaves_no_rank_behind(tiny_gguf):
     llm = LLM(str(tiny_gguf), threads=1)
     expected = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].text
     server = ServerProcess("--model", str(tiny_gguf), "-tp", "2", "--threads", "1")
-    engine = server.engine_pid()
-    assert engine is not None
-    worker = _children(engine)[0]
-    body = {"model": "tiny-qwen2", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-    body["stream"] = True
-    text = ""
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                text += json.loads(line[6:])["choices"][0]["text"]
-    assert text == expected
-    assert server.stop() == 0
+    try:
+        engine = server.engine_pid()
+        assert engine is not None
+        worker = _children(engine)[0]
+        body = {"model": "tiny-qwen2", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        body["stream"] = True
+        text = ""
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        assert text == expected
+    finally:
+        status = server.stop()
+    assert status == 0
     for pid in (engine, worker):
         deadline = time.monotonic() + 15
         while _alive(pid) and time.monotonic() < deadline:
@@ -407,15 +410,17 @@ def test_a_worker_that_dies_ends_the_server_with_status_1(tiny_gguf):
     from server_process import ServerProcess
 
     server = ServerProcess("--model", str(tiny_gguf), "-tp", "2", "--threads", "1")
-    engine = server.engine_pid()
-    assert engine is not None
-    os.kill(_children(engine)[0], signal.SIGKILL)
-    body = {"model": "tiny-qwen2", "prompt": [5, 6, 7], "max_tokens": 8}
-    response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
-    assert response.status_code >= 500, response.text
-    assert "rank 1 has exited" in response.text or "a rank of 2 stopped answering" in response.text, response.text
-    assert server.proc.wait(60) == 1
-    server.stop()
+    try:
+        engine = server.engine_pid()
+        assert engine is not None
+        os.kill(_children(engine)[0], signal.SIGKILL)
+        body = {"model": "tiny-qwen2", "prompt": [5, 6, 7], "max_tokens": 8}
+        response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert response.status_code >= 500, response.text
+        assert "rank 1 has exited" in response.text or "a rank of 2 stopped answering" in response.text, response.text
+        assert server.proc.wait(60) == 1
+    finally:
+        server.stop()
 
 
 # ---- out of memory -----------------------------------------------------------------------------
@@ -463,3 +468,39 @@ def test_a_rank_out_of_memory_fails_the_step_on_every_rank_and_the_retry_matches
         assert [o.token_ids for o in split] == [o.token_ids for o in whole]
     finally:
         llm.close()
+
+
+@pytest.mark.slow
+def test_torchrun_launches_pagedllm_serve_rank_0_serves_rank_1_headless(checkpoints, tmp_path):
+    directory, _ = checkpoints["llama"]
+    port_file = tmp_path / "port"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    pagedllm = Path(sys.executable).with_name("pagedllm")
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node=2", str(pagedllm), "serve", "--model", str(directory)]
+    cmd += ["-tp", "2", "--threads", "1", "--port", "0", "--port-file", str(port_file)]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (port_file.exists() and port_file.read_text().endswith("\n")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        url = f"http://127.0.0.1:{int(port_file.read_text())}"
+        for _ in range(100):  # until the server answers
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        body = {"model": directory.name, "prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0}
+        served = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+        assert served["usage"]["completion_tokens"] == 6
+        # rank 0 is a server with its engine process; rank 1 steps in its own process, no server, no child
+        assert sorted(len(_children(rank)) for rank in _children(launcher.pid)) == [0, 1]
+    finally:
+        ranks = _children(launcher.pid)
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(60)
+    for pid in ranks:
+        deadline = time.monotonic() + 15
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(pid), f"rank process {pid} outlived torchrun"

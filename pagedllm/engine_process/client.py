@@ -201,25 +201,23 @@ class EngineProcess:
     async def set_memory(self, memory: str | int):
         """The engine moved to a new budget (``LLMEngine.set_memory``, in its process); raises
         CacheDoesNotFitError with the planner's message when it refused (nothing changed)."""
-        if self.error is not None:
-            raise EngineStopped(f"the engine has stopped: {self.error}")
-        ticket = next(self._tickets)
-        answer: Future = Future()
-        self._answers[ticket] = answer
-        self._send(m.SetMemory(ticket, memory))
-        plan, error = await asyncio.wrap_future(answer)
+        plan, error = await asyncio.wrap_future(self._ask(lambda ticket: m.SetMemory(ticket, memory)))
         if error is not None:
             raise CacheDoesNotFitError(error, {}, {})  # (its figures stayed in the engine process)
         self.memory_plan = plan
         return plan
 
     def _ask_compile(self, constraint: StructuredOutput) -> Future:
+        return self._ask(lambda ticket: m.Compile(ticket, constraint))
+
+    def _ask(self, message: Callable[[int], Any]) -> Future:
+        """Sends ``message(ticket)``; the reader thread resolves the future with its answer."""
         if self.error is not None:
             raise EngineStopped(f"the engine has stopped: {self.error}")
         ticket = next(self._tickets)
         answer: Future = Future()
         self._answers[ticket] = answer
-        self._send(m.Compile(ticket, constraint))
+        self._send(message(ticket))
         return answer
 
     def add(self, request_id: str, prompt: list[int], params: SamplingParams, sink) -> Any:
