@@ -385,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="step the engine on a thread of the server's process instead of a process of its own "
         "(one interpreter for HTTP and the engine: slower under load)",
     )
-    add_engine_flags(serve)
+    add_engine_flags(serve, "serve")
     serve.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="offline throughput, against peers on the same workload")
@@ -405,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
+    logging.getLogger("pagedllm.engine.elastic").setLevel(logging.INFO)  # each change of budget is logged
     try:
         return args.func(args)
     except (PagedLLMError, ValueError) as e:

@@ -74,6 +74,19 @@ class EngineConfig:
         type=float,
         exclusive="memory",
     )
+    idle_release_after: float | None = _knob(
+        None,
+        "with no request for this many seconds, give the KV cache's free pages back to the OS "
+        "(the prefix cache's too, unless --idle-keep-prefix-cache); the next request pays page faults",
+        type=float,
+        commands=("serve",),
+    )
+    idle_keep_prefix_cache: bool = _knob(
+        False,
+        "--idle-release-after: keep the prefix cache's blocks resident (moved to the bottom of the cache)",
+        flag="--idle-keep-prefix-cache",
+        commands=("serve",),
+    )
     enable_prefix_caching: bool = _knob(
         True, "do not reuse the KV blocks of prompt prefixes seen before", flag="--no-prefix-caching"
     )
@@ -125,6 +138,8 @@ class EngineConfig:
             _checked("memory", self.memory, parse_memory)
         if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
             raise ConfigError("memory_fraction", f"must be in (0, 1], got {self.memory_fraction}")
+        if self.idle_release_after is not None and not self.idle_release_after >= 0:
+            raise ConfigError("idle_release_after", f"must be seconds >= 0, got {self.idle_release_after}")
 
     @property
     def budgeted(self) -> bool:
@@ -142,19 +157,22 @@ class EngineConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
-        """From the flags ``add_flags`` made."""
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+        """From the flags ``add_flags`` made (a field a command has no flag for keeps its default)."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
 
 
-def add_flags(parser: argparse.ArgumentParser) -> None:
-    """The command-line flags of every EngineConfig field, in the 'model and engine' group."""
+def add_flags(parser: argparse.ArgumentParser, command: str | None = None) -> None:
+    """The command-line flags of the EngineConfig fields, in the 'model and engine' group: every
+    field's, but those a field keeps for some commands (``commands=``) only on those."""
     group = parser.add_argument_group("model and engine")
     exclusive: dict[str, Any] = {}
     for f in dataclasses.fields(EngineConfig):
         meta = dict(f.metadata)
+        if command not in meta.pop("commands", (command,)):
+            continue
         target = group
         if "exclusive" in meta:
             name = meta.pop("exclusive")
@@ -162,7 +180,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                 exclusive[name] = group.add_mutually_exclusive_group()
             target = exclusive[name]
         if isinstance(f.default, bool):
-            target.add_argument(meta["flag"], dest=f.name, action="store_false", help=meta["help"])
+            action = "store_false" if f.default else "store_true"  # the flag turns the default around
+            target.add_argument(meta["flag"], dest=f.name, action=action, help=meta["help"])
             continue
         flags = ["--" + f.name.replace("_", "-")] + ([meta["alias"]] if "alias" in meta else [])
         kwargs: dict[str, Any] = {"choices": list(meta["choices"])} if "choices" in meta else {}

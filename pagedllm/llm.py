@@ -89,15 +89,18 @@ class LLM:
         elif isinstance(self.engine, LLMEngine):
             self.engine.close()
 
-    def set_memory(self, memory: str | int):
-        """A new budget (``"640MiB"``, or bytes) for the running engine: the cache shrinks in
+    def set_memory(self, memory: str | int | None = None, *, memory_fraction: float | None = None):
+        """A new budget for the running engine, ``memory`` (``"640MiB"``, or bytes) or
+        ``memory_fraction`` (of what is free plus what the engine holds now): the cache shrinks in
         place (the newest requests preempted and recomputed later if what runs no longer fits,
         its freed pages given back to the OS) or grows; returns the new ``MemoryPlan``.
         ``CacheDoesNotFitError`` (nothing changed) when even the smallest cache does not fit.
-        Not yet for ``engine_process=True`` or a split model."""
-        if not isinstance(self.engine, LLMEngine):
-            raise NotImplementedError("set_memory: not yet for an engine in its own process (engine_process=True)")
-        self.memory_plan = self.engine.set_memory(memory)
+        Not yet for a split model (``tensor_parallel_size`` > 1)."""
+        if self.process is not None:
+            self.memory_plan = self.process.set_memory_now(memory, memory_fraction)
+        else:
+            assert isinstance(self.engine, LLMEngine)
+            self.memory_plan = self.engine.set_memory(memory, memory_fraction)
         return self.memory_plan
 
     @property

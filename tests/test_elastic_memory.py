@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from test_memory_planner import over_baseline
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.block_manager import BlockManager
+from pagedllm.engine_config import ConfigError
 from pagedllm.errors import CacheDoesNotFitError
 
 MiB = 1024**2
@@ -45,6 +47,37 @@ def test_shrinking_the_block_manager_moves_live_blocks_with_their_sharers_and_re
     with pytest.raises(RuntimeError, match="in use"):
         bm.resize(3)
     assert bm.resize(20) == [] and bm.num_free == 20 - bm.num_used
+    bm.check_invariants()
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_an_idle_block_manager_compacts_its_prefix_cache_to_the_bottom_or_forgets_it(keep):
+    bm = BlockManager(12, 4)
+    chain = {s: [s * 100 + t for t in range(13)] for s in range(3)}  # 3 full blocks (+1 token) each
+    for seq in range(3):  # sequence s: blocks 3s .. 3s+2
+        bm.prepare_write(seq, 0, 12)
+        bm.register_computed(seq, lambda a, b, s=seq: chain[s][a:b], 12)
+    for seq in range(3):
+        bm.free(seq)
+    bm.prepare_write(90, 0, 24)  # takes the 3 plain free blocks, then evicts sequence 0's chain
+    with pytest.raises(RuntimeError, match="hold blocks"):
+        bm.compact(keep)
+    bm.free(90)  # now: blocks 0-2 and 9-11 plainly free, 3-8 cached (sequences 1 and 2)
+    content = {b: f"kv{b}" for b in range(12)}
+    expected = {1: ["kv3", "kv4", "kv5"], 2: ["kv6", "kv7", "kv8"]}
+    moves, end = bm.compact(keep)
+    for source, destination in moves:  # the caller's copies
+        assert source >= end > destination
+        content[destination] = content[source]
+    bm.check_invariants()
+    assert bm.num_free == 12 and bm.num_cached_free == end == (6 if keep else 0)
+    assert bm.adopt_prefix(50, chain[0]) == 0  # evicted before: gone either way
+    for s in (1, 2):
+        assert bm.adopt_prefix(50 + s, chain[s]) == (12 if keep else 0)
+        assert all(b < end for b in bm.table(50 + s))
+        assert [content[b] for b in bm.table(50 + s)] == (expected[s] if keep else [])
+    bm.prepare_write(70, 0, 4)
+    assert bm.table(70) == [end]  # the lowest free block is handed out first
     bm.check_invariants()
 
 
@@ -138,13 +171,55 @@ def test_shrinking_gives_the_pages_back_resident_memory_falls_under_the_new_budg
     assert r["after"] <= 500 * MiB and r["ok"]
 
 
+IDLE_RUN = r"""
+import json, sys
+from pagedllm.memory.machine import resident_bytes
+from pagedllm import LLM, SamplingParams
+interpreter = resident_bytes()[0]  # pagedllm and torch imported, no model
+llm = LLM(sys.argv[1], memory="800MiB", block_size=16, max_model_len=256)
+prompts = [[(7 * i + j) % 300 + 5 for j in range(200)] for i in range(40)]
+params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+first = [o.token_ids for o in llm.generate(prompts, params)]
+busy = resident_bytes()[0]
+llm.engine.release_idle_memory(keep_prefix_cache=sys.argv[2] == "keep")
+idle = resident_bytes()[0]
+hits = llm.engine.stats.prefix_cache_hit_tokens
+again = [o.token_ids for o in llm.generate(prompts, params)]
+plan = llm.memory_plan
+print(json.dumps(dict(interpreter=interpreter, busy=busy, idle=idle, weights=plan.weights_bytes,
+  cache=plan.kv_cache_bytes, per_block=plan.kv_bytes_per_block, same=again == first,
+  hits=llm.engine.stats.prefix_cache_hit_tokens - hits)))
+"""
+
+
+@pytest.mark.parametrize("keep", ["keep", "drop"])
+def test_an_idle_engine_gives_its_free_cache_pages_back_and_serves_the_same_after(tiny_checkpoints, keep):
+    directory, _ = tiny_checkpoints["qwen3"]
+    out = subprocess.run(
+        [sys.executable, "-c", IDLE_RUN, str(directory), keep], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    print({k: f"{v / MiB:.0f} MiB" if isinstance(v, int) and v > MiB else v for k, v in r.items()})
+    assert r["same"], "the outputs after the release differ"
+    full_blocks = 40 * (199 // 16)  # each prompt's full blocks, computed once and cached
+    kept = full_blocks * r["per_block"] if keep == "keep" else 0
+    assert r["hits"] == (full_blocks * 16 if keep == "keep" else 0)
+    # the target: an idle engine holds the interpreter, its weights and at most 10% of its cache
+    # (besides the prefix cache it was asked to keep)
+    assert r["idle"] <= r["interpreter"] + r["weights"] + kept + 0.1 * r["cache"]
+    assert r["busy"] - r["idle"] >= 0.8 * (r["cache"] - kept)
+
+
 @pytest.mark.slow
 def test_the_server_changes_its_budget_behind_the_api_key(tiny_checkpoints):
     import httpx
     from server_process import ServerProcess, parse_metrics
 
     directory, _ = tiny_checkpoints["llama"]
-    server = ServerProcess("--model", str(directory), "--memory", "800MiB", "--api-key", "k3y")
+    server = ServerProcess(
+        "--model", str(directory), "--memory", "800MiB", "--api-key", "k3y", "--idle-release-after", "2"
+    )  # fmt: skip
     key = {"Authorization": "Bearer k3y"}
     try:
         assert httpx.get(server.url + "/v1/memory", timeout=10).status_code == 401
@@ -166,8 +241,49 @@ def test_the_server_changes_its_budget_behind_the_api_key(tiny_checkpoints):
         assert metrics["pagedllm_memory_resizes_total"] == 1
         assert metrics["pagedllm_memory_budget_bytes"] == budget
         assert metrics["pagedllm_kv_blocks_total"] == after["num_blocks"]
+        pids = [server.pid, server.engine_pid()]
+        busy = sum(rss(p) for p in pids)
+        assert metrics["pagedllm_resident_bytes"] == pytest.approx(sum(rss(p) for p in pids), rel=0.05)
+        assert f"memory budget 800 -> {budget / MiB:.0f} MiB" in server.log_tail(200)  # each resize logged
+        both = httpx.post(server.url + "/v1/memory", json={"memory": budget, "memory_fraction": 0.5}, headers=key)
+        assert both.status_code == 400
+        # idle for 2 s: the cache's free pages go back to the OS
+        deadline = time.monotonic() + 30
+        while metrics["pagedllm_idle_releases_total"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.5)
+            metrics = parse_metrics(httpx.get(server.url + "/metrics", headers=key, timeout=10).text)
+        assert metrics["pagedllm_idle_releases_total"] == 1
+        released = sum(rss(p) for p in pids)
+        assert released <= metrics["pagedllm_resident_bytes"] + MiB
+        assert released <= busy - 0.8 * after["kv_cache_bytes"]
     finally:
         server.stop()
+
+
+def rss(pid: int) -> int:
+    """VmRSS of ``pid`` in bytes, read here (the oracle for the server's gauge)."""
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def test_a_fraction_budget_is_that_share_of_the_free_memory_and_what_the_engine_holds(tiny_checkpoints, monkeypatch):
+    from pagedllm.memory import budget as budget_module
+    from pagedllm.memory.machine import resident_bytes
+
+    directory, _ = tiny_checkpoints["llama"]
+    llm = LLM(str(directory), memory=over_baseline(300))
+    held = resident_bytes()[0]
+    free = held + 400 * MiB  # what the machine has free, as the test says: half of free + held is held + 200 MiB
+    monkeypatch.setattr(budget_module, "free_memory", lambda device="cpu": (free, "the test"))
+    plan = llm.set_memory(memory_fraction=0.5)
+    assert plan.budget_bytes == pytest.approx((free + held) / 2, abs=8 * MiB)
+    assert plan.num_blocks == llm.engine.blocks.num_blocks
+    with pytest.raises(ConfigError):
+        llm.set_memory("500MiB", memory_fraction=0.5)
+    with pytest.raises(ConfigError):
+        llm.set_memory(memory_fraction=1.5)
 
 
 # ---- memory="follow" ---------------------------------------------------------------------------

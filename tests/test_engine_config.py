@@ -13,6 +13,11 @@ from pagedllm.engine_config import ConfigError, EngineConfig
 from pagedllm.structured import GRAMMAR_CACHE_BYTES
 
 FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
+SERVE_ONLY = {"idle_release_after", "idle_keep_prefix_cache"}  # an idle engine is a server's
+
+
+def fields_of(command: str) -> set[str]:
+    return FIELDS if command == "serve" else FIELDS - SERVE_ONLY
 
 
 @pytest.mark.parametrize("command", ["generate", "chat", "serve", "bench", "plan"])
@@ -20,7 +25,7 @@ def test_every_command_has_exactly_the_config_fields_as_engine_flags(command):
     parser = build_parser()
     sub = next(a for a in parser._subparsers._group_actions).choices[command]
     group = next(g for g in sub._action_groups if g.title == "model and engine")
-    assert {a.dest for a in group._group_actions} == FIELDS
+    assert {a.dest for a in group._group_actions} == fields_of(command)
     assert EngineConfig.from_args(parser.parse_args([command] if command != "generate" else [command, "x"])) == (
         EngineConfig()
     ), "the flags' defaults are the config's"
@@ -32,7 +37,8 @@ def test_every_commands_help_lists_the_engine_flags(command, capsys):
         build_parser().parse_args([command, "--help"])
     out = capsys.readouterr().out
     assert e.value.code == 0 and "--memory MEMORY | --memory-fraction MEMORY_FRACTION" in out
-    assert all(f"--{name.replace('_', '-')}" in out for name in FIELDS - {"enable_prefix_caching", "structured_output"})
+    flags = {"enable_prefix_caching": "--no-prefix-caching", "structured_output": "--no-structured-output"}
+    assert all(flags.get(name, f"--{name.replace('_', '-')}") in out for name in fields_of(command))
 
 
 def test_flags_become_the_config_they_name():
@@ -126,3 +132,12 @@ def test_plan_without_an_engine_plans_for_the_backend_named():
     assert torch_path != compiled
     auto = plan_engine(cfg, EngineConfig(**sizes)).activation_bytes
     assert auto == (compiled if expected_kernels() == "compiled" else torch_path)
+
+
+def test_the_idle_release_flags_are_the_servers_and_checked():
+    args = build_parser().parse_args("serve --idle-release-after 2.5 --idle-keep-prefix-cache".split())
+    assert EngineConfig.from_args(args) == EngineConfig(idle_release_after=2.5, idle_keep_prefix_cache=True)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args("generate x --idle-release-after 2".split())
+    with pytest.raises(ConfigError, match="idle_release_after"):
+        EngineConfig(idle_release_after=-1)

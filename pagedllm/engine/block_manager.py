@@ -242,6 +242,30 @@ class BlockManager:
         self.num_blocks = num_blocks
         return list(moved.items())
 
+    def compact(self, keep_cached: bool) -> tuple[list[tuple[int, int]], int]:
+        """With no block held by a sequence: the prefix cache's blocks moved to the bottom of the
+        cache (their order of eviction kept), or all evicted (``keep_cached=False``). Returns the
+        (source, destination) moves and the number of blocks kept; the free stack then hands out
+        the lowest block first."""
+        if self.tables:
+            raise RuntimeError(f"compact: {len(self.tables)} sequences hold blocks")
+        if not keep_cached:
+            self.prefix_stats.evictions += len(self._evictable)
+            self._evictable.clear()
+            self._block_key.clear()
+            self._by_hash.clear()
+        end = len(self._evictable)
+        holes = [b for b in range(end) if b not in self._evictable]
+        moved = {}
+        for source in [b for b in self._evictable if b >= end]:
+            destination = moved[source] = holes.pop()
+            key = self._block_key.pop(source)
+            self._block_key[destination] = key
+            self._by_hash[key[0]] = destination
+        self._evictable = OrderedDict((moved.get(b, b), None) for b in self._evictable)
+        self._free = list(range(self.num_blocks - 1, end - 1, -1))
+        return list(moved.items()), end
+
     # ---- checks -------------------------------------------------------------------------------
 
     def check_invariants(self) -> None:

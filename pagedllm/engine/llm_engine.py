@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -25,16 +25,16 @@ from ..layers.sampler import Sampler
 from ..limits import RequestLimits
 from ..loading import LoadedModel
 from ..memory.budget import total_memory
-from ..memory.follow import FOLLOW, MachineWatch
 from ..memory.footprint import StepShape
 from ..memory.machine import resident_bytes
 from ..memory.planner import MemoryPlan, plan_engine
 from ..outputs import RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams, StructuredOutput
-from ..sizes import dtype_name, parse_memory
+from ..sizes import dtype_name
 from ..structured import GRAMMAR_CACHE_BYTES, Grammars
 from .block_manager import BlockManager
 from .detokenizer import Detokenizer
+from .elastic import ElasticMemory
 from .model_runner import ModelRunner
 from .ranks import Ranks
 from .scheduler import Scheduler, SchedulerCounters
@@ -59,6 +59,8 @@ class EngineStats(SchedulerCounters):
     prefix_cache_evictions: int = 0
     last_step_tokens: int = 0
     max_batch_tokens: int = 0  # the effective step budget (lowered by out-of-memory recoveries)
+    memory_resizes: int = 0  # budgets changed at run time (set_memory, memory="follow")
+    idle_releases: int = 0  # idle spells whose free cache pages went back to the OS
 
 
 class LLMEngine:
@@ -133,15 +135,13 @@ class LLMEngine:
         self.sampler = sampler
         self.runner = ModelRunner(loaded.model, self.kv_cache, sampler, self.backend)
         cpus = ranks.cpus if ranks is not None else None
-        # memory="follow": the budget moves with the machine (a split model's only at its start, for now)
-        self.following = MachineWatch.from_env() if config.memory == FOLLOW and ranks is None else None
-        self._next_look = 0.0
         self.threads = self.backend.thread_policy(config.threads or (len(cpus) if cpus else None), cpus=cpus)
         # Debug mode (the test suite runs with it): verify every step's bookkeeping.
         self.check_invariants_every_step = os.environ.get("PAGEDLLM_CHECK_INVARIANTS", "") not in ("", "0")
         self.record_step_shapes = False  # the memory tests turn it on to read last_step_shape
         self.last_step_shape: StepShape | None = None
         self._ids = itertools.count()
+        self.elastic = ElasticMemory(self)
         self._refresh_stats(0)
         log.info("memory plan:\n%s", plan.table())
 
@@ -232,68 +232,31 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    # ---- the budget at run time --------------------------------------------------------------
+    # ---- the budget at run time (engine/elastic.py) -------------------------------------------
 
-    def set_memory(self, memory: str | int) -> MemoryPlan:
-        """Moves the engine to a new budget while it keeps its requests: the planner solves the
-        cache for it (the step budget too, only if the cache alone cannot make it fit), and the
-        cache shrinks or grows in place (``_resize``). Raises CacheDoesNotFitError, changing
-        nothing, when even the smallest cache does not fit. Call it on the thread that steps."""
-        if self.ranks is not None:
-            raise ConfigError("memory", "a split model's budget cannot change at run time yet")
-        if parse_memory(memory) > total_memory():
-            raise ConfigError("memory", f"{memory}: more than this machine has ({total_memory() / 2**30:.1f} GiB)")
-        old = self.memory_plan
-        kept = self.config.replace(
-            memory=memory,
-            memory_fraction=None,
-            num_blocks=None,
-            max_batch_tokens=old.max_batch_tokens,
-            max_num_seqs=old.max_num_seqs,
-            max_model_len=old.max_model_len,
-        )
-        try:
-            plan = self._replan(kept)
-        except CacheDoesNotFitError:
-            plan = self._replan(kept.replace(max_batch_tokens=None))  # raises if nothing fits
-        if plan.num_blocks > self.kv_cache.capacity_blocks:
-            plan = replace(plan, num_blocks=self.kv_cache.capacity_blocks)
-        self._resize(plan)
-        log.info(
-            "memory budget %s -> %s: %d -> %d KV blocks",
-            old.budget_bytes,
-            plan.budget_bytes,
-            old.num_blocks,
-            plan.num_blocks,
-        )
+    def set_memory(self, memory: str | int | None = None, memory_fraction: float | None = None) -> MemoryPlan:
+        """Moves the engine to a new budget, keeping its requests (``ElasticMemory.set_memory``).
+        Call it on the thread that steps."""
+        plan = self.elastic.set_memory(memory, memory_fraction)
+        self._refresh_stats(0)
         return plan
 
     def follow_machine(self) -> None:
-        """With ``memory="follow"``: at most every poll interval, the budget the machine allows
-        now (``memory.follow``); the engine moves to it when it changed by more than 1%."""
-        watch = self.following
-        if watch is None or time.monotonic() < self._next_look:
-            return
-        self._next_look = time.monotonic() + watch.interval_s
-        budget, why = watch.budget(resident_bytes()[0], total_memory())
-        old = self.memory_plan
-        if abs(budget - old.budget_bytes) <= max(16 * 1024**2, old.budget_bytes // 100):
-            return
-        try:
-            plan = self.set_memory(budget)
-        except (CacheDoesNotFitError, ConfigError) as e:
-            log.warning("memory=follow: %s allows %.0f MiB; keeping the plan (%s)", why, budget / 2**20, e)
-            return
-        log.warning(
-            "memory=follow: %s: budget %.0f -> %.0f MiB, %d -> %d KV blocks",
-            why,
-            old.budget_bytes / 2**20,
-            plan.budget_bytes / 2**20,
-            old.num_blocks,
-            plan.num_blocks,
-        )
+        self.elastic.follow_machine()
+        self._refresh_stats(0)
 
-    def _replan(self, config: EngineConfig) -> MemoryPlan:
+    def while_idle(self) -> None:
+        """For a serving loop with nothing to step: ``memory="follow"`` and idle release."""
+        self.elastic.while_idle()
+        self._refresh_stats(0)
+
+    def release_idle_memory(self, keep_prefix_cache: bool = False) -> int:
+        """With nothing running, the free blocks' pages back to the OS (``ElasticMemory.release_idle``)."""
+        released = self.elastic.release_idle(keep_prefix_cache)
+        self._refresh_stats(0)
+        return released
+
+    def replan(self, config: EngineConfig) -> MemoryPlan:
         """The plan for ``config`` with this process's facts as they were at start (its baseline,
         its weights, the API process beside it)."""
         old = self.memory_plan
@@ -308,23 +271,6 @@ class LLMEngine:
             baseline_bytes=old.baseline_bytes - old.api_process_bytes,
             api_process_bytes=old.api_process_bytes,
         )
-
-    def _resize(self, plan: MemoryPlan) -> None:
-        """The cache, the block manager and the limits to ``plan``. Shrinking: the newest
-        requests are preempted until what runs fits, the blocks past the new end are moved down
-        (a copy each, 8-bit scales included), then their pages go back to the OS."""
-        n = plan.num_blocks
-        if n < self.blocks.num_blocks:
-            self.kv_cache.copy_blocks(self.scheduler.shrink_cache(n))
-            self.kv_cache.resize(n)
-        else:
-            self.kv_cache.resize(n)
-            self.blocks.resize(n)
-        self.scheduler.max_batch_tokens = plan.max_batch_tokens
-        self.limits = replace(self.limits, num_blocks=n)
-        self.memory_plan = plan
-        self.config = self.config.replace(memory=plan.budget_bytes, memory_fraction=None)
-        self._refresh_stats(0)
 
     def close(self) -> None:
         """Ends the other ranks of a split model (nothing to do for one process)."""
@@ -355,9 +301,9 @@ class LLMEngine:
                 if self.record_step_shapes:
                     self.last_step_shape = self.runner.step_shape(out, seqs)
                 outputs = self._outputs(self.scheduler.update_from_output(out, result))
-        self._refresh_stats(out.total_tokens)
         self.threads.after_step()
-        self.follow_machine()
+        self.elastic.stepped(bool(out))  # (may move to a new budget: memory="follow")
+        self._refresh_stats(out.total_tokens)
         if self.check_invariants_every_step:
             self.check_invariants()
         return outputs
@@ -412,6 +358,8 @@ class LLMEngine:
             prefix_cache_evictions=prefix.evictions,
             last_step_tokens=step_tokens,
             max_batch_tokens=s.max_batch_tokens,
+            memory_resizes=self.elastic.resizes,
+            idle_releases=self.elastic.idle_releases,
         )
 
 

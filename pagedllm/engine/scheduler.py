@@ -274,6 +274,19 @@ class Scheduler:
         ]
         return moves
 
+    def compact_idle_cache(self, keep_cached: bool) -> tuple[list[tuple[int, int]], int]:
+        """With nothing queued: the block manager's prefix-cache blocks moved to the bottom of
+        the cache (or forgotten, ``keep_cached=False``). Returns the (source, destination) moves,
+        for the caller to copy now, and the first block past what is kept: every block from there
+        on is free, its pages can go back to the OS."""
+        if self.running or self.waiting:
+            raise RuntimeError("compact_idle_cache: requests are queued")
+        self._to_copy = []  # a pending copy's destination belonged to a request: none is left
+        moves, end = self.blocks.compact(keep_cached)
+        overwritten = {dst for _, dst in moves}  # by a clean copy: zeroing it would wipe that
+        self._to_zero = [b for b in self._to_zero if b not in overwritten]
+        return moves, end
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq.seq_id)

@@ -124,7 +124,7 @@ def run_messages(conn: Connection, engine, link: ParentLink) -> None:
         elif isinstance(message, m.Compile):
             link.send(m.Compiled(message.ticket, compile_rejection(engine, message.constraint)))
         elif isinstance(message, m.SetMemory):
-            answer_when_set(engine.set_memory_later(message.memory), message.ticket, link)
+            answer_when_set(engine.set_memory_later(message.memory, message.memory_fraction), message.ticket, link)
         elif isinstance(message, m.Shutdown):
             engine.stop()
             return
@@ -169,6 +169,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C: the API process drains first
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a supervisor's, sent to the whole group: likewise
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("pagedllm.engine.elastic").setLevel(logging.INFO)  # each change of budget is logged
     return serve(Connection(int(argv[0])))
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import queue
 import socket
 import subprocess
@@ -181,6 +182,11 @@ class EngineProcess:
     def num_unfinished(self) -> int:
         return len(self._sinks)
 
+    @property
+    def pids(self) -> list[int]:
+        """The processes whose memory the budget bounds: this (the API's) and the engine's."""
+        return [os.getpid(), self.proc.pid]
+
     def is_open(self, request_id: str) -> bool:
         """Whether a request with this id was added and has not finished."""
         return request_id in self._sinks
@@ -198,10 +204,20 @@ class EngineProcess:
         """``compile``, waiting on this thread (for ``LLM``)."""
         _raise_rejection(self._ask_compile(constraint).result())
 
-    async def set_memory(self, memory: str | int):
+    async def set_memory(self, memory: str | int | None, memory_fraction: float | None = None):
         """The engine moved to a new budget (``LLMEngine.set_memory``, in its process); raises
         CacheDoesNotFitError with the planner's message when it refused (nothing changed)."""
-        plan, error = await asyncio.wrap_future(self._ask(lambda ticket: m.SetMemory(ticket, memory)))
+        return self._memory_set(await asyncio.wrap_future(self._ask_set_memory(memory, memory_fraction)))
+
+    def set_memory_now(self, memory: str | int | None, memory_fraction: float | None = None):
+        """``set_memory``, waiting on this thread (for ``LLM``)."""
+        return self._memory_set(self._ask_set_memory(memory, memory_fraction).result())
+
+    def _ask_set_memory(self, memory: str | int | None, memory_fraction: float | None) -> Future:
+        return self._ask(lambda ticket: m.SetMemory(ticket, memory, memory_fraction))
+
+    def _memory_set(self, answer: tuple):
+        plan, error = answer
         if error is not None:
             raise CacheDoesNotFitError(error, {}, {})  # (its figures stayed in the engine process)
         self.memory_plan = plan

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
@@ -63,7 +64,8 @@ class _AbortAll:
 class _SetMemory:
     """A new budget (``LLMEngine.set_memory``), applied between steps; the answer in ``done``."""
 
-    memory: str | int
+    memory: str | int | None
+    memory_fraction: float | None
     done: Future
 
 
@@ -121,6 +123,11 @@ class AsyncEngine:
         return self.engine.stats
 
     @property
+    def pids(self) -> list[int]:
+        """The processes whose memory the budget bounds: this one."""
+        return [os.getpid()]
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
@@ -154,15 +161,15 @@ class AsyncEngine:
         self._ops.put(_Abort(request_id))
         self._wake.set()
 
-    async def set_memory(self, memory: str | int) -> MemoryPlan:
+    async def set_memory(self, memory: str | int | None, memory_fraction: float | None = None) -> MemoryPlan:
         """The engine moved to a new budget between two steps (``LLMEngine.set_memory``); raises
         what it raises (CacheDoesNotFitError: nothing changed)."""
-        return await asyncio.wrap_future(self.set_memory_later(memory))
+        return await asyncio.wrap_future(self.set_memory_later(memory, memory_fraction))
 
-    def set_memory_later(self, memory: str | int) -> Future:
+    def set_memory_later(self, memory: str | int | None, memory_fraction: float | None = None) -> Future:
         """``set_memory`` from any thread: a future of the new plan."""
         done: Future = Future()
-        self._ops.put(_SetMemory(memory, done))
+        self._ops.put(_SetMemory(memory, memory_fraction, done))
         self._wake.set()
         return done
 
@@ -184,7 +191,10 @@ class AsyncEngine:
                 if not self.engine.has_unfinished():
                     self._wake.wait(0.5)
                     self._wake.clear()
-                    self.engine.follow_machine()  # memory="follow" moves an idle engine too
+                    before = _memory_moves(self.engine.stats)
+                    self.engine.while_idle()  # memory="follow" moves an idle engine too; idle release
+                    if _memory_moves(self.engine.stats) != before:
+                        self._deliver([])  # no outputs, but whoever reports the stats hears of it
                     continue
                 start = time.perf_counter()
                 outputs = self.engine.step()
@@ -224,7 +234,8 @@ class AsyncEngine:
                 self._add(op, aborted=self._take_pending())
             elif isinstance(op, _SetMemory):
                 try:
-                    op.done.set_result(self.engine.set_memory(op.memory))
+                    op.done.set_result(self.engine.set_memory(op.memory, op.memory_fraction))
+                    self._deliver([])  # (the new stats reported)
                 except Exception as e:  # the planner's refusal, or a budget that does not parse
                     op.done.set_exception(e)
             elif isinstance(op, _Abort):
@@ -271,3 +282,7 @@ class AsyncEngine:
                 del self._sinks[out.request_id]
         for callback in self.on_delivered:
             callback()
+
+
+def _memory_moves(stats) -> tuple[int, int]:
+    return stats.memory_resizes, stats.idle_releases

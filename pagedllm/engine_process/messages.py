@@ -66,7 +66,8 @@ class SetMemory:
     """A new budget for the engine (``LLMEngine.set_memory``). Answered by ``MemorySet``."""
 
     ticket: int
-    memory: str | int
+    memory: str | int | None
+    memory_fraction: float | None = None
 
 
 @dataclass

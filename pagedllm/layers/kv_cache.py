@@ -138,6 +138,12 @@ class KVCache:
         elif num_blocks > old and self.resident:
             self._commit(old, num_blocks)
 
+    def release_pages(self, first: int) -> None:
+        """Gives back the pages of blocks [first, capacity) without taking them out of use: an
+        idle engine's free blocks, which read as zeros afterwards and fault their pages back in
+        as they are written."""
+        self._release(first)
+
     def _heads(self) -> list[tuple[torch.Tensor, int]]:
         """Every tensor, with the bytes of one head's slots in it ([KVH, slots, ...] layout)."""
         return [(t, t.stride(0) * t.element_size()) for t in self._tensors()]

@@ -114,10 +114,10 @@ def usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def resident_bytes() -> tuple[int, int]:
-    """(VmRSS, VmHWM) of this process in bytes: resident now, and the peak so far."""
+def resident_bytes(pid: int | str = "self") -> tuple[int, int]:
+    """(VmRSS, VmHWM) of this process (or ``pid``) in bytes: resident now, and the peak so far."""
     fields = {}
-    with open("/proc/self/status") as f:
+    with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith(("VmRSS:", "VmHWM:")):
                 key, value = line.split(":")

@@ -10,6 +10,8 @@ from collections import deque
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..memory.machine import resident_bytes
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -43,7 +45,6 @@ class Metrics:
         """``plan``: the engine's memory plan now (a callable: ``POST /v1/memory`` replaces it)."""
         self.registry = CollectorRegistry()
         self.plan = plan
-        self.resizes = 0  # budgets changed at run time
         self.ttft = Histogram(
             "pagedllm_time_to_first_token_seconds",
             "Time from arrival to the first token",
@@ -89,6 +90,10 @@ class _EngineCollector:
             plan = self.metrics.plan()
             gauges["pagedllm_memory_budget_bytes"] = ("The memory budget (memory=)", plan.budget_bytes)
             gauges["pagedllm_memory_planned_bytes"] = ("The plan's peak under load", plan.total_bytes)
+        gauges["pagedllm_resident_bytes"] = (
+            "Resident memory (VmRSS) of the server's processes, what the budget bounds",
+            resident_total(self.engine.pids),
+        )
         counters = {
             "pagedllm_prompt_tokens": ("Prompt tokens computed", s.prompt_tokens_computed),
             "pagedllm_generation_tokens": ("Tokens generated", s.tokens_generated),
@@ -107,7 +112,11 @@ class _EngineCollector:
                 "Shared blocks copied on first write (samples of one request)",
                 s.blocks_copied,
             ),
-            "pagedllm_memory_resizes": ("Budgets changed at run time (POST /v1/memory)", self.metrics.resizes),
+            "pagedllm_memory_resizes": (
+                "Budgets changed at run time (POST /v1/memory, memory=follow)",
+                s.memory_resizes,
+            ),
+            "pagedllm_idle_releases": ("Idle spells whose free KV cache pages went back to the OS", s.idle_releases),
         }
         for family, table in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
             for name, (doc, value) in table.items():
@@ -118,3 +127,14 @@ class _EngineCollector:
         for status, count in sorted(self.metrics.http_errors.items()):
             errors.add_metric([str(status)], count)
         yield errors
+
+
+def resident_total(pids: list[int]) -> int:
+    """VmRSS of ``pids``, summed (a process that has just ended counts nothing)."""
+    total = 0
+    for pid in pids:
+        try:
+            total += resident_bytes(pid)[0]
+        except (OSError, KeyError):
+            pass
+    return total

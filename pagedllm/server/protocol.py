@@ -33,11 +33,13 @@ STRICT = ConfigDict(strict=True, extra="ignore")
 
 
 class MemoryRequest(BaseModel):
-    """``POST /v1/memory``: the engine's new budget, "640MiB" or a number of bytes."""
+    """``POST /v1/memory``: the engine's new budget, ``memory`` ("640MiB" or a number of bytes)
+    or ``memory_fraction`` (of what is free plus what the server holds now); one of them."""
 
     model_config = STRICT
 
-    memory: str | int
+    memory: str | int | None = None
+    memory_fraction: float | None = None
 
 
 class StreamOptions(BaseModel):

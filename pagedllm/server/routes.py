@@ -67,14 +67,14 @@ async def memory(request: Request):
 
 @router.post("/v1/memory")
 async def set_memory(req: MemoryRequest, request: Request):
-    """``{"memory": "640MiB"}``: a new budget for the running engine (``LLMEngine.set_memory``);
-    the new plan back, or 400 with the planner's reason (nothing changed)."""
+    """``{"memory": "640MiB"}`` or ``{"memory_fraction": 0.5}``: a new budget for the running
+    engine (``LLMEngine.set_memory``); the new plan back, or 400 with the planner's reason
+    (nothing changed)."""
     try:
-        plan = await request.app.state.engine.set_memory(req.memory)
+        plan = await request.app.state.engine.set_memory(req.memory, req.memory_fraction)
     except (CacheDoesNotFitError, ConfigError, ValueError) as e:
         raise RequestRejected(str(e), param="memory") from None
     request.app.state.model.memory_plan = plan
-    request.app.state.metrics.resizes += 1
     return plan.to_dict()
 
 
