@@ -71,10 +71,11 @@ class CPUCompiledBackend(CPUTorchBackend):
 
     def quantized_matmul(self, x: torch.Tensor, w: quant.QuantizedWeight) -> torch.Tensor:
         """The packed-weight kernel for few rows (a step costs the bytes of the 4- or 8-bit
-        weights), and for any number of bf16 rows on AMX tiles (weights dequantized 16 channels
-        at a time into L1); else dequantize the layer + GEMM."""
+        weights), for any number of float32 rows (it beats dequantize + GEMM at every row count
+        measured, 8 to 512: docs/quantization.md), and for any number of bf16 rows on AMX tiles
+        (weights dequantized 16 channels at a time into L1); else dequantize the layer + GEMM."""
         tiles = self.amx_tiles and x.dtype == torch.bfloat16 and w.shape[1] % 32 == 0
-        if x.shape[0] <= QUANT_KERNEL_MAX_ROWS or tiles:
+        if x.shape[0] <= QUANT_KERNEL_MAX_ROWS or tiles or x.dtype == torch.float32:
             return self.ops.quant_linear(x.contiguous(), w.qweight, w.scale, w.zero, w.bits, w.group)
         return super().quantized_matmul(x, w)
 

@@ -310,7 +310,8 @@ class _Gemms:
             return rows * out * e
         if s.quantized_weights:
             tiles = s.amx_tiles and e == 2 and rows > QUANT_KERNEL_MAX_ROWS
-            if rows <= QUANT_KERNEL_MAX_ROWS or tiles:  # a float32 output; for bf16 the result in bf16,
+            kernel = rows <= QUANT_KERNEL_MAX_ROWS or tiles or (e == 4 and s.kernels == "compiled")
+            if kernel:  # a float32 output; for bf16 the result in bf16,
                 # and, off the tiles, x in fp32
                 return rows * out * 4 + (rows * out * e + (0 if tiles else rows * k * 4) if e != 4 else 0)
             chunk = min(out, DEQUANT_CHUNK_ELEMENTS // k)  # one dequantized chunk, a plain GEMM
