@@ -43,7 +43,7 @@ from pagedllm.bench import workloads
 from pagedllm.layers.attention import SequenceSlice, StepLayout
 from pagedllm.loading import load_tokenizer
 from pagedllm.loading.default_model import default_gguf_path
-from pagedllm.loading.gguf_convert import converted_dir
+from pagedllm.loading.gguf_cache import converted_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))

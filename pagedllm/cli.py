@@ -94,16 +94,23 @@ def _served_model(args):
     return EngineProcess(EngineConfig.from_args(args), max_waiting=args.max_waiting)
 
 
+def _launched_worker_rank() -> bool:
+    """Started by torchrun as a rank other than 0. (Imports the engine, so torch: asked only of a
+    split model, whose API process holds torch anyway; a single-process server's must not.)"""
+    from .engine import ranks
+
+    launched = ranks.launched_rank()
+    return launched is not None and launched.rank != 0
+
+
 def cmd_serve(args) -> int:
     import os
 
     import uvicorn
 
-    from .engine import ranks
     from .server.app import create_app, drain
 
-    launched = ranks.launched_rank()
-    if args.tensor_parallel_size > 1 and launched is not None and launched.rank != 0:
+    if args.tensor_parallel_size > 1 and _launched_worker_rank():
         from .engine.builder import build_engine
 
         build_engine(EngineConfig.from_args(args))  # a launched worker rank: no server; it serves the driver

@@ -95,6 +95,8 @@ def test_the_servers_api_process_imports_no_torch():
 
     code = (
         "import sys, pagedllm.cli, pagedllm.server.app, pagedllm.engine_process.client, pagedllm.loading.tokenizer;"
+        "from pagedllm.loading import load_tokenizer, resolve_model_dir;"
+        "load_tokenizer(resolve_model_dir(None)[0]);"  # what the API process runs at start: the default model's
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -15,6 +15,7 @@ import httpx
 import pytest
 from server_process import ServerProcess
 
+from pagedllm.engine_process.client import API_PROCESS_GROWTH_BYTES
 from pagedllm.memory.planner import OVERHEAD_BYTES
 from pagedllm.structured import GRAMMAR_CACHE_BYTES
 
@@ -217,8 +218,14 @@ def test_the_server_stays_within_its_budget_under_concurrent_streams():
                 return await asyncio.gather(*(one(client, i) for i in range(32)))
 
         assert all(n > 2 for n in asyncio.run(load()))
+        # the API process holds no torch (its ~190 MiB would come out of the budget): at run time,
+        # not only at import (a lazy import on serve's path loaded it once)
+        assert "libtorch" not in open(f"/proc/{server.pid}/maps").read()
         peak = server_peak(server)
         print(f"server peak RSS {peak / MiB:.0f} MiB (API {peak_rss(server.pid) / MiB:.0f} MiB)")
-        assert 1024 * MiB - OVERHEAD_BYTES - GRAMMAR_CACHE_BYTES <= peak <= 1024 * MiB, f"peak RSS {peak / MiB:.0f} MiB"
+        # unused by design: the overhead margin, the grammar cache (no constrained request here) and
+        # the room the plan keeps for the API process to grow (16 MiB; it grew 4 MiB when measured)
+        unused = OVERHEAD_BYTES + GRAMMAR_CACHE_BYTES + API_PROCESS_GROWTH_BYTES
+        assert 1024 * MiB - unused <= peak <= 1024 * MiB, f"peak RSS {peak / MiB:.0f} MiB"
     finally:
         assert server.stop() == 0

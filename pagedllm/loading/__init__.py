@@ -16,6 +16,7 @@ from ..errors import ModelLoadError
 from ..sizes import torch_dtype
 from .default_model import DEFAULT_MODEL_NAME, default_gguf_path
 from .generation_config import sampling_defaults
+from .gguf_cache import converted_dir
 
 if TYPE_CHECKING:  # torch is imported by the functions that load weights, not by this package:
     import torch  # a server's API process reads tokenizers through it and holds no torch
@@ -39,7 +40,6 @@ class LoadedModel:
 
 def resolve_model_dir(model: str | Path | None) -> tuple[Path, str]:
     """(HF-style directory, display name) for what the user named."""
-    from .gguf_convert import converted_dir  # (torch: it writes the converted tensors)
 
     if model is None:
         return converted_dir(default_gguf_path()), DEFAULT_MODEL_NAME

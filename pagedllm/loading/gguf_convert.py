@@ -8,34 +8,28 @@ into ``<name>.qweight`` / ``<name>.scale`` / ``<name>.zero``, the layout the CPU
 (``layers/quantized.py``); the loader decides whether to run them so or dequantize them. A type
 not supported fails the conversion with an error naming it.
 
-The folder's name includes a key over the file's path, size and mtime, so a changed file is
-converted afresh. It is written to a temporary folder and renamed into place, so an interrupted
-conversion leaves nothing half-written behind.
+Run as ``python -m pagedllm.loading.gguf_convert GGUF OUT`` by ``gguf_cache.converted_dir``,
+which decides where the result lives and when to convert.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..errors import ModelLoadError, UnsupportedModelError
-from ..paths import cache_root
 from . import gguf_quants
 from .generation_config import GGUF_SAMPLING_KEYS
+from .gguf_cache import ERROR_MARK, UNSUPPORTED_EXIT
 from .safetensors_io import write_streaming
 
 log = logging.getLogger(__name__)
 
-CONVERTER_VERSION = 3
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -60,58 +54,12 @@ _GLOBAL_NAMES = {
 }
 
 
-def converted_dir(gguf_path: Path) -> Path:
-    """The cache folder for this GGUF file, converting it first if needed."""
-    gguf_path = gguf_path.resolve()
-    try:
-        st = gguf_path.stat()
-    except OSError:
-        raise ModelLoadError(f"{gguf_path}: no such file") from None
-    key = hashlib.sha256(f"{gguf_path}|{st.st_size}|{st.st_mtime_ns}|{CONVERTER_VERSION}".encode()).hexdigest()[:16]
-    target = cache_root() / f"{gguf_path.stem}-{key}"
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
-    try:
-        log.info("converting %s into %s (once)", gguf_path, target)
-        convert_in_subprocess(gguf_path, tmp)
-        try:
-            tmp.rename(target)
-        except OSError:  # another process won the race; its result is as good as ours
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-def convert_in_subprocess(gguf_path: Path, out_dir: Path) -> None:
-    """Runs ``convert`` in a child process. Dequantizing and building the tokenizer from GGUF
-    metadata touch hundreds of MB (the memory-mapped file, float32 tensors, the tokenizer
-    converter's imports) that the allocator would keep in this process afterwards, outside the
-    memory plan; a child gives all of it back when it exits. Its errors keep their type."""
-    run = subprocess.run([sys.executable, "-m", __name__, str(gguf_path), str(out_dir)], capture_output=True, text=True)
-    if run.returncode == 0:
-        return
-    if _ERROR in run.stderr:
-        message = run.stderr.rpartition(_ERROR)[2].strip()
-    else:  # a crash, not a reported error: its last line says what
-        message = f"{gguf_path}: converting failed: " + (run.stderr.strip().splitlines() or ["no output"])[-1]
-    error = UnsupportedModelError if run.returncode == _UNSUPPORTED else ModelLoadError
-    raise error(message)
-
-
-_UNSUPPORTED = 3
-_ERROR = "pagedllm-convert-error: "
-
-
 def _main(argv: list[str]) -> int:
     try:
         convert(Path(argv[0]), Path(argv[1]))
     except ModelLoadError as e:
-        print(f"{_ERROR}{e}", file=sys.stderr)
-        return _UNSUPPORTED if isinstance(e, UnsupportedModelError) else 2
+        print(f"{ERROR_MARK}{e}", file=sys.stderr)
+        return UNSUPPORTED_EXIT if isinstance(e, UnsupportedModelError) else 2
     return 0
 
 
