@@ -130,6 +130,31 @@ def test_shrinking_under_load_loses_nothing_and_changes_no_output(tiny_checkpoin
     assert run(llm, batch, params) == fixed
 
 
+def test_a_grown_budget_admits_into_its_new_blocks_once_it_has_held(tiny_checkpoints, monkeypatch):
+    """Growing: running requests may use the new blocks at once, new admissions only after the
+    budget has held for GROW_SETTLE_S (an oscillating budget would preempt what they computed)."""
+    from pagedllm.engine import elastic
+
+    directory, _ = tiny_checkpoints["llama"]
+    budget = over_baseline(300)
+    llm = LLM(str(directory), memory=budget, block_size=4, max_num_seqs=64, max_model_len=192)
+    engine = llm.engine
+    small = llm.set_memory(_budget_for(llm, 40)).num_blocks
+    monkeypatch.setattr(elastic, "GROW_SETTLE_S", 1.0)
+    llm.set_memory(budget)
+    assert engine.blocks.num_blocks > 2 * small
+    for p in prompts(320, 48):
+        engine.add_request(p, GREEDY)
+    engine.step()
+    assert 0 < engine.blocks.num_used <= small, "admitted past the old cache before the budget held"
+    time.sleep(1.1)
+    engine.step()
+    assert engine.blocks.num_used > small, "the grown budget never opened to new admissions"
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_invariants()
+
+
 def _budget_for(llm: LLM, blocks: int) -> int:
     """The budget whose plan has about ``blocks`` cache blocks (the planner's own arithmetic)."""
     plan = llm.memory_plan

@@ -10,6 +10,7 @@ OS (``KVCache.resize``). Growing needs no restart: the cache's mapping reserved 
 from __future__ import annotations
 
 import logging
+import os
 import time
 import weakref
 from dataclasses import replace
@@ -28,6 +29,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)  # at INFO under `pagedllm serve`: each move is logged
 MiB = 2**20
+# A grown budget's new blocks go to running requests at once, to new admissions only once the
+# budget has held this long: a budget that drops again soon (memory="follow" beside a neighbour
+# that comes and goes) would preempt, and recompute, everything admitted into the extra room.
+GROW_SETTLE_S = float(os.environ.get("PAGEDLLM_GROW_SETTLE_S", 10))
 
 
 class ElasticMemory:
@@ -45,6 +50,7 @@ class ElasticMemory:
         self.idle_releases = 0
         self._last_busy = time.monotonic()  # when a step last computed something
         self._released_at_step = -1  # the step count at the last idle release (once per idle spell)
+        self._settled_at: float | None = None  # when a grown budget opens to new admissions
 
     # ---- a new budget --------------------------------------------------------------------------
 
@@ -107,14 +113,19 @@ class ElasticMemory:
         requests are preempted until what runs fits, the blocks past the new end are moved down
         (a copy each, 8-bit scales included), then their pages go back to the OS."""
         engine = self.engine
-        n = plan.num_blocks
-        if n < engine.blocks.num_blocks:
-            engine.kv_cache.copy_blocks(engine.scheduler.shrink_cache(n))
+        n, old = plan.num_blocks, engine.blocks.num_blocks
+        scheduler = engine.scheduler
+        if n < old:
+            engine.kv_cache.copy_blocks(scheduler.shrink_cache(n))
             engine.kv_cache.resize(n)
             return_freed_heap()
+            scheduler.admission_limit = None if scheduler.admission_limit is None else min(n, scheduler.admission_limit)
         else:
             engine.kv_cache.resize(n)
             engine.blocks.resize(n)
+            if GROW_SETTLE_S > 0:  # new admissions stay within the old cache until the budget holds
+                scheduler.admission_limit = min(old, scheduler.admission_limit or old)
+                self._settled_at = time.monotonic() + GROW_SETTLE_S
         engine.scheduler.max_batch_tokens = plan.max_batch_tokens
         engine.limits = replace(engine.limits, num_blocks=n)
         engine.memory_plan = plan
@@ -148,9 +159,16 @@ class ElasticMemory:
             self._last_busy = time.monotonic()
         self.follow_machine()
 
+    def settle(self) -> None:
+        """A grown budget that has held for ``GROW_SETTLE_S``: new admissions may use all of it."""
+        if self._settled_at is not None and time.monotonic() >= self._settled_at:
+            self.engine.scheduler.admission_limit = None
+            self._settled_at = None
+
     def while_idle(self) -> None:
         """Called by a serving loop while nothing runs: follows the machine and, once idle for
         ``idle_release_after`` seconds, gives the cache's free pages back (once per idle spell)."""
+        self.settle()
         self.follow_machine()
         engine = self.engine
         after = engine.config.idle_release_after

@@ -282,6 +282,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one step; returns an output for every sample that produced text or finished.
         A step that runs out of memory commits nothing and is retried smaller next time."""
+        self.elastic.settle()  # a grown budget that has held opens to new admissions
         out = self.scheduler.schedule()
         outputs = []
         if out:

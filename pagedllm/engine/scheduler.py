@@ -77,6 +77,8 @@ class Scheduler:
         self.counters = SchedulerCounters()
         self._to_zero: list[int] = []  # carried by the next batch
         self._to_copy: list[tuple[int, int]] = []  # re-carried after a failed step
+        # blocks new admissions may fill (None: all); running sequences grow past it
+        self.admission_limit: int | None = None
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -165,7 +167,7 @@ class Scheduler:
             seq.num_computed_tokens = self.blocks.adopt_prefix(seq.seq_id, seq.tokens(0, seq.num_tokens))
             start = seq.num_computed_tokens
             n = 0 if seq.ready_to_fork else min(_compute_until(seq) - start, budget)
-            if not self.blocks.can_write(seq.seq_id, start, start + n):
+            if not self.blocks.can_write(seq.seq_id, start, start + n) or self._over_admission_limit(seq, start, n):
                 self.blocks.free(seq.seq_id)  # adopted blocks go back to the cache
                 seq.num_computed_tokens = 0
                 return
@@ -177,6 +179,13 @@ class Scheduler:
             if n:  # (a sequence with nothing to compute before it forks runs from the next step)
                 self._add(batch, seq, n)
                 budget -= n
+
+    def _over_admission_limit(self, seq: Sequence, start: int, n: int) -> bool:
+        limit = self.admission_limit
+        return (
+            limit is not None
+            and self.blocks.num_used + self.blocks.blocks_to_write(seq.seq_id, start, start + n) > limit
+        )
 
     def update_from_output(self, batch: SchedulerOutput, result: StepResult) -> list[Sequence]:
         """Commits a computed step: its tokens' K/V count as cached (full blocks become prefixes
