@@ -65,13 +65,18 @@ def over_baseline(mib: int) -> int:
     return resident_bytes()[0] + mib * 1024**2
 
 
-def test_cache_tensors_are_exactly_the_predicted_bytes(tiny_checkpoints):
+@pytest.mark.parametrize("kv, value_bytes, scale_bytes", [(None, 4, 0), ("int8", 1, 4), ("fp8", 1, 4)])
+def test_cache_tensors_are_exactly_the_predicted_bytes(tiny_checkpoints, kv, value_bytes, scale_bytes):
+    """The plan's cache bytes against the tensors and against arithmetic written here: per token,
+    layer and KV head, K and V of head_dim values, plus one float32 scale each for 8-bit caches."""
     budget = over_baseline(120)
-    llm = LLM(tiny_checkpoints["mistral"][0], memory=budget, block_size=8)
-    cache, plan_ = llm.engine.kv_cache, llm.memory_plan
+    llm = LLM(tiny_checkpoints["mistral"][0], memory=budget, block_size=8, kv_cache_dtype=kv)
+    cache, plan_, cfg = llm.engine.kv_cache, llm.memory_plan, llm.loaded.config
     slots = cache.num_blocks * cache.block_size  # the blocks in use (the tensors reserve room to grow)
-    actual = sum(t[:, :slots].numel() * t.element_size() for t in cache.k + cache.v)
-    assert actual == plan_.kv_cache_bytes == plan_.num_blocks * kv_bytes_per_block(llm.loaded.config, 8, "float32")
+    tensors = cache.k + cache.v + cache.k_scale + cache.v_scale
+    actual = sum(t[:, :slots].numel() * t.element_size() for t in tensors)
+    per_token = cfg.num_layers * cfg.num_kv_heads * 2 * (cfg.head_dim * value_bytes + scale_bytes)
+    assert actual == plan_.kv_cache_bytes == plan_.num_blocks * 8 * per_token
     assert sum(p.numel() for p in llm.loaded.model.parameters()) == parameter_count(llm.loaded.config)
     assert plan_.total_bytes <= budget
 

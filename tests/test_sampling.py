@@ -181,3 +181,37 @@ def test_filtered_draws_follow_the_renormalized_nucleus():
     # every kept token's frequency within 5 standard deviations of its probability
     sd = (expected[kept] * (1 - expected[kept]) / draws).sqrt()
     assert ((counts[kept] / draws - expected[kept]).abs() <= 5 * sd + 1e-3).all()
+
+
+def chi_square_bound(df: int, z: float = 3.72) -> float:
+    """The chi-square value a fair draw exceeds with probability ~1e-4 (Wilson-Hilferty)."""
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p, min_p",
+    [(0.5, 0, 1.0, 0.0), (1.7, 0, 1.0, 0.0), (1.3, 12, 1.0, 0.0), (0.8, 0, 0.9, 0.0), (1.2, 20, 0.95, 0.02)],
+)
+def test_draws_follow_softmax_of_logits_over_temperature_after_the_filters(temperature, top_k, top_p, min_p):
+    """A chi-square test of 20000 seeded draws against the oracle written here: softmax(logits / T),
+    then top-k, top-p (on the whole distribution) and min-p, renormalized. A sampler that ignores
+    the temperature, or a top_p that keeps only the most likely token, fails it."""
+    torch.manual_seed(0)
+    vocab, draws = 64, 20000
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(7)) * 2
+    probs = (logits[0] / temperature).softmax(-1).double()
+    sorted_p, order = probs.sort(descending=True)
+    rank = torch.arange(vocab)
+    keep = (sorted_p.cumsum(0) - sorted_p < top_p) & (sorted_p >= min_p * sorted_p[0])
+    keep &= rank < (top_k if top_k > 0 else vocab)
+    expected = torch.zeros_like(probs)
+    expected[order[keep]] = sorted_p[keep]
+    expected /= expected.sum()
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    tokens = torch.tensor(Sampler(())(logits.expand(draws, vocab).contiguous(), seqs_for([params] * draws)).token_ids)
+    counts = torch.bincount(tokens, minlength=vocab).double()
+    assert counts[expected == 0].sum() == 0, "a filtered-out token was drawn"
+    kept = expected > 0
+    assert kept.sum() > 1, "the case must leave a distribution to test"
+    chi2 = ((counts[kept] - draws * expected[kept]) ** 2 / (draws * expected[kept])).sum().item()
+    assert chi2 < chi_square_bound(int(kept.sum()) - 1), f"chi-square {chi2:.1f} over {int(kept.sum())} tokens"

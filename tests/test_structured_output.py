@@ -202,6 +202,32 @@ def test_cli_generate_with_a_schema_choice_and_regex(tmp_path, capsys):
     assert "invalid regex" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("vocab", [1000, 1024, 49149])
+def test_masking_leaves_exactly_the_tokens_whose_bit_is_set(kernels, vocab):
+    """Both backends against the bits decoded here (token t stays iff bit t % 32 of word t // 32
+    is set), with words all set, all clear and mixed, a vocabulary that is not a multiple of 32,
+    and a row left out that must stay untouched."""
+    import torch
+
+    g = torch.Generator().manual_seed(vocab)
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-(2**31), 2**31, (3, words), generator=g, dtype=torch.int64).to(torch.int32)
+    bitmask[0, ::3] = -1  # every token of these words allowed
+    bitmask[2, 1::3] = 0  # none
+    logits = torch.randn(3, vocab, generator=g)
+    before = logits.clone()
+    backend = backends.get({"compiled": "cpu-compiled", "torch": "cpu-torch"}[kernels])
+    backend.mask_logits(logits, bitmask, [0, 2], vocab)
+    assert torch.equal(logits[1], before[1])
+    token = torch.arange(vocab)
+    for r in (0, 2):
+        word = (bitmask[r].to(torch.int64) & 0xFFFFFFFF)[token // 32]
+        allowed = ((word >> (token % 32)) & 1).bool()
+        assert torch.equal(torch.isfinite(logits[r]), allowed)
+        assert torch.equal(logits[r][allowed], before[r][allowed])
+        assert torch.equal(logits[r][~allowed], torch.full_like(logits[r][~allowed], float("-inf")))
+
+
 def test_the_mask_kernel_and_the_pytorch_fallback_mask_the_same_tokens(default_llm, kernels):
     """Both paths (compiled word-at-a-time kernel; xgrammar's own without a compiler) leave
     exactly the tokens the grammar allows, in the constrained rows only."""
