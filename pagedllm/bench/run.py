@@ -108,7 +108,8 @@ def pagedllm_rows(args, workload_file: str, model_dir: str, sizes: list[int], py
     engine_options = {
         f.name: getattr(args, f.name)
         for f in dataclasses.fields(EngineConfig)
-        if f.name not in ("model", "dtype", "quantization", "kv_cache_dtype") and getattr(args, f.name) != f.default
+        if f.name not in ("model", "dtype", "quantization", "kv_cache_dtype")
+        and getattr(args, f.name, f.default) != f.default  # (a serve-only field has no bench flag)
     }
     results = []
     for (dtype, quantization, kv), tp in itertools.product(variants(args), sizes):
