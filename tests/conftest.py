@@ -14,6 +14,18 @@ settings.register_profile("pagedllm", derandomize=os.environ.get("PAGEDLLM_HYPOT
 settings.load_profile("pagedllm")
 
 
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Every test starts from the same random state (torch's and Python's): a test that draws
+    without its own generator draws the same values on every run, so a failure reproduces."""
+    import random
+
+    import torch
+
+    torch.manual_seed(0)
+    random.seed(0)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):
     """Tests never write the user's cache; the default model is converted once per session."""

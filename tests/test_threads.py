@@ -34,22 +34,50 @@ def wait_for(governor, condition, seconds=15.0):
     return condition()
 
 
-def test_threads_step_down_next_to_busy_processes_and_come_back():
+class InjectedLoad:
+    """The host's CPU time as the governor reads it, with the share other processes keep busy
+    set by the test (the real host's load, which other jobs move, never enters)."""
+
+    def __init__(self) -> None:
+        self.busy_share, self.busy, self.total = 0.0, 0.0, 0.0
+
+    def __call__(self) -> tuple[float, float]:
+        self.total += 10_000
+        self.busy += 10_000 * self.busy_share
+        return self.busy, self.total
+
+
+def test_threads_step_down_next_to_busy_processes_and_come_back(monkeypatch):
+    """With the host's load injected, and every allowed CPU taken for a core (a box of one core
+    and two hyper-threads runs it too); the thread count and the pinning follow the load."""
+    from pagedllm.backends import cpu_threads
+
+    if len(allowed_cpus()) < 2:
+        pytest.skip("one CPU: nothing to give up")
+    monkeypatch.setattr(cpu_threads, "physical_cores", lambda cpus: list(cpus))
     backend = backends.get()
     governor = backend.thread_policy()
-    if governor.max_threads < 2:
-        pytest.skip("a single core: nothing to give up")
-    governor.after_step()  # first reading
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in governor.cpus]
-    try:
-        assert wait_for(governor, lambda: governor.threads < governor.max_threads), "never stepped down"
-        assert not governor.pinned and torch.get_num_threads() == governor.threads
-    finally:
-        for p in busy:
-            p.kill()
-            p.wait()
+    assert governor.max_threads == len(allowed_cpus()) >= 2
+    governor.read_load = load = InjectedLoad()
+    assert wait_for(governor, lambda: governor._last is not None)  # first reading
+    assert governor.threads == governor.max_threads, "an idle host: every core"
+    load.busy_share = 1.0  # others keep every CPU busy
+    assert wait_for(governor, lambda: governor.threads == 1), "never stepped down"
+    assert not governor.pinned and torch.get_num_threads() == governor.threads
+    load.busy_share = 0.0
     assert wait_for(governor, lambda: governor.threads == governor.max_threads), "never came back"
     assert governor.pinned == (backend.name == "cpu-compiled")
+
+
+def test_the_hosts_cpu_time_is_read_from_proc_stat():
+    from pagedllm.backends.cpu_threads import _proc_stat
+
+    first = _proc_stat()
+    busy = subprocess.Popen([sys.executable, "-c", "import time; t = time.time()\nwhile time.time() < t + 0.5: pass"])
+    busy.wait()
+    second = _proc_stat()
+    assert first is not None and second is not None
+    assert 0 <= first[0] <= first[1] and second[0] - first[0] >= 0.3 * os.sysconf("SC_CLK_TCK")  # 0.5 s busy
 
 
 def _tasks() -> set[int]:

@@ -79,6 +79,7 @@ class ThreadGovernor:
         self._pinned_for: int | None = None  # the thread whose worker team the pinning applies to
         self._last: tuple[float, float, float] | None = None
         self._next_check = 0.0
+        self.read_load = _proc_stat  # (busy, total) CPU time of the host; tests inject theirs
         self.apply(self.max_threads, pin=self.pin)
 
     def apply(self, threads: int, pin: bool) -> None:
@@ -133,7 +134,7 @@ class ThreadGovernor:
         if now < self._next_check:
             return
         self._next_check = now + CHECK_INTERVAL_S
-        sample = _proc_stat()
+        sample = self.read_load()
         if sample is None:
             return
         own = sum(os.times()[:2])
