@@ -35,11 +35,9 @@ MAX_MODEL_LEN = 1024
 
 
 def rss(pid: int | str = "self") -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    from pagedllm.memory.machine import resident_bytes
+
+    return resident_bytes(pid)[0]
 
 
 class Sampler:

@@ -126,7 +126,7 @@ class ElasticMemory:
             if GROW_SETTLE_S > 0:  # new admissions stay within the old cache until the budget holds
                 scheduler.admission_limit = min(old, scheduler.admission_limit or old)
                 self._settled_at = time.monotonic() + GROW_SETTLE_S
-        engine.scheduler.max_batch_tokens = plan.max_batch_tokens
+        scheduler.max_batch_tokens = plan.max_batch_tokens
         engine.limits = replace(engine.limits, num_blocks=n)
         engine.memory_plan = plan
         engine.config = engine.config.replace(memory=plan.budget_bytes, memory_fraction=None)

@@ -134,15 +134,9 @@ class KVCache:
             raise ValueError(f"num_blocks {num_blocks}: this cache holds 1 to {self.capacity_blocks} blocks")
         old, self.num_blocks = self.num_blocks, num_blocks
         if num_blocks < old:
-            self._release(num_blocks)
+            self.release_pages(num_blocks)
         elif num_blocks > old and self.resident:
             self._commit(old, num_blocks)
-
-    def release_pages(self, first: int) -> None:
-        """Gives back the pages of blocks [first, capacity) without taking them out of use: an
-        idle engine's free blocks, which read as zeros afterwards and fault their pages back in
-        as they are written."""
-        self._release(first)
 
     def _heads(self) -> list[tuple[torch.Tensor, int]]:
         """Every tensor, with the bytes of one head's slots in it ([KVH, slots, ...] layout)."""
@@ -155,9 +149,10 @@ class KVCache:
             writable = cache.view(torch.uint8) if cache.element_size() == 1 else cache  # CPU fills lack fp8
             writable[:, first * bs : end * bs].zero_()
 
-    def _release(self, first: int) -> None:
-        """Gives back the pages of blocks [first, capacity) of every head: MADV_REMOVE frees the
-        shared anonymous pages themselves, not only this process's view of them."""
+    def release_pages(self, first: int) -> None:
+        """Gives back the pages of blocks [first, capacity) of every head (MADV_REMOVE frees the
+        shared anonymous pages themselves, not only this process's view of them). Blocks still in
+        use past ``first`` (an idle engine's free ones) read as zeros and fault back in as written."""
         for cache, head_bytes in self._heads():
             buffer = self._maps.get(cache.data_ptr())
             if buffer is None:
