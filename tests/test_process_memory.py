@@ -148,7 +148,9 @@ def test_each_rank_of_a_split_model_stays_within_its_budget(tiny_checkpoints):
     directory = str(tiny_checkpoints["qwen3"][0])
     r = run_library(directory, "520MiB", "float32", [40, 90, 200, 300], 16, tp=2)
     check_within_and_used(r, 520 * MiB)
-    assert len(r["ranks"]) == 2 and r["ranks"][0][1] == r["hwm"]
+    # rank 0 is the driver itself: its peak, read just before this process's own (a page or two
+    # may be touched in between: the peak only grows)
+    assert len(r["ranks"]) == 2 and r["ranks"][0][1] <= r["hwm"] < r["ranks"][0][1] + MiB
     worker_peak = r["ranks"][1][1]
     print(f"worker's peak RSS {worker_peak / MiB:.0f} MiB")
     assert worker_peak <= 520 * MiB
