@@ -144,7 +144,9 @@ class QuantizedLinear(StackedRows):
         super().__init__(in_features, parts)
         self.backend = backend
         self.scheme = scheme  # how float tensors are quantized; None: parts must come quantized
-        self.bias = nn.Parameter(torch.empty(sum(parts)), requires_grad=False) if bias else None
+        # made in the checkpoint's dtype by the first part loaded (a layer is swapped in for a float
+        # one after the model is built, off the meta device)
+        self.bias = nn.Parameter(torch.empty(sum(parts), device="meta"), requires_grad=False) if bias else None
         self.pending: dict[int, QuantizedWeight] = {}
         self.segments: list[QuantizedWeight] = []
         self.packed = False
