@@ -108,7 +108,9 @@ def gguf_blocks(type_name, rows, cols, rng):
     return raw.reshape(rows, -1)
 
 
-def write_llama_gguf(path, types, rng, metadata=None):
+def write_llama_gguf(path, types, rng, metadata=None, dequantized=False):
+    """``dequantized``: the same tensors (the same draws of ``rng``), each quantized one written
+    as the float32 values the ``gguf`` package dequantizes it to."""
     writer = gguf.GGUFWriter(str(path), "llama")
     for key, value in (metadata or {}).items():
         (writer.add_int32 if isinstance(value, int) else writer.add_float32)(key, value)
@@ -125,6 +127,9 @@ def write_llama_gguf(path, types, rng, metadata=None):
     def add(name, kind, rows, cols):
         if kind == "F32":
             writer.add_tensor(name, (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32))
+        elif dequantized:
+            values = gguf.quants.dequantize(gguf_blocks(kind, rows, cols, rng), GGMLQuantizationType[kind])
+            writer.add_tensor(name, values.astype(np.float32))
         else:
             writer.add_tensor(name, gguf_blocks(kind, rows, cols, rng), raw_dtype=GGMLQuantizationType[kind])
 
@@ -147,9 +152,10 @@ def converted(tmp_path, monkeypatch):
     """GGUF files converted in this process (the tokenizer step skipped: they carry none)."""
     monkeypatch.setattr(gguf_convert, "_save_tokenizer", lambda *a: None)
 
-    def convert(types):
-        path, out = tmp_path / "tiny.gguf", tmp_path / "converted"
-        write_llama_gguf(path, types, np.random.default_rng(0))
+    def convert(types, dequantized=False):
+        name = "dequantized" if dequantized else "tiny"
+        path, out = tmp_path / f"{name}.gguf", tmp_path / f"{name}-converted"
+        write_llama_gguf(path, types, np.random.default_rng(0), dequantized=dequantized)
         out.mkdir()
         gguf_convert.convert(path, out)
         return out
@@ -167,22 +173,26 @@ def logits_of(model, ids, dtype=torch.float32):
     return model(torch.tensor(ids), rows, model.backend.attention(cache, layout), rows)
 
 
-def test_every_supported_gguf_type_runs_quantized_as_the_dequantized_model(converted, kernels):
-    """One file with all six types (q/k/v of three types stacked): kept quantized, its logits
-    equal those of the same file dequantized to float32, on both kernel paths, for rows that
-    take the kernel (1) and the dequantize + GEMM path (20)."""
+def test_every_supported_gguf_type_runs_quantized_as_the_gguf_package_dequantizes_it(converted, kernels):
+    """One file with all six types (q/k/v of three types stacked), kept quantized: its logits
+    equal those of the same model written as the float32 values the ``gguf`` package dequantizes
+    each tensor to, on both kernel paths, for rows that take the kernel (1) and the dequantize +
+    GEMM path (20); and dequantized at load, the same."""
     model_dir = converted(TYPES)
     quantized = load_decoder(model_dir, torch.float32, None)
-    plain = load_decoder(model_dir, torch.float32, "none")
-    assert quantized.quantized() and not plain.quantized()
+    ours_dequantized = load_decoder(model_dir, torch.float32, "none")
+    oracle = load_decoder(converted(TYPES, dequantized=True), torch.float32, None)
+    assert quantized.quantized() and not ours_dequantized.quantized() and not oracle.quantized()
     qkv = quantized.model.layers[0].self_attn.qkv_proj
     assert [s.format for s in qkv.segments] == [(4, 32, True), (8, 32, False), (8, 16, False)]
     ids = list(range(3, 23))
-    torch.testing.assert_close(logits_of(quantized, ids), logits_of(plain, ids), rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(logits_of(quantized, ids[:1]), logits_of(plain, ids[:1]), rtol=1e-4, atol=1e-4)
+    for n in (1, len(ids)):
+        expected = logits_of(oracle, ids[:n])
+        torch.testing.assert_close(logits_of(quantized, ids[:n]), expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(logits_of(ours_dequantized, ids[:n]), expected, rtol=1e-5, atol=1e-5)
     # the planner's figure from the header is what the loaded model holds
     assert checkpoint_weights(model_dir, "float32", None) == (quantized.weight_bytes(), True)
-    assert quantized.weight_bytes() < plain.weight_bytes() / 3
+    assert quantized.weight_bytes() < ours_dequantized.weight_bytes() / 3
 
 
 @pytest.mark.parametrize("kind", ["Q2_K", "IQ4_NL", "Q5_0"])
