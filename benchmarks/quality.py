@@ -1,6 +1,6 @@
 """What each weight / KV-cache format costs in quality, on the embedded default model.
 
-Every row of ``CONFIGS`` is one way to run SmolLM2-135M-Instruct; ``fp32`` (the GGUF's weights
+Every row of ``CONFIGS`` (tests/formats.py) is one way to run SmolLM2-135M-Instruct; ``fp32`` (the GGUF's weights
 dequantized to float32) is the reference the others are compared with. Per row:
 
 - perplexity, teacher-forced, over ``tests/data/quality_text.txt`` (the Apache License 2.0,
@@ -8,11 +8,16 @@ dequantized to float32) is the reference the others are compared with. Per row:
   chunks of ``CHUNK`` tokens, as one sequence whose K/V stay in the engine's paged cache, so every
   token is predicted from all the text before it. ``--check`` first verifies this against
   transformers on the same tokens.
-- greedy agreement with fp32 on the standard workload of ``pagedllm bench`` (64 chat prompts of
-  16..256 tokens, 64 new tokens, ignore_eos): identical outputs; outputs that agree under the
-  repo's near-tie rule (``tests/greedy.py``: at the first token that differs, fp32's top-two gap
-  is below ``TIE_GAP`` and this row's token is one of those two); mean tokens equal before the
-  first difference.
+- the logit error: the largest difference from transformers' float32 logits over the text's
+  first ``LOGIT_TOKENS`` tokens (teacher-forced), as a share of the largest logit there.
+- the per-step rule of ``tests/greedy.py`` (``compare_steps``) on the standard workload of
+  ``pagedllm bench`` (64 chat prompts of 16..256 tokens, 64 new tokens, ignore_eos): transformers
+  reads each of this row's greedy sequences in one pass, and each step's token is its top choice
+  in that same context (exact), or behind it by less than the near-tie gap the row's precision
+  allows (``greedy.FORMAT_RULES``: twice its logit tolerance times the largest logit), or a
+  failure. The row passes with no failure, at least the rule's floor of exact steps, and a
+  perplexity within the rule's bound.
+- identical %: outputs equal to the fp32 row's, start to end (what a user diffing two runs sees).
 - weight bytes as loaded, and KV-cache bytes per token (the memory planner's figure).
 
 ``int8`` / ``int4`` quantize float weights as they load, and the GGUF's tensors are stored
@@ -29,83 +34,27 @@ import argparse
 import gc
 import json
 import math
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench import workloads
-from pagedllm.layers.attention import SequenceSlice, StepLayout
+from pagedllm.bench.perplexity import CHUNK, perplexity
 from pagedllm.loading import load_tokenizer
 from pagedllm.loading.default_model import default_gguf_path
 from pagedllm.loading.gguf_cache import converted_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-from greedy import TIE_GAP  # noqa: E402  (the one near-tie rule; tests/ is not a package)
+from formats import CONFIGS, FLOAT_COPY, FORMAT_RULES, FormatRule, float_copy, hf_model  # noqa: E402
+from greedy import Precision, compare_steps, reference_step_logits  # noqa: E402  (tests/ is not a package)
 
 TEXT = ROOT / "tests" / "data" / "quality_text.txt"
-CHUNK = 256  # tokens per forward pass of the perplexity text
+LOGIT_TOKENS = 512  # the text's first tokens, whose logits are compared with transformers' (two chunks)
 NEW_TOKENS = 64
-FLOAT_COPY = "float32 copy"  # the model as float32 safetensors (see ``float_copy``)
-
-# name, model (None: the embedded default, as LLM() loads it), LLM(...) keyword arguments
-CONFIGS: list[tuple[str, str | None, dict]] = [
-    ("fp32", None, dict(dtype="float32", quantization="none")),  # the reference: keep it first
-    ("bf16", None, dict(dtype="bfloat16", quantization="none")),
-    ("int8", FLOAT_COPY, dict(dtype="float32", quantization="int8")),
-    ("int4", FLOAT_COPY, dict(dtype="float32", quantization="int4")),
-    ("gguf-q4_1", None, dict(dtype="float32")),  # the GGUF's Q4_1 / Q8_0 tensors kept as stored
-    ("gguf-q4_1 bf16", None, dict(dtype="bfloat16")),
-    # one sequence at a time: decode steps of one row take the packed-weight kernel (in bf16:
-    # activations in 8 bits per 32 columns); batches of more than 8 rows dequantize + GEMM
-    ("gguf-q4_1 bf16, 1 seq", None, dict(dtype="bfloat16", max_num_seqs=1)),
-    ("kv-int8", None, dict(dtype="float32", quantization="none", kv_cache_dtype="int8")),
-    ("kv-fp8", None, dict(dtype="float32", quantization="none", kv_cache_dtype="fp8")),
-]
-
-
-@torch.inference_mode()
-def perplexity(llm: LLM, ids: list[int], chunk: int = CHUNK) -> float:
-    """exp(mean NLL of ids[1:]), each token predicted from every token before it.
-
-    One sequence, fed ``chunk`` tokens per step the way the engine's runner feeds a prompt: the
-    block manager gives it blocks (under an id no request has), the step's layout says where its
-    K/V go, and the model returns logits for every row of the chunk."""
-    engine = llm.engine
-    model, runner, blocks = engine.runner.model, engine.runner, engine.blocks
-    cfg = model.config
-    seq_id = -1  # requests' ids count up from 0
-    nll, count = 0.0, 0
-    try:
-        with engine.threads.running():
-            for start in range(0, len(ids) - 1, chunk):
-                end = min(start + chunk, len(ids) - 1)  # the last token is only ever a target
-                engine.kv_cache.copy_blocks(blocks.prepare_write(seq_id, start, end))  # no copies: not forked
-                layout = StepLayout.from_slices(
-                    [SequenceSlice(0, end - start, end, blocks.table(seq_id))],
-                    engine.kv_cache.block_size,
-                    cfg.num_heads // cfg.num_kv_heads,
-                    pairs_budget=runner.pairs_budget,
-                    gather_budget=runner.gather_budget,
-                )
-                logits = model(
-                    torch.tensor(ids[start:end]),
-                    torch.arange(start, end),
-                    engine.backend.attention(engine.kv_cache, layout),
-                    torch.arange(end - start),
-                )
-                targets = torch.tensor(ids[start + 1 : end + 1])
-                nll += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
-                count += end - start
-    finally:
-        blocks.free(seq_id)
-    return math.exp(nll / count)
 
 
 @torch.inference_mode()
@@ -114,64 +63,38 @@ def hf_perplexity(hf_model, ids: list[int]) -> float:
     return math.exp(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:])).item())
 
 
-def hf_model():
-    """transformers' float32 model of the embedded GGUF."""
-    from transformers import AutoModelForCausalLM
-
-    gguf = default_gguf_path()
-    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(prompts, params)]
 
 
-def float_copy() -> Path:
-    """The default model as an HF directory of float32 safetensors, built once: transformers'
-    weights of the GGUF, the config and tokenizer of pagedllm's converted directory.
-    (transformers' ``save_pretrained`` refuses a model read from a GGUF, so the state dict is
-    written directly; a tied lm_head is the embeddings and is left out.)"""
-    converted = converted_dir(default_gguf_path())
-    target = Path(tempfile.gettempdir()) / "pagedllm-quality" / f"{converted.name}-float32"
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
-    try:
-        model = hf_model()
-        state = {k: v.contiguous() for k, v in model.state_dict().items()}
-        if model.config.tie_word_embeddings:
-            del state["lm_head.weight"]
-        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
-        for f in converted.iterdir():
-            if f.name != "model.safetensors":
-                shutil.copy(f, tmp / f.name)
-        tmp.rename(target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+@torch.inference_mode()
+def logit_error(llm: LLM, hf, ids: list[int]) -> float:
+    """Largest |ours - transformers'| over every position of ``ids``, as a share of transformers'
+    largest |logit| there."""
+    ours: list[torch.Tensor] = []
+    perplexity(llm, ids, keep_logits=ours)
+    theirs = hf(torch.tensor([ids[:-1]])).logits[0].float()
+    return float((torch.cat(ours) - theirs).abs().max() / theirs.abs().max())
 
 
-def greedy(llm: LLM, prompts: list[list[int]], logprobs: int | None) -> tuple[list[list[int]], list]:
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=logprobs)
-    outs = llm.generate(prompts, params)
-    return [o.token_ids for o in outs], [o.logprobs for o in outs]
+def step_rule(name: str, tokens: list[list[int]], prompts, hf, error: float) -> dict:
+    """tests/greedy.py's per-step rule against transformers, with the row's precision (a row with
+    no rule in ``FORMAT_RULES``: its measured logit error, no floor)."""
+    rule = FORMAT_RULES.get(name, FormatRule(Precision(error, 0.0), float("inf")))
+    logits = [reference_step_logits(hf, p, t) for p, t in zip(prompts, tokens)]
+    report = compare_steps(tokens, logits, rule.precision)
+    return {
+        "rule_tolerance": rule.precision.logit_tolerance,
+        "floor_pct": 100 * rule.precision.min_exact_steps,
+        "ppl_bound": rule.max_perplexity_ratio,
+        "exact_steps_pct": 100 * report.exact / report.steps,
+        "near_tie_steps_pct": 100 * report.near_ties / report.steps,
+        "failed_steps": len(report.failures),
+    }
 
 
-def agreement(tokens: list[list[int]], ref_tokens: list[list[int]], ref_logprobs: list) -> dict:
-    """Identical %, near-tie agreement % (tests/greedy.py's rule, on fp32's top-two logprobs),
-    mean tokens equal before the first difference."""
-    identical, agree, prefix = 0, 0, []
-    for got, want, lps in zip(tokens, ref_tokens, ref_logprobs):
-        k = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-        prefix.append(k)
-        if got == want:
-            identical += 1
-            agree += 1
-        elif k < min(len(got), len(want)):
-            (first, lp1), (second, lp2) = lps[k]["top"][:2]
-            agree += lp1 - lp2 < TIE_GAP and got[k] in (first, second)
-    n = len(ref_tokens)
-    return {"identical_pct": 100 * identical / n, "agree_pct": 100 * agree / n, "mean_prefix": sum(prefix) / n}
-
-
-def measure(name: str, model: str | None, kwargs: dict, text: list[int], prompts, ref: dict | None) -> dict:
+def measure(name: str, model: str | None, kwargs: dict, text: list[int], prompts, ref: dict | None, hf) -> dict:
     started = time.perf_counter()
     path = str(float_copy()) if model == FLOAT_COPY else model
     try:
@@ -183,18 +106,25 @@ def measure(name: str, model: str | None, kwargs: dict, text: list[int], prompts
     row: dict = {
         "name": name,
         "ppl": perplexity(llm, text),
+        "logit_error": logit_error(llm, hf, text[: LOGIT_TOKENS + 1]),
         "weight_mb": llm.loaded.model.weight_bytes() / 1e6,
         "kv_bytes_per_token": llm.memory_plan.kv_bytes_per_block / llm.memory_plan.block_size,
     }
-    tokens, logprobs = greedy(llm, prompts, logprobs=2 if ref is None else None)
-    if ref is None:
-        row["tokens"], row["logprobs"] = tokens, logprobs
-        ref = row
-    row |= agreement(tokens, ref["tokens"], ref["logprobs"])
-    row["ppl_ratio"] = row["ppl"] / ref["ppl"]
-    row["seconds"] = time.perf_counter() - started
+    tokens = greedy(llm, prompts)
     del llm
     gc.collect()
+    row["tokens"] = tokens
+    ref = ref or row
+    row["identical_pct"] = 100 * sum(a == b for a, b in zip(tokens, ref["tokens"])) / len(prompts)
+    row["ppl_ratio"] = row["ppl"] / ref["ppl"]
+    row |= step_rule(name, tokens, prompts, hf, row["logit_error"])
+    row["passes"] = (
+        row["failed_steps"] == 0
+        and row["exact_steps_pct"] >= row["floor_pct"]
+        and row["ppl_ratio"] <= row["ppl_bound"]
+        and row["logit_error"] <= row["rule_tolerance"]
+    )
+    row["seconds"] = time.perf_counter() - started
     return row
 
 
@@ -215,17 +145,21 @@ def check(text_ids: list[int]) -> None:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| config | perplexity | ppl / fp32 | identical % | near-tie agreement % | mean equal prefix | weight MB "
-        "| KV bytes/token |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| config | perplexity | ppl / fp32 (bound) | logit error (tolerance) | exact steps % (floor) "
+        "| near-tie steps % | steps beyond the gap | rule | identical % | weight MB | KV bytes/token |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['name']} | not available: {r['error']} | | | | | | |")
+            lines.append(f"| {r['name']} | not available: {r['error']} | | | | | | | | | |")
             continue
+        bound = "" if r["ppl_bound"] == float("inf") else f" (≤ {r['ppl_bound']:.3f})"
         lines.append(
-            f"| {r['name']} | {r['ppl']:.4f} | {r['ppl_ratio']:.4f} | {r['identical_pct']:.1f} | {r['agree_pct']:.1f} "
-            f"| {r['mean_prefix']:.1f} | {r['weight_mb']:.1f} | {r['kv_bytes_per_token']:.0f} |"
+            f"| {r['name']} | {r['ppl']:.4f} | {r['ppl_ratio']:.4f}{bound} "
+            f"| {r['logit_error']:.4f} (≤ {r['rule_tolerance']:.3f}) "
+            f"| {r['exact_steps_pct']:.1f} (≥ {r['floor_pct']:.0f}) | {r['near_tie_steps_pct']:.1f} "
+            f"| {r['failed_steps']} | {'met' if r['passes'] else '**not met**'} | {r['identical_pct']:.1f} "
+            f"| {r['weight_mb']:.1f} | {r['kv_bytes_per_token']:.0f} |"
         )
     return "\n".join(lines)
 
@@ -236,19 +170,21 @@ def main() -> None:
     ap.add_argument("--only", action="append", choices=names, help="run this row (repeatable); fp32 always runs")
     ap.add_argument("--check", action="store_true", help="first verify the perplexity against transformers")
     ap.add_argument("--json", metavar="PATH", help="also save the numbers here")
+    ap.add_argument("--prompts", type=int, default=64, help="prompts of the standard workload (default 64)")
     args = ap.parse_args()
     started = time.perf_counter()
     tokenizer = load_tokenizer(converted_dir(default_gguf_path()))  # what LLM() encodes with
     text_ids = tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
-    prompts = workloads.standard(tokenizer, 64, NEW_TOKENS).prompts
+    prompts = workloads.standard(tokenizer, args.prompts, NEW_TOKENS).prompts
     if args.check:
         check(text_ids)
     rows: list[dict] = []
     ref: dict | None = None
+    hf = hf_model()
     for name, model, kwargs in CONFIGS:
         if args.only and name not in args.only and name != CONFIGS[0][0]:
             continue
-        row = measure(name, model, kwargs, text_ids, prompts, ref)
+        row = measure(name, model, kwargs, text_ids, prompts, ref, hf)
         ref = ref or row
         rows.append(row)
         done = f"{row['seconds']:.0f}s" if "seconds" in row else "not available"
@@ -258,8 +194,10 @@ def main() -> None:
         f"agreement with fp32 on {len(prompts)} prompts x {NEW_TOKENS} tokens; {time.perf_counter() - started:.0f}s\n"
     )
     print(table(rows))
+    if not all(r.get("passes", True) for r in rows):
+        raise SystemExit("a row does not meet its rule (tests/greedy.py FORMAT_RULES)")
     if args.json:
-        keep = [{k: v for k, v in r.items() if k not in ("tokens", "logprobs")} for r in rows]
+        keep = [{k: v for k, v in r.items() if k != "tokens"} for r in rows]
         Path(args.json).write_text(json.dumps(keep, indent=2) + "\n")
 
 

@@ -259,7 +259,9 @@ ROUNDING_AMPLIFICATION = 15
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("scheme", Q.SCHEMES)
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_a_float_checkpoint_quantized_at_load_is_the_float_model_on_rounded_weights(tiny_checkpoints, arch, scheme, dtype):
+def test_a_float_checkpoint_quantized_at_load_is_the_float_model_on_rounded_weights(
+    tiny_checkpoints, arch, scheme, dtype
+):
     """transformers computes the oracle on weights the test rounds itself, from the weights as
     loaded in ``dtype`` (llama: an untied lm_head in int8; qwen2: q/k/v biases, lm_head tied to
     the int8 embeddings). float32 activations: equal to rounding. bfloat16: as close to the
