@@ -112,7 +112,7 @@ configs = st.builds(
 engine_settings = st.builds(
     EngineSettings,
     dtype=st.sampled_from(["float32", "bfloat16"]),
-    kv_dtype=st.sampled_from([None, "bfloat16", "float32"]),
+    kv_dtype=st.sampled_from([None, "bfloat16", "float32", "int8", "fp8"]),
     block_size=st.sampled_from([1, 8, 16, 32]),
 )
 

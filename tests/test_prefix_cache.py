@@ -147,3 +147,29 @@ def _loaded(tiny_checkpoints):
     if "m" not in _cache:
         _cache["m"] = loading.load(tiny_checkpoints["mistral"][0])
     return _cache["m"]
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_an_8_bit_cache_shares_blocks_and_preempts_without_changing_a_token(tiny_checkpoints, kv):
+    """int8 and fp8 caches keep a scale beside each row: prefix hits, n > 1 copy-on-write and
+    preemption by recompute must carry both. Each run equals the same requests on an 8-bit cache
+    that shares nothing and has room for all (every request alone, no prefix caching)."""
+    d = tiny_checkpoints["llama"][0]
+    tight = LLM(d, kv_cache_dtype=kv, block_size=4, num_blocks=40, max_batch_tokens=24, max_model_len=160)
+    roomy = LLM(d, kv_cache_dtype=kv, enable_prefix_caching=False, block_size=4, num_blocks=200, max_model_len=160)
+    prompts = [p for k in (6, 9, 13) for p in shared_prompts(k, n=5, seed=k)]
+    expected = [roomy.generate([p], GREEDY)[0].token_ids for p in prompts]
+    assert [o.token_ids for o in tight.generate(prompts, GREEDY)] == expected
+    assert [o.token_ids for o in tight.generate(prompts[::-1], GREEDY)][::-1] == expected
+    assert tight.stats.prefix_cache_hit_tokens > 0 and tight.stats.preemptions > 0
+    # three samples of a 10-token prompt fork before its last token, sharing a block that holds one
+    # (copy on first write): each equals a request seeded seed + i
+    assert len(prompts[1]) == 10
+    sampled = SamplingParams(max_tokens=12, temperature=0.8, seed=7, n=3)
+    forked = tight.generate([prompts[1]], sampled)[0].outputs
+    solo = [
+        roomy.generate([prompts[1]], SamplingParams(max_tokens=12, temperature=0.8, seed=7 + i))[0] for i in range(3)
+    ]
+    assert [o.token_ids for o in forked] == [o.token_ids for o in solo]
+    assert tight.stats.blocks_copied > 0
+    assert tight.engine.blocks.num_free == tight.engine.blocks.num_blocks
