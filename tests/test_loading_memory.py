@@ -1,5 +1,5 @@
-"""Loading a checkpoint costs at most about twice its final weights in RAM, at peak; quantizing it
-at load, no more than the planner's loading figure."""
+"""Loading a checkpoint peaks at what docs/memory.md says and the planner counts: the weights
+plus the loader term (building, the conversion buffer, bf16 packing, quantizing at load)."""
 
 import json
 import subprocess
@@ -71,14 +71,27 @@ def medium_checkpoint(tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_peak_ram_while_loading_is_under_twice_the_weights(medium_checkpoint, dtype):
-    out = subprocess.run(
-        [sys.executable, "-c", MEASURE, str(medium_checkpoint), dtype], capture_output=True, text=True, check=True
-    )
+def loading_peak(checkpoint, dtype: str, quantization: str | None = None) -> tuple[int, int]:
+    """(peak growth while loading, the loaded model's weight bytes), in a fresh process."""
+    args = [sys.executable, "-c", MEASURE, str(checkpoint), dtype] + ([quantization] if quantization else [])
+    out = subprocess.run(args, capture_output=True, text=True, check=True)
     peak_growth, weights = map(int, out.stdout.split())
-    assert peak_growth <= 2.0 * weights, (
-        f"peak grew {peak_growth / 2**20:.0f} MiB for {weights / 2**20:.0f} MiB of weights"
+    return peak_growth, weights
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_loading_peaks_within_the_weights_and_the_documented_loader_term(medium_checkpoint, dtype):
+    """A float32 checkpoint (an untied 32000-row lm_head) loaded in float32, and converted to
+    bf16 and packed: within weights + 16 MiB + 8 MiB, plus in bf16 the lm_head's bf16 bytes
+    (docs/memory.md's terms, written here as arithmetic; measured 4 and 47 MiB above the weights)."""
+    from pagedllm.config import ModelConfig
+    from pagedllm.memory.footprint import EngineSettings, loader_bytes
+
+    peak_growth, weights = loading_peak(medium_checkpoint, dtype)
+    documented = weights + (16 + 8) * 2**20 + (32000 * 512 * 2 if dtype == "bfloat16" else 0)
+    assert loader_bytes(ModelConfig.from_file(medium_checkpoint), EngineSettings(dtype=dtype)) == documented - weights
+    assert peak_growth <= documented, (
+        f"peak grew {(peak_growth - weights) / 2**20:.1f} MiB above {weights / 2**20:.0f} MiB of weights"
     )
 
 
@@ -92,13 +105,7 @@ def test_quantizing_at_load_stays_within_the_planned_loading_peak(medium_checkpo
     from pagedllm.memory.footprint import EngineSettings, loader_bytes, weight_bytes
     from pagedllm.memory.planner import OVERHEAD_BYTES
 
-    out = subprocess.run(
-        [sys.executable, "-c", MEASURE, str(medium_checkpoint), "bfloat16", quantization],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    peak_growth, weights = map(int, out.stdout.split())
+    peak_growth, weights = loading_peak(medium_checkpoint, "bfloat16", quantization)
     cfg = ModelConfig.from_file(medium_checkpoint)
     settings = EngineSettings(dtype="bfloat16", quantization=quantization)
     assert weights == weight_bytes(cfg, "bfloat16", quantization)

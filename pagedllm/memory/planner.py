@@ -148,7 +148,7 @@ class MemoryPlan:
             (
                 "loading peak",
                 f"{gib(self.loading_peak_bytes, 8)}  (baseline + weights + "
-                f"{self.loader_bytes // 1024**2} MiB of conversion buffers)",
+                f"{self.loader_bytes // 1024**2} MiB held while loading)",
             ),
             ("headroom", gib(self.headroom_bytes, 8)),
         ]
