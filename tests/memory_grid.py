@@ -18,7 +18,7 @@ from pagedllm.engine import LLMEngine
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.onednn_probe import dispatched_gemm_isa
 from pagedllm.layers.workspace import DEQUANT_CHUNK_ELEMENTS, padded_rows, tile_packable
-from pagedllm.memory.footprint import SCALAR_SLACK, EngineSettings, gemm_scratch, step_phases
+from pagedllm.memory.footprint import SCALAR_SLACK, EngineSettings, step_phases
 from pagedllm.memory.tracker import track_peak
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sizes import ceil_div
@@ -102,7 +102,7 @@ def run_grid(loaded, dtype: str, seed: int = 0, kv_dtype: str | None = None) -> 
         phases = step_phases(cfg, settings, engine.last_step_shape)
         top = max(phases, key=phases.get)
         shape = engine.last_step_shape
-        slack = _gemm_slack(cfg, settings, shape)
+        slack = _gemm_slack(cfg, settings, shape, loaded.model.backend)
         points.append(GridPoint(name, shape.tokens, shape.sampled, m.peak_bytes, phases[top], top, slack))
     return points
 
@@ -131,9 +131,11 @@ def check_grids(grids: list[tuple[str, str | None, str | None]]) -> None:
         check_grid(loading.load(path, "bfloat16", quantization=quantization), "bfloat16", kv_dtype)
 
 
-def _gemm_slack(cfg, s: EngineSettings, shape) -> int:
+def _gemm_slack(cfg, s: EngineSettings, shape, backend) -> int:
     """How far the predicted GEMM scratch may exceed oneDNN's, where ``gemm_scratch`` is a bound:
-    on AMX, the whole scratch of the step's largest GEMM (oneDNN picks among kernels by shape);
+    on AMX, the whole scratch of the step's costliest GEMM as measured here, each of its GEMMs
+    run alone (oneDNN picks among kernels by shape; the planner's bound is not asked, so a bound
+    too large fails instead of widening its own allowance);
     on AVX512-BF16, half a thread's accumulator block, which oneDNN leaves out when the output's
     64-column blocks do not divide among the threads and it splits the rows instead (measured:
     docs/memory.md). Elsewhere the scratch is exact: none."""
@@ -155,10 +157,30 @@ def _gemm_slack(cfg, s: EngineSettings, shape) -> int:
     if s.quantized_weights:  # plain GEMMs on dequantized chunks
         shapes = [(r, k, min(out, DEQUANT_CHUNK_ELEMENTS // k), False) for r, k, out, _ in shapes]
     if s.gemm_isa == "amx":
-        scratch = [gemm_scratch(r, k, out, s.dtype, s.gemm_isa, packed, s.threads) for r, k, out, packed in shapes]
-        return max(scratch, default=0)
+        return max((measured_gemm_scratch(backend, r, k, out, packed) for r, k, out, packed in shapes), default=0)
     uneven = [r for r, _, out, _ in shapes if s.threads > 1 and ceil_div(out, 64) % s.threads]
     return max((s.threads * 128 * min(r, 256) for r in uneven), default=0)
+
+
+_MEASURED_SCRATCH: dict[tuple, int] = {}
+
+
+def measured_gemm_scratch(backend, rows: int, k: int, n: int, packed: bool) -> int:
+    """The tensor memory one bf16 GEMM of this shape holds beyond its output, run alone through
+    the backend as the model runs it (packed weights if ``packed``), after a first call that
+    builds its kernel."""
+    key = (rows, k, n, packed, torch.get_num_threads())
+    if key not in _MEASURED_SCRATCH:
+        g = torch.Generator().manual_seed(0)
+        plain = torch.randn(n, k, generator=g).bfloat16()
+        weight = backend.pack_weight(plain, None) if packed else None
+        weight, packed = (plain, False) if weight is None else (weight, True)
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        backend.linear(x, weight, None, packed)
+        with track_peak() as m:
+            y = backend.linear(x, weight, None, packed)
+        _MEASURED_SCRATCH[key] = max(0, m.peak_bytes - y.numel() * y.element_size())
+    return _MEASURED_SCRATCH[key]
 
 
 def main() -> None:
