@@ -142,8 +142,8 @@ def cmd_serve(args) -> int:
     server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
 
     def on_signal(*_) -> None:
-        if app.state.draining:
-            server.should_exit = True
+        if app.state.draining:  # the second: no waiting for open connections or the engine
+            server.should_exit = server.force_exit = True
         else:
             drain(app, lambda: setattr(server, "should_exit", True))
 

@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import threading
 import time
 
@@ -375,6 +376,52 @@ def test_after_the_shutdown_timeout_what_is_left_ends_with_an_error_and_the_serv
         assert s.proc.wait(30) == 0
     finally:
         s.stop()
+
+
+def test_a_second_sigterm_stops_the_draining_server_at_once(tiny_checkpoints):
+    """docs/reliability.md: after SIGTERM the server drains, and "a second signal stops at once":
+    with a stream that needs 20 s or more to finish and a 120 s drain, the process is gone within
+    a few seconds of the second SIGTERM, and the stream is cut."""
+    slower = SLOW_STEPS.replace("time.sleep(0.01)", "time.sleep(0.05)")  # 400 tokens: >= 20 s
+    model = str(tiny_checkpoints["qwen2"][0])
+    s = ServerProcess("--model", model, "--max-model-len", "512", "--shutdown-timeout", "120", prelude=slower)
+    events: list[str] = []
+    started = threading.Event()
+
+    def read() -> None:
+        try:
+            with httpx.stream("POST", s.url + "/v1/completions", json={**LONG, "stream": True}, timeout=60) as r:
+                for line in r.iter_lines():
+                    events.append(line)
+                    started.set()
+        except httpx.HTTPError:
+            pass  # a server that stops at once may cut the stream anywhere
+
+    reader = threading.Thread(target=read)
+    try:
+        reader.start()
+        assert started.wait(60), "the stream never started"
+        s.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while httpx.get(s.url + "/health", timeout=10).status_code != 503 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert s.proc.poll() is None, "draining: the stream in flight keeps the first signal from ending it"
+        second = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        try:
+            s.proc.wait(6)
+        except subprocess.TimeoutExpired:
+            pass
+        took = time.monotonic() - second
+        assert s.proc.poll() is not None and took < 5, f"still running {took:.1f} s after the second SIGTERM"
+        reader.join(30)
+        assert not any('"finish_reason": "length"' in e for e in events), "the stream ran to its end"
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+            s.proc.wait(10)
+        s.stop()
+        reader.join(30)
 
 
 # ---- in this process, over the tiny model: faults a server process cannot be given ------------
