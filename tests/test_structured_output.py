@@ -252,3 +252,128 @@ def test_the_mask_kernel_and_the_pytorch_fallback_mask_the_same_tokens(default_l
     for r in (0, 2):
         kept = torch.isfinite(logits[r])
         assert torch.equal(logits[r][kept], before[r][kept])
+
+
+# ---- promises of docs/structured-output.md, each against an oracle written here -------------------
+
+INSTALL_COMMAND = "pip install --no-deps xgrammar"  # the set-up's command, as the docs give it
+
+
+def test_without_xgrammar_a_constrained_request_is_refused_with_the_install_command(default_llm, monkeypatch):
+    """docs/structured-output.md: "without xgrammar a constrained request is refused with the
+    command to install it" (RequestRejected, nothing queued), and the engine serves unconstrained
+    requests as before. xgrammar is made unimportable (``sys.modules`` entry None) in a fresh
+    engine (``default_llm`` loaded it already, so its weights come from the page cache)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)
+    llm = LLM(max_model_len=256)
+    prompt = ask(llm, "Is the sky green?")
+    for constraint in (StructuredOutput(choice=["yes", "no"]), StructuredOutput(json=SCHEMAS["person"])):
+        with pytest.raises(RequestRejected) as e:
+            llm.generate(prompt, SamplingParams(max_tokens=5, structured_output=constraint))
+        assert INSTALL_COMMAND in str(e.value) and e.value.param == "structured_output", str(e.value)
+    assert not llm.engine.has_unfinished()
+    out = llm.generate(prompt, SamplingParams(max_tokens=5, temperature=0))[0]
+    assert out.finish_reason in ("stop", "length") and out.text
+    assert out.token_ids == default_llm.generate(prompt, SamplingParams(max_tokens=5, temperature=0))[0].token_ids
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        StructuredOutput(json=SCHEMAS["person"]),
+        StructuredOutput(json_object=True),
+        StructuredOutput(regex="[a-z]{3}"),
+        StructuredOutput(choice=["yes", "no"]),
+        StructuredOutput(grammar='root ::= "a" | "b"'),
+    ],
+    ids=["json", "json_object", "regex", "choice", "grammar"],
+)
+def test_min_tokens_is_refused_for_every_kind_of_constraint(constraint):
+    """docs/structured-output.md: `min_tokens` is refused with a clear error for a constrained
+    request (the grammar decides where it ends): a ValueError naming the field. (`ignore_eos`:
+    tests/test_tool_calls.py::test_structured_output_takes_exactly_one_constraint_and_not_with_ignore_eos.)"""
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=10, min_tokens=2, structured_output=constraint)
+    SamplingParams(max_tokens=10, min_tokens=0, structured_output=constraint)  # the default is fine
+    SamplingParams(max_tokens=10, min_tokens=2)  # and min_tokens without a constraint
+
+
+# Constraints whose languages are finite and written out here in full: the oracle for which tokens
+# a grammar allows at a step is then "the text so far plus the token's text is the start of one of
+# these outputs" (or a stop token, once the text so far is a whole output), computed without
+# xgrammar or anything else of pagedllm's.
+FINITE_LANGUAGES = [
+    ("Is the sky green?", StructuredOutput(choice=["yes", "no", "maybe", "no way"]), {"yes", "no", "maybe", "no way"}),
+    (
+        "In which year did the Berlin wall fall?",
+        StructuredOutput(regex=r"(19|20)[0-9]{2}"),
+        {f"{century}{year:02d}" for century in (19, 20) for year in range(100)},
+    ),
+    (
+        "Write a sum.",
+        StructuredOutput(grammar='root ::= "(" [1-9] " " ("+" | "-") " " [1-9] ")"'),
+        {f"({a} {op} {b})" for a in range(1, 10) for op in "+-" for b in range(1, 10)},
+    ),
+]
+
+
+def constrained_steps(llm, k: int):
+    """Each step of greedy and sampled runs under every ``FINITE_LANGUAGES`` constraint with
+    ``logprobs=k``: (the token drawn, its logprob entry, the set of token ids the grammar allows
+    there by the oracle above)."""
+    vocab = llm.loaded.config.vocab_size
+    pieces = [llm.tokenizer.decode([t]) for t in range(vocab)]
+    stops = set(llm.engine.eos_token_ids)
+    sampling = [dict(temperature=0)] + [dict(temperature=1.0, seed=s) for s in range(4)]
+    prompts, params, languages = [], [], []
+    for question, constraint, outputs in FINITE_LANGUAGES:
+        for fields in sampling:
+            prompts.append(ask(llm, question))
+            params.append(SamplingParams(max_tokens=16, logprobs=k, structured_output=constraint, **fields))
+            languages.append(outputs)
+    steps = []
+    for out, outputs in zip(llm.generate(prompts, params), languages):
+        assert out.finish_reason == "stop" and out.text in outputs, out.text
+        starts = {o[:i] for o in outputs for i in range(1, len(o) + 1)}
+        text = ""
+        for token, entry in zip(out.token_ids, out.logprobs, strict=True):
+            allowed = {t for t, piece in enumerate(pieces) if piece and text + piece in starts}
+            allowed |= stops if text in outputs else set()
+            steps.append((token, entry, allowed))
+            text += pieces[token]
+    return steps
+
+
+@pytest.mark.parametrize("k", [3, 20])
+def test_top_logprobs_under_a_grammar_are_the_allowed_tokens_renormalised(default_llm, k):
+    """docs/structured-output.md: "Logprobs are those of the distribution the grammar left: a
+    forbidden token never appears among the top ones". Every token listed with a probability is
+    one the grammar allows (the oracle: the constraint's outputs written out), the top ones are
+    the most likely allowed tokens, as many as asked for or as there are, and their
+    probabilities are the constrained distribution's: when all allowed tokens are listed, they
+    sum to 1."""
+    import math
+
+    steps = constrained_steps(default_llm, k)
+    assert any(len(allowed) > 3 for *_, allowed in steps), "steps where k=3 lists only some"
+    assert any(1 < len(allowed) <= k for *_, allowed in steps), "and steps where all are listed"
+    for token, entry, allowed in steps:
+        assert token in allowed and entry["token"][0] == token
+        listed = entry["top"]
+        assert {t for t, _ in listed} <= allowed, "a forbidden token has a probability"
+        assert len(listed) == min(k, len(allowed)), (listed, allowed)
+        mass = sum(math.exp(v) for _, v in listed)
+        if len(allowed) <= k:
+            assert mass == pytest.approx(1, abs=1e-4), "the constrained distribution sums to 1"
+        else:
+            assert mass <= 1 + 1e-4
+        assert entry["token"][1] == pytest.approx(dict(listed).get(token, entry["token"][1]))
+
+
+def test_no_forbidden_token_is_listed_among_the_top_logprobs(default_llm):
+    """docs/structured-output.md: "a forbidden token never appears among the top ones", even
+    when fewer tokens are allowed than logprobs asks for (the list is shorter then)."""
+    for _, entry, allowed in constrained_steps(default_llm, 5):
+        assert {t for t, _ in entry["top"]} <= allowed, entry["top"]

@@ -237,3 +237,91 @@ def test_what_does_not_compile_is_a_400_naming_the_field_and_the_server_keeps_se
     assert error["param"] == param and message in error["message"]
     ok = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=3, temperature=0)
     assert ok.choices[0].message.content
+
+
+@pytest.mark.parametrize("field", [{"ignore_eos": True}, {"min_tokens": 2}], ids=["ignore_eos", "min_tokens"])
+@pytest.mark.parametrize(
+    "endpoint, constraint",
+    [
+        ("chat", {"response_format": {"type": "json_object"}}),
+        ("chat", {"guided_choice": ["yes", "no"]}),
+        ("chat", {"tools": TOOLS, "tool_choice": "required"}),
+        ("completions", {"structured_outputs": {"regex": "[a-z]{3}"}}),
+        ("completions", {"guided_json": SCHEMAS["person"]}),
+    ],
+    ids=["response_format", "guided_choice", "tool_choice", "structured_outputs", "guided_json"],
+)
+def test_ignore_eos_and_min_tokens_with_a_constraint_are_a_400_naming_the_field(server, endpoint, constraint, field):
+    """docs/structured-output.md: `ignore_eos` and `min_tokens` are refused with a clear error for
+    a constrained request, whichever field carries the constraint: a 400 whose message names the
+    field, nothing queued; the same request without the constraint is served."""
+    body = {"model": MODEL, "max_tokens": 4, "temperature": 0, **field}
+    body.update({"messages": ASK_WEATHER} if endpoint == "chat" else {"prompt": "The weather in Paris is"})
+    url = f"{server.url}/v1/{'chat/completions' if endpoint == 'chat' else 'completions'}"
+    r = httpx.post(url, json={**body, **constraint}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and next(iter(field)) in error["message"], error
+    assert httpx.post(url, json=body, timeout=60).status_code == 200
+
+
+def test_without_xgrammar_a_constrained_request_is_a_400_with_the_install_command():
+    """docs/structured-output.md: "without xgrammar a constrained request is refused with the
+    command to install it", through `pagedllm serve` (the engine in its own process, under a
+    budget, where xgrammar would load at start): a 400 naming the field, and the server serves on."""
+    s = ServerProcess(
+        "--memory", "2GiB", "--max-model-len", "512", prelude="import sys\nsys.modules['xgrammar'] = None\n"
+    )
+    try:
+        for path, body in [
+            ("/v1/chat/completions", {"messages": ASK_WEATHER, "response_format": {"type": "json_object"}}),
+            ("/v1/completions", {"prompt": "Is it raining?", "guided_choice": ["yes", "no"]}),
+        ]:
+            r = httpx.post(s.url + path, json={"model": MODEL, "max_tokens": 4, **body}, timeout=60)
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert "pip install --no-deps xgrammar" in error["message"], error
+            assert error["param"] == next(k for k in body if k not in ("messages", "prompt")), error
+        ok = httpx.post(
+            s.url + "/v1/chat/completions",
+            json={"model": MODEL, "messages": ASK_WEATHER, "max_tokens": 4, "temperature": 0},
+            timeout=60,
+        )
+        assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"], ok.text
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_top_logprobs_of_a_constrained_answer_are_json_and_list_only_allowed_tokens(server, stream):
+    """docs/structured-output.md: "a forbidden token never appears among the top ones", through
+    the server: a choice answered with top_logprobs=5 is a 200 of standard JSON, and each step's
+    top tokens extend the text so far towards one of the choices (or end it, once it is one)."""
+    choices = ["yes", "no", "maybe"]
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Is the sky green?"}],
+        "guided_choice": choices,
+        "logprobs": True,
+        "top_logprobs": 5,
+        "temperature": 0,
+        "stream": stream,
+    }
+
+    def strict_json(text: str):
+        return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
+
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    if stream:
+        chunks = [strict_json(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        steps = [s for c in chunks if c["choices"][0]["logprobs"] for s in c["choices"][0]["logprobs"]["content"]]
+    else:
+        steps = strict_json(r.text)["choices"][0]["logprobs"]["content"]
+    text = ""
+    for step in steps:
+        for top in step["top_logprobs"]:
+            extends = any(c.startswith(text + top["token"]) for c in choices)
+            assert extends or (text in choices and top["token"] == "<|im_end|>"), (text, top)
+        text += step["token"] if step["token"] != "<|im_end|>" else ""
+    assert text in choices

@@ -6,7 +6,8 @@ then penalties on the raw logits, then min_tokens masking,
 then temperature, then top-k / top-p / min-p filtering, then the draw. Greedy rows take the
 argmax of the penalized logits. Seeded rows draw with their own generator, so a request with a
 seed gets the same tokens whatever else shares the batch. Log-probabilities are reported from
-the model's raw distribution, like the OpenAI API does.
+the model's distribution before penalties and temperature, like the OpenAI API does; under a
+grammar, the distribution it left (renormalised), whose top list holds allowed tokens only.
 
 Memory: rows are processed in chunks of ``CHUNK_ROWS``. A chunk of plain greedy rows costs
 nothing beyond the logits; any other chunk goes through one fixed pipeline whose peak is about
@@ -208,9 +209,11 @@ def _logprobs(raw: torch.Tensor, tokens: list[int], params) -> list[dict | None]
     top_vals, top_ids = lp.topk(k, dim=-1)
     for i in rows:
         n = params[i].logprobs
+        top = zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist())
         out[i] = {
             "token": (tokens[i], float(lp[i, tokens[i]])),
-            "top": list(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist())),
+            # a grammar may allow fewer than n tokens: the forbidden ones (-inf) are not candidates
+            "top": [(t, v) for t, v in top if v != float("-inf")],
         }
     return out
 
