@@ -2,6 +2,7 @@
 other processes keep the cores busy (a step's parallel regions all wait for a descheduled
 thread), back when they stop."""
 
+import json
 import os
 import subprocess
 import sys
@@ -132,3 +133,122 @@ def test_the_server_leaves_its_threads_unpinned(tiny_checkpoints):
     with TestClient(create_app(llm)) as client:
         assert client.get("/health").status_code == 200
         assert not llm.engine.threads.pinned and not llm.engine.threads.pin
+
+
+# A child process that builds an engine on the tiny llama as a user would, with every CPU
+# counted as a core (a box of one core and two hyper-threads then has two to cap or pin), and
+# reports what torch and the OS say of its threads: inside a step, and after a request.
+THREADS_CHILD = r"""
+import json, os, sys
+allowed = sorted(os.sched_getaffinity(0))
+import torch
+from pagedllm.backends import cpu_threads
+cpu_threads.physical_cores = lambda cpus: list(cpus)
+from pagedllm import LLM, SamplingParams
+llm = LLM(sys.argv[1], backend=sys.argv[2], num_blocks=16, max_model_len=64)
+after_load = torch.get_num_threads()
+llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+with llm.engine.threads.running():
+    torch.ones(1 << 22).add_(1)  # a parallel region: every worker of this thread's team exists
+    in_step = sorted(os.sched_getaffinity(0))
+tasks = {}
+for tid in os.listdir("/proc/self/task"):
+    with open(f"/proc/self/task/{tid}/status") as f:
+        line = next(x for x in f if x.startswith("Cpus_allowed_list:"))
+    tasks[tid] = line.split(":", 1)[1].strip()
+print(json.dumps({"allowed": allowed, "after_load": after_load, "after_request": torch.get_num_threads(),
+                  "in_step": in_step, "tasks": tasks}))
+"""
+
+THREAD_SWITCHES = ("PAGEDLLM_THREADS", "PAGEDLLM_PIN_THREADS", "PAGEDLLM_ADAPT_THREADS", "PAGEDLLM_KERNELS")
+
+
+def run_threads_child(model, backend: str, **env: str) -> dict:
+    base = {k: v for k, v in os.environ.items() if k not in THREAD_SWITCHES}
+    out = subprocess.run(
+        [sys.executable, "-c", THREADS_CHILD, str(model), backend],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**base, **env},
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _cpu_list(text: str) -> list[int]:
+    """The kernel's list format, "0-3,8": every CPU it names."""
+    cpus: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cpus += range(int(first), int(last or first) + 1)
+    return cpus
+
+
+def test_PAGEDLLM_THREADS_caps_the_engines_thread_count(tiny_checkpoints):
+    """Promise: "PAGEDLLM_THREADS=N caps the count". An engine built with PAGEDLLM_THREADS=1 on
+    a machine of two or more CPUs (each counted a core) runs torch on one thread, read from
+    torch itself, after loading and after a request."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU: one thread is the default, a cap of one shows nothing")
+    seen = run_threads_child(tiny_checkpoints["llama"][0], "cpu-torch", PAGEDLLM_THREADS="1")
+    assert len(seen["allowed"]) >= 2
+    assert seen["after_load"] == seen["after_request"] == 1, seen
+
+
+def test_PAGEDLLM_PIN_THREADS_0_never_pins(tiny_checkpoints, ops):
+    """Promise: "PAGEDLLM_PIN_THREADS=0 never pins". On the compiled kernels (the backend that
+    pins), no thread of the process is bound to fewer CPUs than it started with: not the
+    caller inside a step, not any worker after a request, as /proc shows them."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU: a pinned thread and a free one look alike")
+    seen = run_threads_child(
+        tiny_checkpoints["llama"][0], "cpu-compiled", PAGEDLLM_PIN_THREADS="0", PAGEDLLM_ADAPT_THREADS="0"
+    )
+    assert seen["after_request"] == len(seen["allowed"]) >= 2, seen  # a worker per CPU, each free to pin
+    assert len(seen["tasks"]) >= seen["after_request"], seen
+    assert seen["in_step"] == seen["allowed"], seen
+    narrowed = {tid: cpus for tid, cpus in seen["tasks"].items() if _cpu_list(cpus) != seen["allowed"]}
+    assert narrowed == {}, seen
+
+
+def test_PAGEDLLM_ADAPT_THREADS_0_keeps_the_count_under_load(monkeypatch):
+    """Promise: "PAGEDLLM_ADAPT_THREADS=0 keeps the count fixed". Under an injected load that
+    makes a governor with adaptation on step down to one thread (checked first, the same way),
+    one built with PAGEDLLM_ADAPT_THREADS=0 keeps every thread, in torch too, step after step."""
+    from pagedllm.backends import cpu_threads
+
+    cpus = list(range(os.cpu_count() or 1))  # the machine's, each taken for a core
+    if len(cpus) < 2:
+        pytest.skip("one CPU: nothing to give up")
+    monkeypatch.setattr(cpu_threads, "allowed_cpus", lambda: cpus)
+    monkeypatch.setattr(cpu_threads, "physical_cores", lambda cpus: list(cpus))
+    monkeypatch.setattr(cpu_threads, "CHECK_INTERVAL_S", 0.0)  # every step reads the load
+    monkeypatch.delenv("PAGEDLLM_THREADS", raising=False)
+    saved_threads, saved_cpus = torch.get_num_threads(), os.sched_getaffinity(0)
+    backend = backends.get("cpu-torch")
+
+    def under_load(governor) -> list[int]:
+        governor.read_load = load = InjectedLoad()
+        governor.after_step()  # the first reading
+        load.busy_share = 1.0  # others keep every CPU busy
+        counts = []
+        for _ in range(6):
+            governor.after_step()
+            counts.append(torch.get_num_threads())
+        return counts
+
+    try:
+        monkeypatch.setenv("PAGEDLLM_ADAPT_THREADS", "1")
+        assert under_load(backend.thread_policy())[-1] == 1, (
+            "the injected load must make an adapting governor step down"
+        )
+        monkeypatch.setenv("PAGEDLLM_ADAPT_THREADS", "0")
+        fixed = backend.thread_policy()
+        assert fixed.threads == len(cpus)
+        assert under_load(fixed) == [len(cpus)] * 6
+        assert fixed.threads == len(cpus)
+    finally:
+        torch.set_num_threads(saved_threads)
+        os.sched_setaffinity(0, saved_cpus)

@@ -20,8 +20,7 @@ def kernels_mode() -> str:
 
 def required_ops() -> Any:
     """The kernels, built or loaded now; KernelBuildError if they cannot be built here."""
-    ops = compiled_ops() if kernels_mode() != "torch" else None
-    return ops if ops is not None else build._load()
+    return build.required_ops()
 
 
 __all__ = ["MODES", "KernelBuildError", "compiled_ops", "kernels_mode", "required_ops", "select"]

@@ -33,7 +33,7 @@ MODES = ("auto", "compiled", "torch")
 CSRC = Path(__file__).with_name("csrc")
 _NAME = "pagedllm_cpu_ops"
 
-_state: dict[str, Any] = {"mode": None, "ops": None, "loaded": False}
+_state: dict[str, Any] = {"mode": None, "ops": None, "loaded": False, "error": None}
 
 
 class KernelBuildError(RuntimeError):
@@ -45,7 +45,7 @@ def select(mode: str) -> str:
     if mode not in MODES:
         raise ValueError(f"kernels mode {mode!r}: choose one of {', '.join(MODES)}")
     previous = _mode()
-    _state.update(mode=mode, ops=None, loaded=False)
+    _state.update(mode=mode, ops=None, loaded=False, error=None)
     return previous
 
 
@@ -68,10 +68,25 @@ def compiled_ops() -> Any | None:
         try:
             _state["ops"] = _load()
         except KernelBuildError as e:
+            _state["error"] = e
             if mode == "compiled":
                 raise
             log.warning("%s; running the pure-PyTorch kernels (slower)", e)
     return _state["ops"]
+
+
+def required_ops() -> Any:
+    """The kernels, built or loaded now; KernelBuildError if they cannot be built here. A build
+    that failed is not tried again, and asking for the kernels announces no PyTorch fallback."""
+    if _mode() == "compiled":
+        return compiled_ops()
+    if _state["error"] is not None:
+        raise _state["error"]
+    try:
+        return _load()
+    except KernelBuildError as e:
+        _state["error"] = e
+        raise
 
 
 # x86-64 micro-architecture levels and the vector width ATen's headers use at each.
