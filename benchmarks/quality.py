@@ -153,10 +153,10 @@ def table(rows: list[dict]) -> str:
         if "error" in r:
             lines.append(f"| {r['name']} | not available: {r['error']} | | | | | | | | | |")
             continue
-        bound = "" if r["ppl_bound"] == float("inf") else f" (≤ {r['ppl_bound']:.3f})"
+        bound = "" if r["ppl_bound"] == float("inf") else f" (≤ {r['ppl_bound']:.4f}".rstrip("0") + ")"
         lines.append(
             f"| {r['name']} | {r['ppl']:.4f} | {r['ppl_ratio']:.4f}{bound} "
-            f"| {r['logit_error']:.4f} (≤ {r['rule_tolerance']:.3f}) "
+            f"| {r['logit_error']:.4f} (≤ {r['rule_tolerance']:.3g}) "
             f"| {r['exact_steps_pct']:.1f} (≥ {r['floor_pct']:.0f}) | {r['near_tie_steps_pct']:.1f} "
             f"| {r['failed_steps']} | {'met' if r['passes'] else '**not met**'} | {r['identical_pct']:.1f} "
             f"| {r['weight_mb']:.1f} | {r['kv_bytes_per_token']:.0f} |"

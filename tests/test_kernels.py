@@ -1,6 +1,7 @@
-"""The compiled CPU kernels against the pure-PyTorch path they replace, and both against attention
-written in float64 from its definition (each row within a few of the dtype's eps of the terms it
-sums): the same cache contents, 8-bit rows within half a step of the values written, on every shape the engine produces (decode rows, prefill chunks over a
+"""The compiled CPU kernels against the pure-PyTorch path they replace, and both against
+attention written in float64 from its definition (each row within a few of the dtype's eps of
+the terms it sums): the same cache contents, 8-bit rows within half a step of the values
+written, on every shape the engine produces (decode rows, prefill chunks over a
 cached context, sliding windows, every GQA ratio, head sizes 64 and 128, fp32 and bf16, 8-bit
 caches; bf16 prefill tiles on AMX and, with AMX capped away, on AVX-512), and clear errors for
 tables that point outside the cache."""
