@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..engine import LLMEngine
 from ..layers.attention import SequenceSlice, StepLayout
 
 if TYPE_CHECKING:
@@ -26,6 +27,8 @@ def perplexity(llm: LLM, ids: list[int], chunk: int = CHUNK, keep_logits: list |
     block manager gives it blocks (under an id no request has), the step's layout says where its
     K/V go, and the model returns logits for every row of the chunk."""
     engine = llm.engine
+    if not isinstance(engine, LLMEngine):
+        raise TypeError("perplexity reads the model in this process: LLM(..., engine_process=False)")
     model, runner, blocks = engine.runner.model, engine.runner, engine.blocks
     cfg = model.config
     seq_id = -1  # requests' ids count up from 0

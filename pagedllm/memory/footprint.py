@@ -132,8 +132,10 @@ def loader_bytes(cfg: ModelConfig, s: EngineSettings) -> int:
         if not (s.packed and dtype_bytes(s.dtype) == 2 and not s.quantized_weights):
             return BUILD_BYTES + CONVERT_CHUNK_BYTES
         lm_head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
-        return BUILD_BYTES + CONVERT_CHUNK_BYTES + 2 * max(
-            lm_head, 2 * cfg.intermediate_size * h, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * h
+        return (
+            BUILD_BYTES
+            + CONVERT_CHUNK_BYTES
+            + 2 * max(lm_head, 2 * cfg.intermediate_size * h, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * h)
         )
     largest = max(cfg.vocab_size * h, cfg.intermediate_size * h, cfg.num_heads * cfg.head_dim * h)
     return BUILD_BYTES + CONVERT_CHUNK_BYTES + largest * dtype_bytes(s.dtype) + QUANTIZE_BYTES_PER_CHUNK
