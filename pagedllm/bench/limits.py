@@ -1,0 +1,97 @@
+"""The machine's limits a `pagedllm bench` figure is set against, measured once per run in the
+bench's own process (a few seconds, before any engine starts):
+
+- the GEMM rate of each dtype the rows compute in, on the model's own MLP up-projection shape
+  ([rows, hidden] x [hidden, intermediate]) through ``torch.matmul`` with the run's threads;
+- the memory read bandwidth: summing a buffer far larger than the caches.
+
+A row's **GEMM share** is the dense work its tokens need (2 FLOPs per weight of the decoder's
+linear layers for every prompt and output token, and of the lm_head for every output token) over
+its elapsed time, as a share of that rate; its **read share** (pagedllm's rows, which report their
+steps) is the weights read once per step over the elapsed time, as a share of the bandwidth. A
+batched workload is bound by the first, one request alone by the second.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+READ_BYTES = 512 * 1024**2  # far beyond any L3 of these machines
+GEMM_ROWS = 512  # a full step's worth of rows (the default step budget)
+
+
+@dataclass(frozen=True)
+class MachineLimits:
+    gemm_flops: dict[str, float]  # dtype name -> FLOP/s on the model's MLP shape
+    read_bytes_per_s: float
+
+    def describe(self) -> str:
+        rates = ", ".join(f"{d} GEMM {r / 1e9:.0f} GFLOP/s" for d, r in self.gemm_flops.items())
+        return f"machine limits: {rates}, memory read {self.read_bytes_per_s / 1e9:.1f} GB/s"
+
+
+def _best_seconds(fn, repeats: int) -> float:
+    fn()  # first call: kernel selection, page faults
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def gemm_flops(dtype: torch.dtype, k: int, n: int, rows: int = GEMM_ROWS, repeats: int = 5) -> float:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(rows, k, generator=g).to(dtype), torch.randn(k, n, generator=g).to(dtype)
+    return 2 * rows * k * n / _best_seconds(lambda: torch.matmul(a, b), repeats)
+
+
+def read_bandwidth(nbytes: int = READ_BYTES, repeats: int = 5) -> float:
+    import torch
+
+    buffer = torch.ones(nbytes // 4, dtype=torch.float32)
+    return nbytes / _best_seconds(buffer.sum, repeats)
+
+
+def measure(hidden: int, intermediate: int, dtypes: list[str], read_bytes: int = READ_BYTES) -> MachineLimits:
+    import torch
+
+    rates = {d: gemm_flops(getattr(torch, d), hidden, intermediate) for d in dict.fromkeys(dtypes)}
+    return MachineLimits(rates, read_bandwidth(read_bytes))
+
+
+@dataclass(frozen=True)
+class Work:
+    """What a workload asks of the model's dense layers, whoever runs it."""
+
+    linear_weights: int  # the decoder layers' linear weights, each used by every token
+    lm_head_weights: int  # used by every output token
+    prompt_tokens: int
+
+    @classmethod
+    def of(cls, cfg, prompt_tokens: int) -> Work:
+        from ..memory.footprint import linear_shapes
+
+        return cls(linear_shapes(cfg)[0], cfg.vocab_size * cfg.hidden_size, prompt_tokens)
+
+    def flops(self, output_tokens: int) -> int:
+        tokens = self.prompt_tokens + output_tokens
+        return 2 * (self.linear_weights * tokens + self.lm_head_weights * output_tokens)
+
+
+def shares(result: dict, limits: MachineLimits, dtype: str, work: Work) -> dict[str, float]:
+    """{'gemm': share of the GEMM rate; 'read': share of the bandwidth, for rows that report
+    their steps and weight bytes}."""
+    out: dict[str, float] = {}
+    if dtype in limits.gemm_flops:
+        out["gemm"] = work.flops(result["output_tokens"]) / result["elapsed_s"] / limits.gemm_flops[dtype]
+    if "steps" in result and "weights_bytes" in result:
+        out["read"] = result["weights_bytes"] * result["steps"] / result["elapsed_s"] / limits.read_bytes_per_s
+    return out
