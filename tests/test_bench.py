@@ -99,7 +99,9 @@ def test_bench_cli_end_to_end_with_a_peer(tmp_path):
     assert results[0]["engine"] == "pagedllm" and results[0]["output_tokens"] == 16
     assert results[1]["output_tokens"] == 16
     assert "skipped" in results[2]  # no --vllm-python given
-    assert "| pagedllm |" in res.stdout
+    assert "| pagedllm |" in res.stdout and "# machine limits: float32 GEMM" in res.stdout
+    shares = results[0]["limit_shares"]
+    assert 0 < shares["gemm"] < 1 and 0 < shares["read"] < 1 and 0 < results[1]["limit_shares"]["gemm"] < 1
 
 
 @pytest.mark.slow
@@ -153,3 +155,49 @@ def test_the_online_load_counts_every_token_and_times_it(tiny_checkpoints):
             assert summary["output_tokens_per_s"] == pytest.approx(sum(max_tokens) / summary["elapsed_s"])
     finally:
         server.stop()
+
+
+def test_limit_shares_are_the_work_done_over_the_machines_rate():
+    """GEMM share: 2 FLOPs per decoder linear weight for every token and per lm_head weight for
+    every output token, over the elapsed time, over the measured rate; read share: the weights
+    once per step over the time, over the bandwidth (arithmetic written out here)."""
+    from pagedllm.bench.limits import MachineLimits, Work, shares
+
+    machine = MachineLimits({"float32": 200e9}, read_bytes_per_s=20e9)
+    work = Work(linear_weights=100e6, lm_head_weights=30e6, prompt_tokens=9000)
+    row = {"output_tokens": 4000, "elapsed_s": 20.0, "steps": 150, "weights_bytes": 500e6}
+    got = shares(row, machine, "float32", work)
+    assert got["gemm"] == pytest.approx((2 * 100e6 * 13000 + 2 * 30e6 * 4000) / 20.0 / 200e9)
+    assert got["read"] == pytest.approx(500e6 * 150 / 20.0 / 20e9)
+    assert shares({"output_tokens": 4000, "elapsed_s": 20.0}, machine, "float32", work).keys() == {"gemm"}
+
+
+def test_the_work_counts_every_linear_weight_of_the_model():
+    from pagedllm.bench.limits import Work
+    from pagedllm.config import ModelConfig
+
+    cfg = ModelConfig.from_hf_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "num_hidden_layers": 30,
+            "num_attention_heads": 9,
+            "num_key_value_heads": 3,
+            "hidden_size": 576,
+            "intermediate_size": 1536,
+            "vocab_size": 49152,
+            "tie_word_embeddings": True,
+            "max_position_embeddings": 8192,
+        }
+    )
+    per_layer = 576 * 576 * 2 + 2 * 576 * 192 + 3 * 576 * 1536  # q and o, k and v, gate/up/down
+    work = Work.of(cfg, prompt_tokens=10)
+    assert (work.linear_weights, work.lm_head_weights) == (30 * per_layer, 49152 * 576)
+
+
+def test_the_machine_limits_are_measured():
+    from pagedllm.bench.limits import measure
+
+    limits = measure(64, 128, ["float32", "bfloat16"], read_bytes=32 * 2**20)
+    assert set(limits.gemm_flops) == {"float32", "bfloat16"}
+    assert min(limits.gemm_flops.values()) > 1e8 and limits.read_bytes_per_s > 1e8
+    assert "float32 GEMM" in limits.describe()

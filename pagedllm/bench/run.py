@@ -13,9 +13,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..config import ModelConfig
 from ..engine_config import EngineConfig
 from ..memory.machine import usable_cpus
-from . import workloads
+from . import limits, workloads
 
 PEERS = ("hf-static", "hf-cb", "vllm", "llama.cpp")
 
@@ -79,16 +80,19 @@ def run_engine(
 
 
 def table(results: list[dict]) -> str:
+    """``limit_shares`` in a row (``limits.shares``): its column says how close it came to the machine."""
     ours = results[0]
     head = (
         "| engine | requests/s | output tok/s | total tok/s | peak RSS | above interpreter | TTFT p50 / p99 | "
-        "ITL p50 / p99 | first row / engine |"
+        "ITL p50 / p99 | first row / engine | of the machine's GEMM / read limit |"
     )
-    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         if "skipped" in r:
-            lines.append(f"| {r['engine']} | skipped: {r['skipped']} | | | | | | | |")
+            lines.append(f"| {r['engine']} | skipped: {r['skipped']} | | | | | | | | |")
             continue
+        shares = r.get("limit_shares", {})
+        limit = " / ".join(f"{shares[k]:.0%}" if k in shares else "-" for k in ("gemm", "read")) if shares else ""
         ttft = f"{r['ttft_p50_s'] * 1000:.0f} / {r['ttft_p99_s'] * 1000:.0f} ms" if "ttft_p50_s" in r else ""
         itl = f"{r['itl_p50_s'] * 1000:.0f} / {r['itl_p99_s'] * 1000:.0f} ms" if "itl_p50_s" in r else ""
         ratio = ours["output_tokens_per_s"] / r["output_tokens_per_s"] if "skipped" not in ours else float("nan")
@@ -97,7 +101,7 @@ def table(results: list[dict]) -> str:
         lines.append(
             f"| {r['engine']} | {r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.1f} | "
             f"{r['total_tokens_per_s']:.1f} | {r['peak_rss_bytes'] / 1e9:.2f} GB | {above} | {ttft} | {itl} | "
-            f"{ratio:.2f}x |"
+            f"{ratio:.2f}x | {limit} |"
         )
     return "\n".join(lines)
 
@@ -147,6 +151,12 @@ def split_summary(results: list[dict], per_variant: int) -> str:
                 f"{above / 1e9:.3f} / {base_above / 1e9:.3f} GB = {above / base_above:.2f}x |"
             )
     return "\n".join(lines)
+
+
+def _dtypes_of_rows(args, sizes: list[int], rows: int) -> list[str]:
+    """The dtype each result row computes in: the variants (each for every tp size), then the peers'."""
+    ours = [dtype for dtype, _, _ in variants(args) for _ in sizes]
+    return ours + [args.dtype] * max(rows - len(ours), 1)
 
 
 def machine() -> str:
@@ -207,6 +217,10 @@ def main(args) -> int:
         f"prompt tokens, {sum(workload.max_tokens)} new tokens, greedy, ignore_eos, {args.dtype}"
     )
     print(f"# {machine()}", flush=True)
+    cfg = ModelConfig.from_file(model_dir)
+    machine_limits = limits.measure(cfg.hidden_size, cfg.intermediate_size, _dtypes_of_rows(args, sizes, 0))
+    print(f"# {machine_limits.describe()}", flush=True)
+    work = limits.Work.of(cfg, workload.prompt_tokens)
     try:
         results = pagedllm_rows(args, workload_file, str(model_dir), sizes, pythons)
         for engine in compare:
@@ -216,6 +230,9 @@ def main(args) -> int:
             print(f"# {engine}: done", file=sys.stderr, flush=True)
     finally:
         os.unlink(workload_file)
+    for r, dtype in zip(results, _dtypes_of_rows(args, sizes, len(results))):
+        if "skipped" not in r:
+            r["limit_shares"] = limits.shares(r, machine_limits, dtype, work)
     print(table(results))
     if len(sizes) > 1:
         print(split_summary(results, len(sizes)))
@@ -227,6 +244,7 @@ def main(args) -> int:
                     "workload": workload.name,
                     "dtype": args.dtype,
                     "machine": machine(),
+                    "machine_limits": dataclasses.asdict(machine_limits),
                     "results": results,
                 },
                 indent=2,

@@ -55,9 +55,11 @@ def run_pagedllm(workload: dict, model_dir: str, dtype: str, options: dict) -> d
     llm = LLM(model_dir, dtype=dtype, **options)
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in workload["max_tokens"]]
     llm.generate(workload["prompts"][:2], SamplingParams(max_tokens=2, temperature=0))  # warm-up
+    steps_before = llm.stats.steps
     start = time.perf_counter()
     outs = llm.generate(workload["prompts"], params)
     elapsed = time.perf_counter() - start
+    steps = llm.stats.steps - steps_before
     ttft = [o.metrics.time_to_first_token for o in outs]
     itl = [
         (o.metrics.latency - o.metrics.time_to_first_token) / (len(o.token_ids) - 1)
@@ -83,6 +85,7 @@ def run_pagedllm(workload: dict, model_dir: str, dtype: str, options: dict) -> d
         memory_budget_bytes=plan.budget_bytes,
         interpreter_rss_bytes=interpreter,
         weights_bytes=plan.weights_bytes,
+        steps=steps,
         **split,
     )
 
