@@ -101,7 +101,9 @@ def test_bench_cli_end_to_end_with_a_peer(tmp_path):
     assert "skipped" in results[2]  # no --vllm-python given
     assert "| pagedllm |" in res.stdout and "# machine limits: float32 GEMM" in res.stdout
     shares = results[0]["limit_shares"]
-    assert 0 < shares["gemm"] < 1 and 0 < shares["read"] < 1 and 0 < results[1]["limit_shares"]["gemm"] < 1
+    # present for every row that ran (their sizes are timings of a 16-token run: not asserted here;
+    # the arithmetic is test_limit_shares_are_the_work_done_over_the_machines_rate's)
+    assert shares["gemm"] > 0 and shares["read"] > 0 and results[1]["limit_shares"]["gemm"] > 0
 
 
 @pytest.mark.slow
@@ -173,22 +175,11 @@ def test_limit_shares_are_the_work_done_over_the_machines_rate():
 
 
 def test_the_work_counts_every_linear_weight_of_the_model():
-    from pagedllm.bench.limits import Work
-    from pagedllm.config import ModelConfig
+    from test_memory_planner import small_cfg  # SmolLM2-135M's shapes
 
-    cfg = ModelConfig.from_hf_dict(
-        {
-            "architectures": ["LlamaForCausalLM"],
-            "num_hidden_layers": 30,
-            "num_attention_heads": 9,
-            "num_key_value_heads": 3,
-            "hidden_size": 576,
-            "intermediate_size": 1536,
-            "vocab_size": 49152,
-            "tie_word_embeddings": True,
-            "max_position_embeddings": 8192,
-        }
-    )
+    from pagedllm.bench.limits import Work
+
+    cfg = small_cfg()
     per_layer = 576 * 576 * 2 + 2 * 576 * 192 + 3 * 576 * 1536  # q and o, k and v, gate/up/down
     work = Work.of(cfg, prompt_tokens=10)
     assert (work.linear_weights, work.lm_head_weights) == (30 * per_layer, 49152 * 576)

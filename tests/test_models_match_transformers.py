@@ -74,7 +74,12 @@ def test_bf16_logits_are_as_close_to_fp32_as_transformers_bf16(tiny_checkpoints,
     logits than transformers' own bf16 run is (measured: 0.67-1.31x of it over these models), and
     within the stated tolerance of transformers' bf16 logits."""
     directory, hf = tiny_checkpoints[arch]
-    batch, ours = our_logits(directory, "bfloat16", "bfloat16")
+    assert_as_close_as_transformers_bf16(hf, *our_logits(directory, "bfloat16", "bfloat16"))
+
+
+def assert_as_close_as_transformers_bf16(hf, batch, ours) -> None:
+    """No further from transformers' fp32 logits than 1.5x its own bf16 run, and within the bf16
+    logit tolerance of that run."""
     truth = hf_logits(hf, batch)
     theirs = hf_logits(copy.deepcopy(hf).to(torch.bfloat16), batch)
     assert (ours - truth).abs().max() <= 1.5 * (theirs - truth).abs().max()
@@ -95,11 +100,7 @@ def test_bf16_weights_over_a_float32_cache_are_as_close_as_transformers_bf16(tin
     """The attention kernel computes in the cache's dtype: bf16 activations are widened to
     float32 for it. No further from the fp32 logits than transformers' bf16 run."""
     directory, hf = tiny_checkpoints[arch]
-    batch, mixed = our_logits(directory, "bfloat16", "float32")
-    truth = hf_logits(hf, batch)
-    theirs = hf_logits(copy.deepcopy(hf).to(torch.bfloat16), batch)
-    assert (mixed - truth).abs().max() <= 1.5 * (theirs - truth).abs().max()
-    assert (mixed - theirs).abs().max() <= BF16_WEIGHTS.logit_tolerance * theirs.abs().max()
+    assert_as_close_as_transformers_bf16(hf, *our_logits(directory, "bfloat16", "float32"))
 
 
 # (weights dtype, KV dtype, rule); transformers runs in the weights' dtype

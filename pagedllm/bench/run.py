@@ -153,10 +153,9 @@ def split_summary(results: list[dict], per_variant: int) -> str:
     return "\n".join(lines)
 
 
-def _dtypes_of_rows(args, sizes: list[int], rows: int) -> list[str]:
+def _dtypes_of_rows(args, sizes: list[int], peers: int) -> list[str]:
     """The dtype each result row computes in: the variants (each for every tp size), then the peers'."""
-    ours = [dtype for dtype, _, _ in variants(args) for _ in sizes]
-    return ours + [args.dtype] * max(rows - len(ours), 1)
+    return [dtype for dtype, _, _ in variants(args) for _ in sizes] + [args.dtype] * peers
 
 
 def machine() -> str:
@@ -218,7 +217,7 @@ def main(args) -> int:
     )
     print(f"# {machine()}", flush=True)
     cfg = ModelConfig.from_file(model_dir)
-    machine_limits = limits.measure(cfg.hidden_size, cfg.intermediate_size, _dtypes_of_rows(args, sizes, 0))
+    machine_limits = limits.measure(cfg.hidden_size, cfg.intermediate_size, _dtypes_of_rows(args, sizes, 1))
     print(f"# {machine_limits.describe()}", flush=True)
     work = limits.Work.of(cfg, workload.prompt_tokens)
     try:
@@ -230,7 +229,7 @@ def main(args) -> int:
             print(f"# {engine}: done", file=sys.stderr, flush=True)
     finally:
         os.unlink(workload_file)
-    for r, dtype in zip(results, _dtypes_of_rows(args, sizes, len(results))):
+    for r, dtype in zip(results, _dtypes_of_rows(args, sizes, len(compare))):
         if "skipped" not in r:
             r["limit_shares"] = limits.shares(r, machine_limits, dtype, work)
     print(table(results))
