@@ -128,6 +128,9 @@ def test_shrinking_under_load_loses_nothing_and_changes_no_output(tiny_checkpoin
     llm.set_memory(budget)
     assert engine.blocks.num_blocks == first
     assert run(llm, batch, params) == fixed
+    wide = [p[:40] for p in prompts(320, 64)]  # grown back, the cache serves a batch twice as wide
+    assert all(len(out[0]) == 24 for out in run(llm, wide, [GREEDY] * 64))
+    engine.check_invariants()
 
 
 def test_a_grown_budget_admits_into_its_new_blocks_once_it_has_held(tiny_checkpoints, monkeypatch):

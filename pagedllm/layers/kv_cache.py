@@ -14,8 +14,8 @@ The budget may change at run time (``LLMEngine.set_memory``), so each tensor's m
 address space for ``capacity_blocks`` (no memory: pages exist only once written) and only the
 first ``num_blocks`` are in use. ``resize`` moves that line: shrinking gives the pages of each
 head's tail back to the OS (the layout is head-major, so a head's blocks from ``num_blocks`` on
-are one contiguous range), growing lets more blocks be handed out (committed at once when the
-cache is resident, else faulted in as they are first written).
+are one contiguous range), growing lets more blocks be handed out (their pages faulted in as they
+are first written).
 
 An 8-bit cache (``int8``, or ``fp8``: float8 e4m3) stores each token's head_dim values in one
 byte each with one float32 scale per token and head (absmax over the values mapped to the type's
@@ -129,14 +129,14 @@ class KVCache:
     def resize(self, num_blocks: int) -> None:
         """Blocks [0, num_blocks) in use from now on. Shrinking releases every page that holds
         only blocks past the new end (they read as zeros if used again); the caller has moved
-        what lived there. Growing commits the new blocks' pages when the cache is resident."""
+        what lived there. Growing commits nothing: the new blocks' pages fault in as they are first
+        written (the plan counts them either way), so a grow that a shrink soon undoes (a budget
+        that follows a neighbour) costs only the blocks it lent out, not a pass over the new room."""
         if not 1 <= num_blocks <= self.capacity_blocks:
             raise ValueError(f"num_blocks {num_blocks}: this cache holds 1 to {self.capacity_blocks} blocks")
         old, self.num_blocks = self.num_blocks, num_blocks
         if num_blocks < old:
             self.release_pages(num_blocks)
-        elif num_blocks > old and self.resident:
-            self._commit(old, num_blocks)
 
     def _heads(self) -> list[tuple[torch.Tensor, int]]:
         """Every tensor, with the bytes of one head's slots in it ([KVH, slots, ...] layout)."""
