@@ -20,7 +20,7 @@ _DTYPES = {"float32": ("float32", 4), "fp32": ("float32", 4), "bfloat16": ("bflo
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 # Weights: None keeps a checkpoint's tensors as stored (a converted GGUF's stay quantized),
 # "none" dequantizes everything, "int8"/"int4" quantize float linear weights at load.
-QUANTIZATIONS = ("none", "int8", "int4")
+QUANTIZATIONS = ("none", "int8", "int4", "w8a8")
 # KV cache: the activation dtypes, or 8-bit values with one float32 scale per token and KV head.
 KV_CACHE_DTYPES = ("float32", "bfloat16", "int8", "fp8")
 _KV_BYTES = {"int8": 1, "fp8": 1}

@@ -24,6 +24,8 @@ CONFIGS: list[tuple[str, str | None, dict]] = [
     ("bf16", None, dict(dtype="bfloat16", quantization="none")),
     ("int8", FLOAT_COPY, dict(dtype="float32", quantization="int8")),
     ("int4", FLOAT_COPY, dict(dtype="float32", quantization="int4")),
+    # int8 weights and activations (the GGUF's tensors dequantized and quantized again at load)
+    ("w8a8", None, dict(dtype="float32", quantization="w8a8")),
     ("gguf-q4_1", None, dict(dtype="float32")),  # the GGUF's Q4_1 / Q8_0 tensors kept as stored
     ("gguf-q4_1 bf16", None, dict(dtype="bfloat16")),
     # one sequence at a time: decode steps of one row take the packed-weight kernel (in bf16:
@@ -59,6 +61,9 @@ FORMAT_RULES: dict[str, FormatRule] = {
     "bf16": _BF16,
     "int8": FormatRule(Precision(logit_tolerance=0.10, min_exact_steps=0.9), max_perplexity_ratio=1.02),
     "int4": FormatRule(Precision(logit_tolerance=0.05, min_exact_steps=0.9), max_perplexity_ratio=1.05),
+    # w8a8: measured logit error 17%, perplexity 1.0437, exact steps 91%: the bound guards what it
+    # costs today; issue 31's target (within 1.5% of fp32) is NOT met (docs/quantization.md)
+    "w8a8": FormatRule(Precision(logit_tolerance=0.26, min_exact_steps=0.85), max_perplexity_ratio=1.05),
     "gguf-q4_1": _FLOAT32,
     "gguf-q4_1 bf16": _BF16,
     "gguf-q4_1 bf16, 1 seq": _BF16,

@@ -83,6 +83,8 @@ def run_grid(loaded, dtype: str, seed: int = 0, kv_dtype: str | None = None) -> 
         kernels=kernels,
         packed=packed,
         quantized_weights=loaded.model.quantized(),
+        # w8a8's GEMMs hold other transients than weight-only quantization's
+        quantization="w8a8" if any(getattr(m, "int8_activations", False) for m in loaded.model.modules()) else None,
         amx_tiles=getattr(loaded.model.backend, "amx_tiles", False),
         kv_dtype=kv_dtype,
     )

@@ -36,9 +36,17 @@ def test_step_memory_prediction_matches_measured_peak_on_the_default_model(dtype
     check_grid(loading.load(None, dtype), dtype)
 
 
-@pytest.mark.parametrize("quantization, kv_dtype", [("int4", "int8"), ("int8", "fp8")])
-def test_step_memory_prediction_covers_quantized_weights_and_kv_cache(tiny_checkpoints, quantization, kv_dtype):
-    check_grid(loading.load(tiny_checkpoints["qwen3"][0], "bfloat16", quantization=quantization), "bfloat16", kv_dtype)
+@pytest.mark.parametrize(
+    "quantization, kv_dtype, dtype",
+    [
+        ("int4", "int8", "bfloat16"),
+        ("int8", "fp8", "bfloat16"),
+        ("w8a8", None, "float32"),
+        ("w8a8", "int8", "bfloat16"),
+    ],
+)
+def test_step_memory_prediction_covers_quantized_weights_and_kv_cache(tiny_checkpoints, quantization, kv_dtype, dtype):
+    check_grid(loading.load(tiny_checkpoints["qwen3"][0], dtype, quantization=quantization), dtype, kv_dtype)
 
 
 def test_activation_peak_bounds_the_heaviest_steps(tiny_checkpoints):

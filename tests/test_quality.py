@@ -20,7 +20,7 @@ from pagedllm.bench.perplexity import perplexity
 pytestmark = pytest.mark.slow
 
 TEXT_LOGITS = 512  # the text's first tokens whose logits are compared (two chunks)
-FORMATS = ["bf16", "int8", "int4", "gguf-q4_1 bf16, 1 seq", "kv-int8", "kv-fp8"]
+FORMATS = ["bf16", "int8", "int4", "w8a8", "gguf-q4_1 bf16, 1 seq", "kv-int8", "kv-fp8"]
 
 
 @pytest.fixture(scope="module")

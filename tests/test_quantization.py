@@ -304,3 +304,67 @@ def test_a_float_checkpoint_quantized_at_load_is_the_float_model_on_rounded_weig
         else:
             assert (ours - truth).abs().max() <= 1.5 * (theirs - truth).abs().max()
             assert (ours - theirs).abs().max() <= BF16_WEIGHTS.logit_tolerance * theirs.abs().max()
+
+
+# ---- w8a8: int8 weights and int8 activations --------------------------------------------------
+
+
+def with_activations_rounded_per_row(model):
+    """A copy of ``model`` whose every linear layer (lm_head too) first rounds each row of its
+    input to int8 steps of the row's absmax / 127, as docs/quantization.md says w8a8 does."""
+    model = copy.deepcopy(model)
+
+    def round_input(module, args):
+        x = args[0].float()
+        step = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30) / 127
+        return ((x / step).round() * step).to(args[0].dtype)
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(round_input)
+    return model
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_w8a8_is_the_float_model_with_weights_and_activations_rounded_to_int8(tiny_checkpoints, kernels, arch):
+    """w8a8: every matrix in int8 per row (llama's untied lm_head too; qwen2's lm_head is its int8
+    embeddings) and each row of every linear layer's input rounded to int8 at run time, the
+    products summed in integers. The oracle is transformers on weights and inputs the test rounds
+    itself; in float32 the two agree to summation order, on 1 row, 8 and 25. Without the inputs'
+    rounding, or with a step of absmax / 128, the logits move ~1e-2 of their largest: fails."""
+    model_dir, hf = tiny_checkpoints[arch]
+    ours = load_decoder(model_dir, torch.float32, "w8a8")
+    layers = [m for m in ours.modules() if isinstance(m, Q.QuantizedLinear)]
+    assert layers and all(m.int8_activations for m in layers) and isinstance(ours.lm_head, Q.QuantizedLinear)
+    assert ours.weight_bytes() == checkpoint_weights(model_dir, "float32", "w8a8")[0]
+    assert ours.weight_bytes() == weight_bytes(ours.config, "float32", "w8a8")
+    rounded, _ = with_rounded_weights(hf, "int8", torch.float32)
+    oracle = with_activations_rounded_per_row(rounded)
+    ids = list(range(5, 30))
+    for n in (1, 8, len(ids)):
+        with torch.no_grad():
+            truth = oracle(torch.tensor([ids[:n]])).logits[0]
+            weights_only = rounded(torch.tensor([ids[:n]])).logits[0]
+        got = logits_of(ours, ids[:n]).float()
+        torch.testing.assert_close(got, truth, rtol=1e-4, atol=1e-4)
+        assert (weights_only - truth).abs().max() > 1e-3 * truth.abs().max(), "the inputs' rounding must show"
+
+
+def test_w8a8_requantizes_tensors_stored_in_other_formats_to_int8_per_row(converted):
+    """A GGUF's Q4_K / Q6_K / ... tensors under w8a8: dequantized as the ``gguf`` package reads
+    them, then int8 per row, every value within half a step of the stored one."""
+    model_dir = converted(TYPES)
+    stored = load_decoder(converted(TYPES, dequantized=True), torch.float32, None)
+    ours = load_decoder(model_dir, torch.float32, "w8a8")
+    floats = dict(stored.named_modules())
+    checked = 0
+    for name, m in ours.named_modules():
+        if isinstance(m, Q.QuantizedLinear) and hasattr(floats.get(name), "weight"):
+            (w,) = m.segments
+            assert (w.bits, w.group, w.zero) == (8, m.in_features, None)
+            reference = floats[name].weight.float()
+            step = reference.abs().amax(dim=1, keepdim=True) / 127
+            error = (Q.dequantize_reference(w, torch.float32) - reference).abs()
+            assert error.le(step / 2 + 1e-6).all(), name
+            checked += 1
+    assert checked >= 4

@@ -116,6 +116,11 @@ class Backend:
     def quantized_matmul(self, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
         raise NotImplementedError
 
+    def int8_matmul(self, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+        """x @ w^T in integers (``quantization="w8a8"``): x's rows rounded to int8 per row, ``w``
+        int8 per output channel; the result in x's dtype."""
+        raise NotImplementedError
+
     # ---- sampling -------------------------------------------------------------------------
 
     def mask_logits(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_size: int) -> None:

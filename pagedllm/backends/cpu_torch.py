@@ -115,6 +115,19 @@ class CPUTorchBackend(Backend):
             out[:, start:stop] = F.linear(x, self.dequantize(w.rows(start, stop), x.dtype))
         return out
 
+    def int8_matmul(self, x: torch.Tensor, w: quant.QuantizedWeight) -> torch.Tensor:
+        """oneDNN's int8 GEMM (VNNI dot products, int32 sums) on x rounded per row, then one
+        float pass scaling the sums by each row's and each channel's step. The int32 sums and
+        their float copy are the step's transients (``memory.footprint``)."""
+        if w.bits != 8 or w.zero is not None or w.group != w.shape[1]:
+            raise ValueError("w8a8 multiplies int8 weights with one scale per row, not this layout")
+        xq, step = quant.quantize_per_token(x)
+        sums = torch._int_mm(xq, w.qweight.t())
+        y = sums.to(torch.float32)
+        del sums
+        y.mul_(step).mul_(w.scale.view(1, -1))
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
     # ---- sampling -------------------------------------------------------------------------
 
     def mask_logits(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_size: int) -> None:

@@ -11,6 +11,12 @@ compiled CPU kernels, few rows (a decode step of a few requests) run the kernel 
 packed weight once, so a step costs the bytes of the 4- or 8-bit weights; many rows dequantize
 the layer into a transient float buffer and run the float GEMM (the dequantize is paid once for
 all rows). No float copy is kept.
+
+``quantization="w8a8"`` (``INT8_COMPUTE``) stores every layer as int8 per output channel and
+computes in integers: each step's rows of x are rounded to int8 with one scale per row (a row's
+absmax / 127) and multiplied by oneDNN's int8 GEMM (``torch._int_mm``, VNNI dot products), the
+int32 sums scaled back to float by the row's and the channel's scales. An int8 GEMM runs at ~8x
+the float32 one here (docs/benchmarks.md), at the price of rounding the activations too.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ from .linear import StackedRows
 if TYPE_CHECKING:
     from ..backends import Backend
 
-SCHEMES = ("int8", "int4")
+SCHEMES = ("int8", "int4")  # how weights are stored
+INT8_COMPUTE = "w8a8"  # int8 weights and int8 activations: stored as "int8", multiplied in integers
 INT4_GROUP = 32
 QUANTIZE_CHUNK_ELEMENTS = 4 * 1024 * 1024  # rows quantized at once when loading (float32 temporaries ~5x)
 
@@ -114,6 +121,13 @@ def _quantize_rows(weight: torch.Tensor, scheme: str) -> QuantizedWeight:
     return QuantizedWeight(packed.contiguous(), scale.contiguous(), low.contiguous(), 4, INT4_GROUP)
 
 
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of x as int8 steps of the row's absmax / 127, and that step ([rows, 1], float32)."""
+    x = x.float()
+    step = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30).div_(127)
+    return torch.round(x / step).to(torch.int8), step
+
+
 def dequantize_reference(w: QuantizedWeight, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
     """The float values of ``w`` (or of its ``rows``), in ``dtype``, in plain PyTorch."""
     if rows is not None:
@@ -143,7 +157,10 @@ class QuantizedLinear(StackedRows):
     def __init__(self, in_features: int, parts: list[int], bias: bool, scheme: str | None, backend: Backend):
         super().__init__(in_features, parts)
         self.backend = backend
-        self.scheme = scheme  # how float tensors are quantized; None: parts must come quantized
+        # w8a8: the GEMM runs in integers, so every part is int8 per channel, whatever the file holds
+        self.int8_activations = scheme == INT8_COMPUTE
+        self.requantize = self.int8_activations  # a part stored quantized is dequantized and quantized again
+        self.scheme = "int8" if self.int8_activations else scheme  # how float tensors are quantized; None: as stored
         # made in the checkpoint's dtype by the first part loaded (a layer is swapped in for a float
         # one after the model is built, off the meta device)
         self.bias = nn.Parameter(torch.empty(sum(parts), device="meta"), requires_grad=False) if bias else None
@@ -185,7 +202,8 @@ class QuantizedLinear(StackedRows):
         return [*self.segments, *self.pending.values()]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        outs = [self.backend.quantized_matmul(x, s) for s in self.segments]
+        matmul = self.backend.int8_matmul if self.int8_activations else self.backend.quantized_matmul
+        outs = [matmul(x, s) for s in self.segments]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         if self.bias is not None:
             y += self.bias
@@ -204,6 +222,7 @@ class QuantizedEmbedding(StackedRows):
         self.scheme = scheme  # how a float checkpoint tensor is quantized; None: it comes quantized
         self.dtype = dtype  # of the activations a lookup returns
         self.weight_q: QuantizedWeight | None = None
+        self.requantize = False  # set under w8a8, whose tied lm_head needs int8 per row
 
     def load_part(self, name: str, index: int, tensor: torch.Tensor) -> None:
         if self.scheme is None:

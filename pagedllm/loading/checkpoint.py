@@ -6,7 +6,9 @@ parameter (converted to ``dtype`` if needed), so peak RAM is the weights plus on
 ``quantization`` says what becomes of the weights: None keeps each as stored (a quantized tensor,
 ``<name>.qweight`` / ``.scale`` / ``.zero`` as a converted GGUF has them, runs quantized; a float
 one runs in ``dtype``); "int8" / "int4" quantize the float linear weights tensor by tensor as they
-are read (embeddings and lm_head in int8); "none" dequantizes everything to ``dtype``.
+are read (embeddings and lm_head in int8; a tensor stored quantized is kept as stored); "w8a8"
+stores every matrix in int8 per row, a tensor stored quantized dequantized and quantized again,
+and multiplies in integers (``layers/quantized.py``); "none" dequantizes everything to ``dtype``.
 """
 
 from __future__ import annotations
@@ -22,13 +24,13 @@ from ..config import ModelConfig
 from ..distributed.shards import RankShard, Slice
 from ..errors import ModelLoadError
 from ..layers.linear import Linear, StackedRows
-from ..layers.quantized import SCHEMES, QuantizedEmbedding, QuantizedLinear, QuantizedWeight
+from ..layers.quantized import INT8_COMPUTE, SCHEMES, QuantizedEmbedding, QuantizedLinear, QuantizedWeight
 from ..memory.machine import return_freed_heap
 from ..models import DecoderLM
 from .gguf_convert import QWEIGHT, SCALE, ZERO
 from .safetensors_io import iter_tensors, read_header
 
-QUANTIZATIONS = ("none", *SCHEMES)
+QUANTIZATIONS = ("none", *SCHEMES, INT8_COMPUTE)
 
 # Buffers some checkpoints carry that we recompute.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -110,6 +112,8 @@ def load_decoder(
                 raise ModelLoadError(
                     f"{path}: tensor {name!r} has shape {tuple(value.shape)}, config.json implies {want}"
                 )
+            if isinstance(value, QuantizedWeight) and getattr(module, "requantize", False):
+                value = backend.dequantize(value, torch.float32)  # quantized again by load_part
             if isinstance(value, QuantizedWeight):
                 if isinstance(module, (QuantizedLinear, QuantizedEmbedding)) and leaf == "weight":
                     module.load_quantized_part(part or 0, value)
@@ -160,7 +164,7 @@ def checkpoint_weights(
     stored = _stored_quantized(headers)
     if quantization is not None or not stored:
         local = shard.local_config if shard is not None else cfg
-        return weight_bytes(local, dtype, quantization), quantization in SCHEMES
+        return weight_bytes(local, dtype, quantization), quantization in (*SCHEMES, INT8_COMPUTE)
     total = 0
     for _, header, _ in headers:
         for name, e in header.items():
@@ -229,7 +233,7 @@ def _choose_quantized(model: DecoderLM, stored: dict[str, set[str]], quantizatio
             continue
         parts = by_module.get(name, [])
         if quantization is not None:
-            schemes[name] = "int8" if name == "lm_head" else quantization
+            schemes[name] = "int8" if name == "lm_head" and quantization != INT8_COMPUTE else quantization
         elif parts and all(f"{p}.weight" in stored for p in parts):
             schemes[name] = None
     embed = "model.embed_tokens.weight"

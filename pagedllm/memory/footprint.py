@@ -12,7 +12,7 @@ With N = KV-cache blocks, M = ``max_batch_tokens``, S = ``max_num_seqs``, L = ``
 
 - ``weights``: every parameter times the weight dtype's size (tied embeddings counted once); with
   ``quantization``, linear weights at 1 byte + a float32 scale per row (int8) or half a byte + a
-  float32 scale and offset per 32 (int4), embeddings and lm_head in int8. A checkpoint stored
+  float32 scale and offset per 32 (int4), embeddings and lm_head in int8 (w8a8: all int8). A checkpoint stored
   quantized (a converted GGUF) is counted from its header instead (``EngineSettings.weights_bytes``).
 - ``kv_block = 2 · layers · block_size · kv_heads · (head_dim · kv_dtype_size + scale)``: K and V
   of one block in every layer (an 8-bit cache keeps a float32 scale per token and head). The
@@ -104,11 +104,11 @@ def weight_bytes(cfg: ModelConfig, dtype, quantization: str | None = None) -> in
     tables = 1 if cfg.tie_word_embeddings else 2
     embeddings = tables * cfg.vocab_size * (cfg.hidden_size + 4)  # int8, a float32 scale per row
     rest = (parameter_count(cfg) - linear - tables * cfg.vocab_size * cfg.hidden_size) * dtype_bytes(dtype)
-    if quantization == "int8":
+    if quantization in ("int8", "w8a8"):  # w8a8 stores int8 too (its lm_head as well)
         return linear + 4 * rows + embeddings + rest
     if quantization == "int4":
         return linear // 2 + 8 * (linear // 32) + embeddings + rest
-    raise ValueError(f"quantization {quantization!r}: choose one of none, int8, int4")
+    raise ValueError(f"quantization {quantization!r}: choose one of none, int8, int4, w8a8")
 
 
 # float32 temporaries of quantizing a chunk of rows at load (layers/quantized.QUANTIZE_CHUNK_ELEMENTS
@@ -128,7 +128,7 @@ def loader_bytes(cfg: ModelConfig, s: EngineSettings) -> int:
     and when quantizing at load, the whole float tensor being quantized (the largest is the
     embeddings) with its quantizing temporaries."""
     h = cfg.hidden_size
-    if s.quantization not in ("int8", "int4"):
+    if s.quantization not in ("int8", "int4", "w8a8"):
         if not (s.packed and dtype_bytes(s.dtype) == 2 and not s.quantized_weights):
             return BUILD_BYTES + CONVERT_CHUNK_BYTES
         lm_head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
@@ -138,7 +138,9 @@ def loader_bytes(cfg: ModelConfig, s: EngineSettings) -> int:
             + 2 * max(lm_head, 2 * cfg.intermediate_size * h, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * h)
         )
     largest = max(cfg.vocab_size * h, cfg.intermediate_size * h, cfg.num_heads * cfg.head_dim * h)
-    return BUILD_BYTES + CONVERT_CHUNK_BYTES + largest * dtype_bytes(s.dtype) + QUANTIZE_BYTES_PER_CHUNK
+    # w8a8 quantizes a tensor stored quantized again from its float32 values
+    value_bytes = 4 if s.quantization == "w8a8" else dtype_bytes(s.dtype)
+    return BUILD_BYTES + CONVERT_CHUNK_BYTES + largest * value_bytes + QUANTIZE_BYTES_PER_CHUNK
 
 
 # ---- one step -------------------------------------------------------------------------------
@@ -322,6 +324,10 @@ class _Gemms:
         padded = self.rows_of(rows, k, out, packed)
         if self.ours(k, out, packed):
             return rows * out * e
+        if s.quantization == "w8a8":  # backends.cpu_torch.int8_matmul
+            rounding = 2 * rows * k * 4  # x / step and its rounding, float32
+            sums = rows * out * 4 * 2  # the int32 sums and their float32 copy
+            return rows * k + rows * 4 + max(rounding, sums)  # beside x in int8 and the steps
         if s.quantized_weights:
             tiles = s.amx_tiles and e == 2 and rows > QUANT_KERNEL_MAX_ROWS
             kernel = rows <= QUANT_KERNEL_MAX_ROWS or tiles or (e == 4 and s.kernels == "compiled")

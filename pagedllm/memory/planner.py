@@ -515,7 +515,9 @@ def plan_engine(
         threads=c.threads or usable_cpus(),
         quantization=c.quantization,
         weights_bytes=weights_bytes,  # one rank's when split (``checkpoint_weights`` with its shard)
-        quantized_weights=c.quantization in ("int8", "int4") if quantized_weights is None else quantized_weights,
+        quantized_weights=c.quantization in ("int8", "int4", "w8a8")
+        if quantized_weights is None
+        else quantized_weights,
         packed=isa != "avx2",  # oneDNN packs bf16 weights from AVX-512 up (backends.cpu_torch)
         amx_tiles=amx_tiles,
         grammar_cache_bytes=grammar_cache_bytes,

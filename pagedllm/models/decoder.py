@@ -30,7 +30,7 @@ from ..distributed.shards import RankShard
 from ..layers.linear import Linear
 from ..layers.mlp import MLP
 from ..layers.norm import RMSNorm, add_rms_norm
-from ..layers.quantized import QuantizedEmbedding, QuantizedLinear
+from ..layers.quantized import INT8_COMPUTE, QuantizedEmbedding, QuantizedLinear
 from ..layers.rotary import Rotary
 
 if TYPE_CHECKING:
@@ -119,6 +119,7 @@ class DecoderLM(nn.Module):
                 self.config.hidden_size, [self.config.vocab_size], bias=False, scheme=None, backend=self.backend
             )
             head.segments, head.packed = [embed.weight_q], True
+            head.int8_activations = embed.requantize  # w8a8: the int8 embeddings multiplied in integers
             self.lm_head = head  # type: ignore[assignment]
         else:
             self.lm_head.weight = cast(nn.Parameter, embed.weight)
@@ -140,6 +141,7 @@ class DecoderLM(nn.Module):
         if embedding is None or isinstance(embedding, str):
             cfg = self.config
             embed = QuantizedEmbedding(cfg.vocab_size, cfg.hidden_size, embedding, dtype, self.backend)
+            embed.requantize = INT8_COMPUTE in schemes.values()
             self.model.embed_tokens = embed  # type: ignore[assignment]
 
     def quantized(self) -> bool:
