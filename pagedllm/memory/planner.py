@@ -36,6 +36,8 @@ ESTIMATED_BASELINE_BYTES = 320 * 1024**2
 # machine (docs/memory.md has the sweep); larger steps only cost memory.
 AUTO_MAX_BATCH_TOKENS = 512
 
+QUANTIZED = ("int8", "int4", "w8a8")  # the quantizations whose linear layers run on quantized weights
+
 
 def overhead(s: EngineSettings) -> int:
     """OVERHEAD_BYTES, plus structured output's grammar caches at their bound when it is on."""
@@ -515,9 +517,7 @@ def plan_engine(
         threads=c.threads or usable_cpus(),
         quantization=c.quantization,
         weights_bytes=weights_bytes,  # one rank's when split (``checkpoint_weights`` with its shard)
-        quantized_weights=c.quantization in ("int8", "int4", "w8a8")
-        if quantized_weights is None
-        else quantized_weights,
+        quantized_weights=c.quantization in QUANTIZED if quantized_weights is None else quantized_weights,
         packed=isa != "avx2",  # oneDNN packs bf16 weights from AVX-512 up (backends.cpu_torch)
         amx_tiles=amx_tiles,
         grammar_cache_bytes=grammar_cache_bytes,
