@@ -123,20 +123,19 @@ BUILD_BYTES = 16 * 1024 * 1024
 
 def loader_bytes(cfg: ModelConfig, s: EngineSettings) -> int:
     """What loading holds above the weights: ``BUILD_BYTES``; the buffer converting a tensor
-    stored in another dtype; bf16 layers being packed for the GEMM library, one at a time, each beside its packed
+    stored in another dtype; float layers being packed for the GEMM library, one at a time, each beside its packed
     copy until that replaces it (the largest: an untied lm_head, else the stacked gate/up);
     and when quantizing at load, the whole float tensor being quantized (the largest is the
     embeddings) with its quantizing temporaries."""
     h = cfg.hidden_size
     if s.quantization not in ("int8", "int4", "w8a8"):
-        if not (s.packed and dtype_bytes(s.dtype) == 2 and not s.quantized_weights):
+        if not (s.packed and not s.quantized_weights):
             return BUILD_BYTES + CONVERT_CHUNK_BYTES
         lm_head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
-        return (
-            BUILD_BYTES
-            + CONVERT_CHUNK_BYTES
-            + 2 * max(lm_head, 2 * cfg.intermediate_size * h, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * h)
+        largest_packed = max(
+            lm_head, 2 * cfg.intermediate_size * h, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * h
         )
+        return BUILD_BYTES + CONVERT_CHUNK_BYTES + dtype_bytes(s.dtype) * largest_packed
     largest = max(cfg.vocab_size * h, cfg.intermediate_size * h, cfg.num_heads * cfg.head_dim * h)
     # w8a8 quantizes a tensor stored quantized again from its float32 values
     value_bytes = 4 if s.quantization == "w8a8" else dtype_bytes(s.dtype)
@@ -169,7 +168,7 @@ class EngineSettings:
     gemm_isa: str = "avx512_bf16"  # what oneDNN's bf16 GEMMs run on (machine.GEMM_ISAS): their scratch
     kernels: str = "compiled"  # "compiled" (pagedllm.kernels) or "torch": the attention and norm workspaces differ
     threads: int = 1  # torch threads: the compiled attention keeps scratch per thread
-    packed: bool = True  # bf16 weights prepacked for oneDNN (pagedllm.layers.linear): less GEMM scratch
+    packed: bool = True  # float weights prepacked for oneDNN (pagedllm.layers.linear): rows padded to buckets
     quantization: str | None = None  # as load_decoder takes it
     weights_bytes: int | None = None  # exact, from the checkpoint's header, when it is at hand
     quantized_weights: bool = False  # the linear layers run on quantized weights (layers/quantized.py)
@@ -189,8 +188,9 @@ class EngineSettings:
 def gemm_scratch(
     rows: int, k: int, n: int, dtype: str, isa: str = "avx512_bf16", packed: bool = True, threads: int = 1
 ) -> int:
-    """oneDNN's bf16 GEMM scratch for a [rows, k] x [k, n] product (none on fp32, which runs on
-    MKL's sgemm), as measured on torch 2.13 for each kind of kernel (``machine.GEMM_ISAS``;
+    """oneDNN's GEMM scratch for a [rows, k] x [k, n] product (fp32: 640 bytes a thread on
+    packed weights at every shape measured, none on plain ones, which MKL's sgemm multiplies),
+    as measured on torch 2.13 for each kind of kernel (``machine.GEMM_ISAS``;
     docs/memory.md has the tables). ``packed``: the weights prepacked for oneDNN
     (``pagedllm.layers.linear``), else plain (``F.linear``); ``threads``: torch's threads.
 
@@ -204,7 +204,11 @@ def gemm_scratch(
     - ``avx512`` (no bf16 instructions): the whole output in fp32, whatever the threads (and,
       for a few rows on plain weights, 256 bytes a thread).
     - ``avx2``: torch's own bf16 GEMM, no scratch."""
-    if dtype_bytes(dtype) == 4 or rows == 0 or isa == "avx2":
+    if rows == 0:
+        return 0
+    if dtype_bytes(dtype) == 4:  # MKL's sgemm on plain weights; oneDNN's on packed ones: a few KiB
+        return 640 * threads + 256 if packed else 0
+    if isa == "avx2":
         return 0
     if isa == "avx512":  # few rows on plain weights: a reduction buffer per thread besides
         return 4 * rows * n + (128 * (2 * threads - 1) if rows < 16 and not packed else 128)
@@ -298,7 +302,7 @@ def step_buffers(
 
 
 class _Gemms:
-    """What one GEMM of a step holds, by how it runs. oneDNN's prepacked bf16 GEMMs run on rows
+    """What one GEMM of a step holds, by how it runs. oneDNN's prepacked GEMMs run on rows
     padded to a bucket: a padded copy of the input while they run, and a padded output whose first
     rows are the result. With AMX tiles, a layer whose shape the compiled kernels' own packed GEMM
     takes (backends.cpu_compiled.pack_weight) runs there instead: its output is its only tensor
@@ -307,8 +311,8 @@ class _Gemms:
 
     def __init__(self, s: EngineSettings):
         self.s, self.e = s, dtype_bytes(s.dtype)
-        self.pad = s.packed and self.e == 2 and not s.quantized_weights
-        self.tiled = self.pad and s.amx_tiles and s.kernels == "compiled"
+        self.pad = s.packed and not s.quantized_weights
+        self.tiled = self.pad and self.e == 2 and s.amx_tiles and s.kernels == "compiled"
 
     def ours(self, k: int, out: int, packed: bool) -> bool:
         return self.tiled and packed and tile_packable(out, k)

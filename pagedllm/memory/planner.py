@@ -39,6 +39,12 @@ AUTO_MAX_BATCH_TOKENS = 512
 QUANTIZED = ("int8", "int4", "w8a8")  # the quantizations whose linear layers run on quantized weights
 
 
+def packs_weights(isa: str, dtype: str) -> bool:
+    """Whether the backend packs float weights for oneDNN (backends.cpu_torch.pack_weight):
+    bf16 from AVX-512 up, fp32 on any CPU."""
+    return isa != "avx2" or dtype == "float32"
+
+
 def overhead(s: EngineSettings) -> int:
     """OVERHEAD_BYTES, plus structured output's grammar caches at their bound when it is on."""
     return OVERHEAD_BYTES + s.grammar_cache_bytes
@@ -427,6 +433,8 @@ class _Failure:
                     f"({best_n * s.block_size} tokens)"
                 )
             fits_len = c.longest_context(budget, m, max_len)
+            if self.num_blocks is not None:  # the cache the user gave holds no more than its blocks
+                fits_len = min(fits_len, self.num_blocks * s.block_size)
             if 0 < fits_len < max_len:  # 0: no context fits at this step budget
                 suggestions["max_model_len"] = fits_len
                 lines.append(f"  longest max_model_len whose request fits with max_batch_tokens={m}: {fits_len}")
@@ -518,7 +526,7 @@ def plan_engine(
         quantization=c.quantization,
         weights_bytes=weights_bytes,  # one rank's when split (``checkpoint_weights`` with its shard)
         quantized_weights=c.quantization in QUANTIZED if quantized_weights is None else quantized_weights,
-        packed=isa != "avx2",  # oneDNN packs bf16 weights from AVX-512 up (backends.cpu_torch)
+        packed=packs_weights(isa, c.dtype),
         amx_tiles=amx_tiles,
         grammar_cache_bytes=grammar_cache_bytes,
         **split,
