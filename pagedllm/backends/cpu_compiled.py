@@ -79,6 +79,13 @@ class CPUCompiledBackend(CPUTorchBackend):
             return self.ops.quant_linear(x.contiguous(), w.qweight, w.scale, w.zero, w.bits, w.group)
         return super().quantized_matmul(x, w)
 
+    def int8_matmul(self, x: torch.Tensor, w: quant.QuantizedWeight) -> torch.Tensor:
+        """One op (int8_gemm.cpp): x rounded per row in one pass, oneDNN's int8 GEMM, the sums
+        scaled straight into the float output; the same integers as the PyTorch path."""
+        if w.bits != 8 or w.zero is not None or w.group != w.shape[1]:
+            return super().int8_matmul(x, w)  # raises, naming the layout
+        return self.ops.w8a8_linear(x, w.qweight, w.scale)
+
     def mask_logits(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_size: int) -> None:
         if logits.dtype == torch.float32 and logits.stride(1) == 1:
             self.ops.mask_logits(logits, bitmask, rows, vocab_size)  # a 32-bit word of the mask at a time

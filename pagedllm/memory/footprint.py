@@ -328,10 +328,11 @@ class _Gemms:
         padded = self.rows_of(rows, k, out, packed)
         if self.ours(k, out, packed):
             return rows * out * e
-        if s.quantization == "w8a8":  # backends.cpu_torch.int8_matmul
-            rounding = 2 * rows * k * 4  # x / step and its rounding, float32
-            sums = rows * out * 4 * 2  # the int32 sums and their float32 copy
-            return rows * k + rows * 4 + max(rounding, sums)  # beside x in int8 and the steps
+        if s.quantization == "w8a8":  # x in int8, the int32 sums, their float result
+            if s.kernels == "compiled":  # int8_gemm.cpp: x in int8 is freed before the result is made
+                return max(rows * k + rows * out * 4, rows * out * 8)
+            rounding = 2 * rows * k * 4  # backends.cpu_torch.int8_matmul: x / step and its rounding
+            return rows * k + rows * 4 + max(rounding, rows * out * 8)
         if s.quantized_weights:
             tiles = s.amx_tiles and e == 2 and rows > QUANT_KERNEL_MAX_ROWS
             kernel = rows <= QUANT_KERNEL_MAX_ROWS or tiles or (e == 4 and s.kernels == "compiled")

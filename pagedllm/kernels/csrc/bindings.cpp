@@ -22,6 +22,7 @@ TORCH_LIBRARY(pagedllm, m) {
       "dequantize(Tensor qweight, Tensor scale, Tensor? zero, int bits, int group, Tensor? rows, ScalarType dtype) "
       "-> Tensor");
   m.def("dense_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.def("w8a8_linear(Tensor x, Tensor qweight, Tensor scale) -> Tensor");
   m.def("mask_logits(Tensor(a!) logits, Tensor bitmask, int[] rows, int vocab) -> ()");
   m.def("pin_threads(Tensor cpus, bool each) -> int");
   m.def(
@@ -40,6 +41,7 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
   m.impl("quant_linear", &pagedllm::quant_linear);
   m.impl("dequantize", &pagedllm::dequantize);
   m.impl("dense_linear", &pagedllm::dense_linear);
+  m.impl("w8a8_linear", &pagedllm::w8a8_linear);
   m.impl("mask_logits", &pagedllm::mask_logits);
   m.impl("pin_threads", &pagedllm::pin_threads);
   m.impl("shm_exchange", &pagedllm::shm_exchange);

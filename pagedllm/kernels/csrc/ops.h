@@ -32,6 +32,9 @@ bool amx_tiles();  // AMX tiles usable here: built for them, granted, not capped
 Tensor dequantize(const Tensor& qweight, const Tensor& scale, const c10::optional<Tensor>& zero, int64_t bits,
                   int64_t group, const c10::optional<Tensor>& rows, at::ScalarType dtype);
 
+// int8_gemm.cpp: x rounded to int8 per row, times int8 weights per output row, in integers (w8a8).
+Tensor w8a8_linear(const Tensor& x, const Tensor& qweight, const Tensor& scale);
+
 // dense_gemm.cpp: bf16 products with bf16 weights in the layout both AMX tiles and AVX512-BF16 dot
 // products read (the backend packs for it where amx_tiles()).
 Tensor dense_linear(const Tensor& x, const Tensor& packed, const c10::optional<Tensor>& bias);
