@@ -452,7 +452,7 @@ def test_non_finite_logits_are_the_servers_500_not_the_clients_400(tiny_app):
     llm, client = tiny_app
     assert client.post("/v1/completions", json=TINY_BODY).status_code == 200
     with torch.no_grad():
-        llm.loaded.model.lm_head.weight.fill_(float("nan"))  # every logit is NaN from now on
+        llm.loaded.model.model.norm.weight.fill_(float("nan"))  # every logit is NaN from now on
     r = client.post("/v1/completions", json=TINY_BODY)
     assert r.status_code == 500, r.text
     err = r.json()["error"]

@@ -78,14 +78,14 @@ def run(directory, tp: int, **options):
         llm.close()
 
 
-def assert_same_outputs(split, whole) -> None:
+def assert_same_outputs(split, whole, tolerance: float = 1e-5) -> None:
     assert len(split) == len(whole)
     for a, b in zip((c for o in split for c in o.outputs), (c for o in whole for c in o.outputs), strict=True):
         assert a.token_ids == b.token_ids and a.index == b.index
         for la, lb in zip(a.logprobs or [], b.logprobs or []):  # {"token": (id, lp), "top": [(id, lp)...]}
             pairs = [(la["token"], lb["token"]), *zip(la["top"], lb["top"])]
             assert [x[0] for x, _ in pairs] == [y[0] for _, y in pairs]
-            assert max(abs(x[1] - y[1]) for x, y in pairs) < 1e-5, pairs
+            assert max(abs(x[1] - y[1]) for x, y in pairs) < tolerance, pairs
 
 
 @pytest.mark.parametrize("name", VARIANTS)
@@ -103,7 +103,9 @@ def test_an_8_bit_cache_splits_its_heads_like_a_float_one(checkpoints):
     directory, _ = checkpoints["llama"]
     whole, _, _ = run(directory, 1, kv_cache_dtype="int8")
     split, _, _ = run(directory, 2, kv_cache_dtype="int8")
-    assert_same_outputs(split, whole)
+    # the same tokens; logprobs within 1e-4: a K/V value the two sums put either side of an int8
+    # rounding boundary is cached one step apart (measured 3e-5 with fp32 GEMMs on oneDNN)
+    assert_same_outputs(split, whole, tolerance=1e-4)
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +160,13 @@ def test_structured_output_is_the_drivers_and_holds_at_tp2(tmp_path):
 # ---- the shards, without processes ---------------------------------------------------------
 
 
+def plain_weight(layer) -> torch.Tensor:
+    """A linear layer's weight rows, however its backend packed them: the layer's product with
+    the identity, without its bias (exact: one product per output)."""
+    eye = torch.eye(layer.in_features)
+    return layer.backend.linear(eye, layer.weight, None, layer.packed).T
+
+
 @pytest.mark.parametrize("name", ["llama-one-kv-head", "qwen2-odd-vocab", "qwen3"])
 def test_each_rank_holds_exactly_its_slice_of_every_tensor(checkpoints, name):
     directory, hf = checkpoints[name]
@@ -174,7 +183,7 @@ def test_each_rank_holds_exactly_its_slice_of_every_tensor(checkpoints, name):
         kv_rows = slice(kv_head * d, (kv_head + max(1, kv // 2)) * d)
         mlp = slice(rank * cfg.intermediate_size // 2, (rank + 1) * cfg.intermediate_size // 2)
         layer = model.model.layers[0]
-        qkv = layer.self_attn.qkv_proj.weight
+        qkv = plain_weight(layer.self_attn.qkv_proj)
         expected_qkv = torch.cat(
             [
                 state[f"model.layers.0.self_attn.{p}_proj.weight"][r]
@@ -182,10 +191,12 @@ def test_each_rank_holds_exactly_its_slice_of_every_tensor(checkpoints, name):
             ]
         )
         assert torch.equal(qkv, expected_qkv)
-        assert torch.equal(layer.self_attn.o_proj.weight, state["model.layers.0.self_attn.o_proj.weight"][:, q_rows])
+        assert torch.equal(
+            plain_weight(layer.self_attn.o_proj), state["model.layers.0.self_attn.o_proj.weight"][:, q_rows]
+        )
         up = state["model.layers.0.mlp.up_proj.weight"][mlp]
-        assert torch.equal(layer.mlp.gate_up_proj.weight[mlp.stop - mlp.start :], up)
-        assert torch.equal(layer.mlp.down_proj.weight, state["model.layers.0.mlp.down_proj.weight"][:, mlp])
+        assert torch.equal(plain_weight(layer.mlp.gate_up_proj)[mlp.stop - mlp.start :], up)
+        assert torch.equal(plain_weight(layer.mlp.down_proj), state["model.layers.0.mlp.down_proj.weight"][:, mlp])
         if cfg.model_type == "qwen2":
             bias = state["model.layers.0.self_attn.q_proj.bias"][q_rows]
             assert torch.equal(layer.self_attn.qkv_proj.bias[: bias.numel()], bias)
