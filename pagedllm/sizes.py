@@ -19,8 +19,10 @@ SHM_SLOT_BYTES = 4 * 1024 * 1024  # tensor parallelism: a rank's slot of the sha
 _DTYPES = {"float32": ("float32", 4), "fp32": ("float32", 4), "bfloat16": ("bfloat16", 2), "bf16": ("bfloat16", 2)}
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 # Weights: None keeps a checkpoint's tensors as stored (a converted GGUF's stay quantized),
-# "none" dequantizes everything, "int8"/"int4" quantize float linear weights at load.
+# "none" dequantizes everything, "int8"/"int4" quantize float linear weights at load, "w8a8" every
+# matrix to int8 and multiplies in integers (layers/quantized.py).
 QUANTIZATIONS = ("none", "int8", "int4", "w8a8")
+QUANTIZED = QUANTIZATIONS[1:]  # those that quantize at load: their weights are the planner's arithmetic
 # KV cache: the activation dtypes, or 8-bit values with one float32 scale per token and KV head.
 KV_CACHE_DTYPES = ("float32", "bfloat16", "int8", "fp8")
 _KV_BYTES = {"int8": 1, "fp8": 1}

@@ -82,7 +82,7 @@ class CPUCompiledBackend(CPUTorchBackend):
     def int8_matmul(self, x: torch.Tensor, w: quant.QuantizedWeight) -> torch.Tensor:
         """One op (int8_gemm.cpp): x rounded per row in one pass, oneDNN's int8 GEMM, the sums
         scaled straight into the float output; the same integers as the PyTorch path."""
-        if w.bits != 8 or w.zero is not None or w.group != w.shape[1]:
+        if not w.int8_per_row:
             return super().int8_matmul(x, w)  # raises, naming the layout
         return self.ops.w8a8_linear(x, w.qweight, w.scale)
 

@@ -123,7 +123,7 @@ class CPUTorchBackend(Backend):
         """oneDNN's int8 GEMM (VNNI dot products, int32 sums) on x rounded per row, then one
         float pass scaling the sums by each row's and each channel's step. The int32 sums and
         their float copy are the step's transients (``memory.footprint``)."""
-        if w.bits != 8 or w.zero is not None or w.group != w.shape[1]:
+        if not w.int8_per_row:
             raise ValueError("w8a8 multiplies int8 weights with one scale per row, not this layout")
         xq, step = quant.quantize_per_token(x)
         sums = torch._int_mm(xq, w.qweight.t())

@@ -15,8 +15,8 @@ all rows). No float copy is kept.
 ``quantization="w8a8"`` (``INT8_COMPUTE``) stores every layer as int8 per output channel and
 computes in integers: each step's rows of x are rounded to int8 with one scale per row (a row's
 absmax / 127) and multiplied by oneDNN's int8 GEMM (``torch._int_mm``, VNNI dot products), the
-int32 sums scaled back to float by the row's and the channel's scales. An int8 GEMM runs at ~8x
-the float32 one here (docs/benchmarks.md), at the price of rounding the activations too.
+int32 sums scaled back to float by the row's and the channel's scales. An int8 GEMM runs at ~3x
+oneDNN's float32 one here (docs/quantization.md), at the price of rounding the activations too.
 """
 
 from __future__ import annotations
@@ -50,6 +50,11 @@ class QuantizedWeight:
     def shape(self) -> tuple[int, int]:
         rows, width = self.qweight.shape
         return rows, width * 2 if self.bits == 4 else width
+
+    @property
+    def int8_per_row(self) -> bool:
+        """int8 with one scale per output row and no offsets: what w8a8's integer GEMM takes."""
+        return self.bits == 8 and self.zero is None and self.group == self.shape[1]
 
     @property
     def format(self) -> tuple[int, int, bool]:

@@ -24,13 +24,12 @@ from ..config import ModelConfig
 from ..distributed.shards import RankShard, Slice
 from ..errors import ModelLoadError
 from ..layers.linear import Linear, StackedRows
-from ..layers.quantized import INT8_COMPUTE, SCHEMES, QuantizedEmbedding, QuantizedLinear, QuantizedWeight
+from ..layers.quantized import INT8_COMPUTE, QuantizedEmbedding, QuantizedLinear, QuantizedWeight
 from ..memory.machine import return_freed_heap
 from ..models import DecoderLM
+from ..sizes import QUANTIZATIONS, QUANTIZED
 from .gguf_convert import QWEIGHT, SCALE, ZERO
 from .safetensors_io import iter_tensors, read_header
-
-QUANTIZATIONS = ("none", *SCHEMES, INT8_COMPUTE)
 
 # Buffers some checkpoints carry that we recompute.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -164,7 +163,7 @@ def checkpoint_weights(
     stored = _stored_quantized(headers)
     if quantization is not None or not stored:
         local = shard.local_config if shard is not None else cfg
-        return weight_bytes(local, dtype, quantization), quantization in (*SCHEMES, INT8_COMPUTE)
+        return weight_bytes(local, dtype, quantization), quantization in QUANTIZED
     total = 0
     for _, header, _ in headers:
         for name, e in header.items():

@@ -58,6 +58,7 @@ from ..layers.workspace import (
 from ..sizes import (
     CONVERT_CHUNK_BYTES,
     KV_SCALE_BYTES,
+    QUANTIZED,
     SHM_SLOT_BYTES,
     ceil_div,
     dtype_bytes,
@@ -128,7 +129,7 @@ def loader_bytes(cfg: ModelConfig, s: EngineSettings) -> int:
     and when quantizing at load, the whole float tensor being quantized (the largest is the
     embeddings) with its quantizing temporaries."""
     h = cfg.hidden_size
-    if s.quantization not in ("int8", "int4", "w8a8"):
+    if s.quantization not in QUANTIZED:
         if not (s.packed and not s.quantized_weights):
             return BUILD_BYTES + CONVERT_CHUNK_BYTES
         lm_head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h

@@ -14,7 +14,7 @@ from ..config import ModelConfig
 from ..distributed.shards import rank_config, shard_layout
 from ..engine_config import ConfigError, EngineConfig
 from ..errors import CacheDoesNotFitError
-from ..sizes import ceil_div, dtype_bytes, gib, kv_element_bytes
+from ..sizes import QUANTIZED, ceil_div, dtype_bytes, gib, kv_element_bytes
 from .budget import resolve_budget
 from .footprint import EngineSettings, activation_peak, kv_bytes_per_block, loader_bytes, weight_bytes
 from .machine import expected_kernels, gemm_isa, usable_cpus
@@ -35,8 +35,6 @@ ESTIMATED_BASELINE_BYTES = 320 * 1024**2
 # CPU throughput vs max_batch_tokens flattens out by 512 tokens per step on this class of
 # machine (docs/memory.md has the sweep); larger steps only cost memory.
 AUTO_MAX_BATCH_TOKENS = 512
-
-QUANTIZED = ("int8", "int4", "w8a8")  # the quantizations whose linear layers run on quantized weights
 
 
 def packs_weights(isa: str, dtype: str) -> bool:
@@ -323,7 +321,7 @@ def _fewer_seqs(costs: _Costs, solve) -> _Costs:
 def _weights_format(s: EngineSettings) -> str:
     if not s.quantized_weights:
         return ""
-    kind = s.quantization if s.quantization in ("int8", "int4") else "quantized as stored"
+    kind = s.quantization if s.quantization in QUANTIZED else "quantized as stored"
     return f"{kind} weights, {s.dtype} activations"
 
 
@@ -464,7 +462,7 @@ def _one_rank(
     tp = c.tensor_parallel_size
     if tp == 1:
         return cfg, {}
-    if quantized_weights and c.quantization not in ("int8", "int4") and weights_bytes is None:
+    if quantized_weights and c.quantization not in QUANTIZED and weights_bytes is None:
         raise ConfigError(
             "tensor_parallel_size", "planning a split of weights stored quantized (a GGUF) needs the checkpoint"
         )
