@@ -116,6 +116,11 @@ class Backend:
     def quantized_matmul(self, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
         raise NotImplementedError
 
+    def quant_kernel_takes(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether ``quantized_matmul`` of this many rows runs the packed-weight kernel (no
+        dequantized copy of the layer): the compiled decode step runs only such steps."""
+        return False
+
     def int8_matmul(self, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
         """x @ w^T in integers (``quantization="w8a8"``): x's rows rounded to int8 per row, ``w``
         int8 per output channel; the result in x's dtype."""
@@ -136,6 +141,11 @@ class Backend:
 
     def plan_facts(self, dtype: str) -> PlanFacts:
         raise NotImplementedError
+
+    def decode_step_class(self) -> Any:
+        """The compiled class that runs a decode step's layers in one call
+        (``models.decode_program``), or None: the model's Python layer loop runs every step."""
+        return None
 
     def shared_memory_ops(self) -> Any:
         """The compiled ops through which a split model's ranks on one host sum (``distributed.shm``),

@@ -34,9 +34,8 @@ class CPUCompiledBackend(CPUTorchBackend):
         return attention.CompiledPagedAttention(self.ops, kv_cache, layout)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if x.dim() == 2 and x.is_contiguous():
-            return self.ops.rms_norm(x, weight, eps)
-        return super().rms_norm(x, weight, eps)  # q/k norms of Qwen3 run on [T, H, D] views
+        # Qwen3's q/k norms get [T, H, D] views of the qkv rows: the kernel takes a contiguous copy
+        return self.ops.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
 
     def add_rms_norm(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.ops.add_rms_norm(residual, x, weight, eps)
@@ -75,9 +74,17 @@ class CPUCompiledBackend(CPUTorchBackend):
         measured, 8 to 512: docs/quantization.md), and for any number of bf16 rows on AMX tiles
         (weights dequantized 16 channels at a time into L1); else dequantize the layer + GEMM."""
         tiles = self.amx_tiles and x.dtype == torch.bfloat16 and w.shape[1] % 32 == 0
-        if x.shape[0] <= QUANT_KERNEL_MAX_ROWS or tiles or x.dtype == torch.float32:
+        if tiles or self.quant_kernel_takes(x.shape[0], x.dtype):
             return self.ops.quant_linear(x.contiguous(), w.qweight, w.scale, w.zero, w.bits, w.group)
         return super().quantized_matmul(x, w)
+
+    def quant_kernel_takes(self, rows: int, dtype: torch.dtype) -> bool:
+        """Few rows, or float32 ones (AMX tiles also take any bf16 rows whose width is a multiple
+        of 32, which the decode step does not assume)."""
+        return rows <= QUANT_KERNEL_MAX_ROWS or dtype == torch.float32
+
+    def decode_step_class(self) -> Any:
+        return torch.classes.pagedllm.DecodeStep
 
     def int8_matmul(self, x: torch.Tensor, w: quant.QuantizedWeight) -> torch.Tensor:
         """One op (int8_gemm.cpp): x rounded per row in one pass, oneDNN's int8 GEMM, the sums

@@ -32,6 +32,7 @@ from ..layers.mlp import MLP
 from ..layers.norm import RMSNorm, add_rms_norm
 from ..layers.quantized import INT8_COMPUTE, QuantizedEmbedding, QuantizedLinear
 from ..layers.rotary import Rotary
+from . import decode_program
 
 if TYPE_CHECKING:
     from ..backends import Backend
@@ -108,6 +109,11 @@ class DecoderLM(nn.Module):
         self.tensor_parallel: RankGroup | None = None  # the ranks' collectives, set by a split engine
         self.model = DecoderBody(cfg, backend)
         self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], bias=False, backend=backend)
+        # decode steps' layers in one compiled call (``decode_program``); built on the first decode
+        # step, once the weights are packed. False: always the Python layer loop (the reference).
+        self.use_decode_program = True
+        self._decode_program: decode_program.DecodeProgram | None = None
+        self._decode_program_built = False
         if cfg.tie_word_embeddings:
             self.tie_embeddings()
 
@@ -212,14 +218,11 @@ class DecoderLM(nn.Module):
         body, tp = self.model, self.tensor_parallel
         h = self.embed(input_ids)  # the residual stream: this step's own buffer, added to in place
         cos, sin = body.rotary.tables(positions, h.dtype)
-        layers = body.decoder_layers()
-        x = layers[0].input_layernorm(h)
-        summed = tp.all_reduce_ if tp is not None else _whole
-        for i, layer in enumerate(layers):
-            # each sub-layer's residual add is fused with the norm that follows it
-            x = add_rms_norm(h, summed(layer.self_attn(x, cos, sin, attn)), layer.post_attention_layernorm)
-            following = layers[i + 1].input_layernorm if i + 1 < len(layers) else body.norm
-            x = add_rms_norm(h, summed(layer.mlp(x)), following)
+        program = self.decode_program()
+        if program is not None and program.takes(h.shape[0], attn.layout.query_start.numel() - 1, h.dtype):
+            x = program.run(h, cos, sin, attn)
+        else:
+            x = self.layer_loop(h, cos, sin, attn)
         del h
         h = x.index_select(0, logits_rows)
         del x
@@ -228,6 +231,28 @@ class DecoderLM(nn.Module):
             return logits
         whole = tp.gather_rows(logits)  # [R, padded vocabulary] on the driver, None elsewhere
         return whole[:, : self.vocab_size] if whole is not None else logits[:0]
+
+    def layer_loop(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
+        """Every decoder layer, then the final norm; ``h`` is added to in place."""
+        body, tp = self.model, self.tensor_parallel
+        layers = body.decoder_layers()
+        x = layers[0].input_layernorm(h)
+        summed = tp.all_reduce_ if tp is not None else _whole
+        for i, layer in enumerate(layers):
+            # each sub-layer's residual add is fused with the norm that follows it
+            x = add_rms_norm(h, summed(layer.self_attn(x, cos, sin, attn)), layer.post_attention_layernorm)
+            following = layers[i + 1].input_layernorm if i + 1 < len(layers) else body.norm
+            x = add_rms_norm(h, summed(layer.mlp(x)), following)
+        return x
+
+    def decode_program(self) -> decode_program.DecodeProgram | None:
+        """The compiled decode step, built on first use (the weights are packed by then)."""
+        if not self.use_decode_program:
+            return None
+        if not self._decode_program_built:
+            self._decode_program = decode_program.build(self)
+            self._decode_program_built = True
+        return self._decode_program
 
     def finish_collectives(self, tokens: int, rows: int) -> None:
         """After this rank's step failed part-way (out of memory), the collectives the other ranks

@@ -1,0 +1,201 @@
+// DecodeStep: every decoder layer of a step in one call, so no Python runs between the ops of a
+// decode step (at one request a token took ~12.5 ms, ~4 of them in the interpreter between
+// ~10 ops x 30 layers). The program holds each layer's weights as the Python layers hold them
+// and calls the same kernels they call (quant_linear, w8a8_linear, dense_linear, oneDNN's
+// packed GEMM, the pointwise ops, paged_attention), in models/decoder.py's order, so its
+// arithmetic is the Python path's. models/decode_program.py builds it and says when it runs.
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/zeros.h>
+#include <torch/custom_class.h>
+
+#include "common.h"
+#include "ops.h"
+
+namespace pagedllm {
+namespace {
+
+// How one linear layer multiplies (the backend's choice at load, layers/linear.py, quantized.py).
+enum LinearKind : int64_t {
+  kPlain = 0,   // float weights as they are: F.linear
+  kOneDNN = 1,  // float weights in oneDNN's packed layout
+  kTiles = 2,   // bf16 weights in dense_gemm.cpp's layout
+  kQuant = 3,   // 4- or 8-bit weights, one or more stacked segments (quant_linear each)
+  kInt8 = 4,    // int8 per output row, int8 activations (w8a8_linear each)
+};
+
+struct Segment {
+  Tensor qweight, scale;
+  c10::optional<Tensor> zero;
+  int64_t bits = 0, group = 0;
+};
+
+struct LinearW {
+  int64_t kind = kPlain;
+  Tensor weight;  // kPlain, kOneDNN, kTiles
+  std::vector<Segment> segments;  // kQuant, kInt8
+  c10::optional<Tensor> bias;
+};
+
+struct LayerW {
+  Tensor input_norm, post_norm;
+  c10::optional<Tensor> q_norm, k_norm;  // Qwen3's per-head norms
+  int64_t window = 0;  // sliding window (Mistral), 0: none
+  LinearW qkv, o, gate_up, down;
+};
+
+// Rows a prepacked oneDNN GEMM runs on (layers/workspace.py padded_rows: one kernel per bucket).
+int64_t padded_rows(int64_t rows) {
+  if (rows <= 4) return rows;
+  const int64_t step = rows <= 512 ? 16 : 64;
+  return (rows + step - 1) / step * step;
+}
+
+Tensor onednn_linear(const Tensor& x, const Tensor& packed, const c10::optional<Tensor>& bias) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  const int64_t rows = x.size(0), padded = padded_rows(rows);
+  Tensor input = x;
+  if (padded != rows) input = at::cat({x, at::zeros({padded - rows, x.size(1)}, x.options())});
+  std::vector<c10::IValue> stack{input, packed, bias, std::string("none"),
+                                 c10::List<c10::optional<c10::Scalar>>(), c10::optional<std::string>("")};
+  op.callBoxed(&stack);
+  Tensor y = stack[0].toTensor();
+  return padded != rows ? y.narrow(0, 0, rows) : y;
+}
+
+Tensor apply(const LinearW& l, const Tensor& x) {
+  switch (l.kind) {
+    case kPlain: return at::linear(x, l.weight, l.bias);
+    case kOneDNN: return onednn_linear(x, l.weight, l.bias);
+    case kTiles: return dense_linear(x, l.weight, l.bias);
+    default: break;
+  }
+  std::vector<Tensor> outs;
+  outs.reserve(l.segments.size());
+  const Tensor xc = x.contiguous();
+  for (const Segment& s : l.segments)
+    outs.push_back(l.kind == kInt8 ? w8a8_linear(xc, s.qweight, s.scale)
+                                   : quant_linear(xc, s.qweight, s.scale, s.zero, s.bits, s.group));
+  Tensor y = outs.size() == 1 ? outs[0] : at::cat(outs, 1);
+  if (l.bias.has_value()) y.add_(*l.bias);
+  return y;
+}
+
+// Python passes an empty tensor for "none".
+c10::optional<Tensor> maybe(const Tensor& t) {
+  return t.defined() && t.numel() > 0 ? c10::optional<Tensor>(t) : c10::nullopt;
+}
+
+}  // namespace
+
+struct DecodeStep : torch::CustomClassHolder {
+  int64_t heads, kv_heads, head_dim;
+  double eps, scale;
+  std::vector<LayerW> layers;
+  Tensor final_norm;
+
+  // scale: the attention's (the model's own, head_dim ** -0.5 as Python computes it)
+  DecodeStep(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
+      : heads(heads), kv_heads(kv_heads), head_dim(head_dim), eps(eps), scale(scale) {}
+
+  // norms: [input, post, q_norm or undefined, k_norm or undefined]; then layers get their linears.
+  void add_layer(std::vector<Tensor> norms, int64_t window) {
+    TORCH_CHECK(norms.size() == 4, "add_layer: four norm weights (q/k ones may be empty tensors)");
+    LayerW l;
+    l.input_norm = norms[0];
+    l.post_norm = norms[1];
+    l.q_norm = maybe(norms[2]);
+    l.k_norm = maybe(norms[3]);
+    l.window = window;
+    layers.push_back(std::move(l));
+  }
+
+  // which: 0 qkv, 1 o, 2 gate_up, 3 down of the last layer added. tensors: the weight (float
+  // kinds), or per segment qweight, scale, zero (an empty tensor: none); ints: bits, group per segment.
+  void add_linear(int64_t which, int64_t kind, std::vector<Tensor> tensors, std::vector<int64_t> ints, Tensor bias) {
+    TORCH_CHECK(!layers.empty() && which >= 0 && which < 4, "add_linear: add a layer first; which in 0..3");
+    LayerW& layer = layers.back();
+    LinearW& l = which == 0 ? layer.qkv : which == 1 ? layer.o : which == 2 ? layer.gate_up : layer.down;
+    l.kind = kind;
+    l.bias = maybe(bias);
+    if (kind == kQuant || kind == kInt8) {
+      TORCH_CHECK(tensors.size() % 3 == 0 && ints.size() == tensors.size() / 3 * 2, "add_linear: segments");
+      for (size_t i = 0; i < tensors.size() / 3; ++i) {
+        l.segments.push_back({tensors[3 * i], tensors[3 * i + 1], maybe(tensors[3 * i + 2]), ints[2 * i], ints[2 * i + 1]});
+      }
+    } else {
+      TORCH_CHECK(kind >= kPlain && kind <= kTiles && tensors.size() == 1, "add_linear: one float weight");
+      l.weight = tensors[0];
+    }
+  }
+
+  void set_final_norm(Tensor w) { final_norm = w; }
+
+  struct Cache {
+    const std::vector<Tensor>&k, &v, &k_scales, &v_scales;  // per layer; scales empty unless 8-bit
+    const Tensor &query_start, &context_lens, &block_tables;
+    int64_t block_size, pairs_budget;
+  };
+
+  // Layer i's attention of x [T, hidden]: q/k/v, Qwen3's norms, rotary, the paged cache; its
+  // output [T, heads * head_dim] in x's dtype (the q/k/v rows are freed before o_proj runs).
+  Tensor attention(int64_t i, const Tensor& x, const Tensor& cos, const Tensor& sin, const Cache& c) const {
+    const LayerW& l = layers[i];
+    const int64_t t = x.size(0), dq = heads * head_dim, dk = kv_heads * head_dim;
+    const Tensor qkv = apply(l.qkv, x);
+    Tensor q = qkv.narrow(1, 0, dq).view({t, heads, head_dim});
+    Tensor k = qkv.narrow(1, dq, dk).view({t, kv_heads, head_dim});
+    Tensor v = qkv.narrow(1, dq + dk, dk).view({t, kv_heads, head_dim});
+    if (l.q_norm.has_value()) {  // on contiguous copies: the kernel's norm takes [rows, D]
+      q = rms_norm(q.contiguous().view({t * heads, head_dim}), *l.q_norm, eps).view({t, heads, head_dim});
+      k = rms_norm(k.contiguous().view({t * kv_heads, head_dim}), *l.k_norm, eps).view({t, kv_heads, head_dim});
+    }
+    rotary(q, k, cos, sin);
+    const bool eight_bit = !c.k_scales.empty();
+    const auto cache_dtype = c.k[i].scalar_type();
+    if (!eight_bit && cache_dtype != x.scalar_type()) {  // the kernel computes in the cache's dtype
+      q = q.to(cache_dtype);
+      k = k.to(cache_dtype);
+      v = v.to(cache_dtype);
+    }
+    const Tensor out = paged_attention(q, k, v, c.k[i], c.v[i], c.query_start, c.context_lens, c.block_tables,
+                                       c.block_size, scale, l.window, c.pairs_budget,
+                                       eight_bit ? c10::optional<Tensor>(c.k_scales[i]) : c10::nullopt,
+                                       eight_bit ? c10::optional<Tensor>(c.v_scales[i]) : c10::nullopt);
+    return out.to(x.scalar_type()).view({t, dq});
+  }
+
+  // h: the step's embeddings [T, hidden], the residual stream (added to in place). Returns the
+  // final norm of the last layer's output, [T, hidden]. k_scales/v_scales: empty lists unless the
+  // cache is 8-bit.
+  Tensor run(Tensor h, const Tensor& cos, const Tensor& sin, std::vector<Tensor> k_cache, std::vector<Tensor> v_cache,
+             std::vector<Tensor> k_scales, std::vector<Tensor> v_scales, const Tensor& query_start,
+             const Tensor& context_lens, const Tensor& block_tables, int64_t block_size, int64_t pairs_budget) {
+    const int64_t n = int64_t(layers.size());
+    TORCH_CHECK(final_norm.defined() && int64_t(k_cache.size()) == n && int64_t(v_cache.size()) == n,
+                "run: one K and one V cache per layer, and the final norm set");
+    const Cache cache{k_cache, v_cache, k_scales, v_scales, query_start, context_lens, block_tables, block_size,
+                      pairs_budget};
+    Tensor x = rms_norm(h, layers[0].input_norm, eps);
+    for (int64_t i = 0; i < n; ++i) {
+      const LayerW& l = layers[i];
+      x = add_rms_norm(h, apply(l.o, attention(i, x, cos, sin, cache)), l.post_norm, eps);
+      const Tensor following = i + 1 < n ? layers[i + 1].input_norm : final_norm;
+      x = add_rms_norm(h, apply(l.down, silu_mul(apply(l.gate_up, x))), following, eps);
+    }
+    return x;
+  }
+};
+
+}  // namespace pagedllm
+
+TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+  m.class_<pagedllm::DecodeStep>("DecodeStep")
+      .def(torch::init<int64_t, int64_t, int64_t, double, double>())
+      .def("add_layer", &pagedllm::DecodeStep::add_layer)
+      .def("add_linear", &pagedllm::DecodeStep::add_linear)
+      .def("set_final_norm", &pagedllm::DecodeStep::set_final_norm)
+      .def("run", &pagedllm::DecodeStep::run);
+}

@@ -1,0 +1,114 @@
+"""A decode step's decoder layers in one compiled call (``kernels/csrc/decode_step.cpp``).
+
+At one request the Python between a layer's ~10 ops cost about a third of each token (4 of
+12.5 ms, default model, 2-core Xeon). ``DecodeProgram`` hands the compiled ``DecodeStep`` every
+layer's weights once, as the layers hold them (oneDNN-packed, tile-packed, plain, quantized or
+int8 segments, biases, Qwen3's q/k norms, sliding windows), and runs all layers of a step in
+one call with the kernels the layers call, in the same order. It runs a step whose every row
+decodes (one new token per sequence); prefill and mixed steps, the PyTorch backend and a split
+model keep the Python layer loop, which stays the reference.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..layers.linear import Linear
+from ..layers.quantized import QuantizedLinear
+
+if TYPE_CHECKING:
+    from ..layers.attention import CompiledPagedAttention
+    from .decoder import DecoderLM
+
+# The compiled program's linear kinds (decode_step.cpp's LinearKind).
+PLAIN, ONEDNN, TILES, QUANT, INT8 = range(5)
+
+
+class NotProgrammable(Exception):
+    """A layer the compiled program does not run (the Python loop then runs every step)."""
+
+
+def _linear_args(layer: torch.nn.Module) -> tuple[int, list[torch.Tensor], list[int], torch.Tensor]:
+    """(kind, tensors, ints, bias) for ``DecodeStep.add_linear``; an empty tensor stands for none."""
+    none = torch.empty(0)
+    own_bias = getattr(layer, "bias", None)
+    bias = own_bias.data if isinstance(own_bias, torch.Tensor) else none
+    if isinstance(layer, QuantizedLinear):
+        if not layer.packed or not layer.segments:
+            raise NotProgrammable("a quantized layer not packed")
+        if layer.int8_activations and not all(s.int8_per_row for s in layer.segments):
+            raise NotProgrammable("w8a8 weights not int8 per row")
+        tensors = [t for s in layer.segments for t in (s.qweight, s.scale, none if s.zero is None else s.zero)]
+        ints = [i for s in layer.segments for i in (s.bits, s.group)]
+        return (INT8 if layer.int8_activations else QUANT), tensors, ints, bias
+    if isinstance(layer, Linear):
+        weight = layer.weight.data
+        kind = (TILES if weight.dim() == 4 else ONEDNN) if layer.packed else PLAIN
+        return kind, [weight], [], bias
+    raise NotProgrammable(f"a {type(layer).__name__}")
+
+
+class DecodeProgram:
+    """The compiled decode step of one model, built once its weights are loaded and packed."""
+
+    def __init__(self, model: DecoderLM, step_class: Any):
+        cfg = model.config
+        layers = model.model.decoder_layers()
+        attn0 = layers[0].self_attn
+        self.step = step_class(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, attn0.scale)
+        self.backend = model.backend
+        self.quantized = model.quantized()
+        none = torch.empty(0)
+        for layer in layers:
+            a = layer.self_attn
+            norms = [layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data]
+            norms += [n.weight.data if n is not None else none for n in (a.q_norm, a.k_norm)]
+            self.step.add_layer(norms, a.window or 0)
+            for which, linear in enumerate((a.qkv_proj, a.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)):
+                self.step.add_linear(which, *_linear_args(linear))
+        self.step.set_final_norm(model.model.norm.weight.data)
+
+    def takes(self, tokens: int, sequences: int, dtype: torch.dtype) -> bool:
+        """Whether the program runs this step: every row decodes, and quantized layers would
+        take the packed-weight kernel at this many rows (the backend's own rule)."""
+        return tokens == sequences and (not self.quantized or self.backend.quant_kernel_takes(tokens, dtype))
+
+    def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: CompiledPagedAttention) -> torch.Tensor:
+        """h: the step's embeddings (the residual stream, added to in place). Returns the final
+        norm of the last layer's output, as the Python loop does."""
+        lay, cache = attn.layout, attn.cache
+        scales = (cache.k_scale, cache.v_scale) if cache.quantized else ([], [])
+        return self.step.run(
+            h,
+            cos,
+            sin,
+            cache.k,
+            cache.v,
+            *scales,
+            lay.query_start,
+            lay.context_lens,
+            lay.block_tables,
+            lay.block_size,
+            lay.pairs_budget,
+        )
+
+
+def build(model: DecoderLM) -> DecodeProgram | None:
+    """The model's compiled decode step, or None where the backend has none (PyTorch kernels),
+    the model is split over ranks, a layer is one the program does not run, or
+    ``PAGEDLLM_DECODE_STEP=0`` asks for the Python layer loop (to compare the two)."""
+    step_class = model.backend.decode_step_class()
+    if (
+        os.environ.get("PAGEDLLM_DECODE_STEP", "1").strip() == "0"
+        or step_class is None
+        or model.tensor_parallel is not None
+        or model.shard is not None
+    ):
+        return None
+    try:
+        return DecodeProgram(model, step_class)
+    except NotProgrammable:
+        return None
