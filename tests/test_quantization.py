@@ -369,3 +369,26 @@ def test_w8a8_requantizes_tensors_stored_in_other_formats_to_int8_per_row(conver
             assert error.le(step / 2 + 1e-6).all(), name
             checked += 1
     assert checked >= 4
+
+
+@pytest.mark.parametrize("groups", range(1, 9))
+def test_4bit_kernel_on_bf16_rows_sums_what_the_documented_rounding_gives(groups, ops):
+    """The AVX512-VNNI path reads 4 groups of 32 columns at a time: every width of the last read
+    (1-4 groups) and the offsets' tail must count each column once. Oracle: x rounded to 8 bits
+    per 32 columns as docs/quantization.md says, times q * scale + zero, in float64."""
+    if not activations_rounded_to_8_bits():
+        pytest.skip("the kernels compute in float on this machine")
+    g = torch.Generator().manual_seed(groups)
+    n, k = 37, 32 * groups
+    q = torch.randint(0, 16, (n, k), generator=g)
+    scale, zero = torch.rand(n, groups, generator=g) + 0.1, torch.randn(n, groups, generator=g)
+    low, high = q.view(n, groups, 2, 16).unbind(2)  # byte j of a block: column j low, j + 16 high
+    packed = (low | (high << 4)).reshape(n, k // 2).to(torch.uint8)
+    x = torch.randn(3, k, generator=g).to(torch.bfloat16)
+    blocks = x.double().view(3, groups, 32)
+    step = blocks.abs().amax(-1, keepdim=True) / 127
+    x8 = ((blocks / step).round() * step).view(3, k)
+    w = q.double() * scale.double().repeat_interleave(32, 1) + zero.double().repeat_interleave(32, 1)
+    expected = x8 @ w.T
+    got = ops.quant_linear(x, packed, scale, zero, 4, 32).double()
+    torch.testing.assert_close(got, expected, rtol=8e-3, atol=8e-3 * float(expected.abs().max()))

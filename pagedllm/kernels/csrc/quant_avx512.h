@@ -110,6 +110,26 @@ inline void quantize_rows(const float* X, int64_t rows, int64_t K, Int8Rows& r) 
     }
 }
 
+// The 16 x `groups` (1-4) packed bytes of a 4-bit row at p, zero-extended to 64, and their
+// `groups` scales in lanes 0-3. Plain loads of the exact size wherever possible: masked loads
+// streaming weights from memory ran this kernel ~3x slower on an AMD EPYC (AVX-512, Zen 4).
+inline __m512i load_groups(const uint8_t* p, int64_t groups) {
+  switch (groups) {
+    case 4: return _mm512_loadu_si512(p);
+    case 2: return _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    case 1: return _mm512_zextsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    default: return _mm512_maskz_loadu_epi8((__mmask64(1) << (16 * groups)) - 1, p);
+  }
+}
+inline __m512 load_scales(const float* p, int64_t groups) {
+  switch (groups) {
+    case 4: return _mm512_castps128_ps512(_mm_loadu_ps(p));
+    case 2: return _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p))));
+    case 1: return _mm512_castps128_ps512(_mm_load_ss(p));
+    default: return _mm512_maskz_loadu_ps(__mmask16((1u << groups) - 1), p);
+  }
+}
+
 // Y[r][n0 + c] for NC channels of 4-bit weights and MR rows: per 4 groups, 64 bytes of weights
 // unpacked once into low and high nibbles, then two dpbusd per row.
 template <int NC, int MR>
@@ -122,8 +142,6 @@ void tile_vnni(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, int64_t n
   const int64_t width = xr.padded_groups * 16, G = m.groups();
   for (int64_t g0 = 0; g0 < G; g0 += 4) {
     const int64_t n_groups = std::min<int64_t>(4, G - g0);
-    const __mmask64 bytes = n_groups == 4 ? ~__mmask64(0) : (__mmask64(1) << (16 * n_groups)) - 1;
-    const __mmask16 lanes = __mmask16((1u << n_groups) - 1);
     __m512i xlo[MR], xhi[MR];
     __m512 xs[MR];
     for (int r = 0; r < MR; ++r) {
@@ -133,10 +151,10 @@ void tile_vnni(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, int64_t n
     }
     for (int c = 0; c < NC; ++c) {
       const int64_t n = n0 + c;
-      const __m512i v = _mm512_maskz_loadu_epi8(bytes, m.q + n * m.row_bytes() + g0 * 16);
+      const __m512i v = load_groups(m.q + n * m.row_bytes() + g0 * 16, n_groups);
       const __m512i lo = _mm512_and_si512(v, nibble);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-      const __m512 s = _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(lanes, m.scale + n * G + g0));
+      const __m512 s = _mm512_permutexvar_ps(spread, load_scales(m.scale + n * G + g0, n_groups));
       for (int r = 0; r < MR; ++r) {
         __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo[r]);
         dot = _mm512_dpbusd_epi32(dot, hi, xhi[r]);
@@ -152,8 +170,12 @@ void tile_vnni(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, int64_t n
         const float* sums = xr.block_sums.data() + (row0 + r) * xr.padded_groups;
         __m512 z = _mm512_setzero_ps();
         for (int64_t g = 0; g < G; g += 16) {
-          const __mmask16 k = G - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (G - g)) - 1);
-          z = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, m.zero + n * G + g), _mm512_maskz_loadu_ps(k, sums + g), z);
+          if (G - g >= 16) {
+            z = _mm512_fmadd_ps(_mm512_loadu_ps(m.zero + n * G + g), _mm512_loadu_ps(sums + g), z);
+          } else {
+            const __mmask16 k = __mmask16((1u << (G - g)) - 1);
+            z = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, m.zero + n * G + g), _mm512_maskz_loadu_ps(k, sums + g), z);
+          }
         }
         y += _mm512_reduce_add_ps(z);
       }
