@@ -24,18 +24,33 @@ def test_the_chosen_backend_is_every_layers_and_the_engines(tiny_checkpoints, op
 
 
 def test_the_compiled_backend_falls_back_for_one_call_only(ops, monkeypatch):
-    """Qwen3's q/k norms run on [T, H, D] views, which the norm kernel does not take: that call
-    runs the reference arithmetic, the next contiguous one the kernel."""
+    """The grammar mask's kernel takes float32 rows: bf16 logits run xgrammar's reference
+    arithmetic for that call, the next float32 call the kernel; both forbid the same tokens."""
+    compiled = backends.get("cpu-compiled")
+    calls = []
+    monkeypatch.setattr(compiled, "ops", _Counting(compiled.ops, calls))
+    vocab = 70
+    bitmask = torch.tensor([[0x0000FFFF, 0x7, 0x0]], dtype=torch.int32)  # tokens 0-15 and 32-34 allowed
+    allowed = [t for t in range(vocab) if t < 16 or 32 <= t < 35]
+    for dtype in (torch.bfloat16, torch.float32):
+        logits = torch.zeros(1, vocab, dtype=dtype)
+        compiled.mask_logits(logits, bitmask, [0], vocab)
+        assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == allowed
+        assert calls == ([] if dtype == torch.bfloat16 else ["mask_logits"])
+
+
+def test_qwen3_head_norms_run_the_kernel_on_views_of_the_qkv_rows(ops, monkeypatch):
+    """Qwen3's q/k norms get [T, H, D] views of the stacked q/k/v rows: the kernel takes a
+    contiguous copy, and equals the reference arithmetic."""
     compiled = backends.get("cpu-compiled")
     calls = []
     monkeypatch.setattr(compiled, "ops", _Counting(compiled.ops, calls))
     weight = torch.rand(32) + 0.5
-    x = torch.randn(5, 4, 32)
-    got = compiled.rms_norm(x, weight, 1e-6)
-    torch.testing.assert_close(got, backends.get("cpu-torch").rms_norm(x, weight, 1e-6))
-    assert calls == []
-    compiled.rms_norm(x[:, 0].contiguous(), weight, 1e-6)
-    assert calls == ["rms_norm"]
+    qkv = torch.randn(5, 8 * 32)
+    q = qkv[:, : 4 * 32].view(5, 4, 32)  # not contiguous: rows of 8 heads, 4 of them taken
+    got = compiled.rms_norm(q, weight, 1e-6)
+    assert calls == ["rms_norm"] and got.shape == q.shape
+    torch.testing.assert_close(got, backends.get("cpu-torch").rms_norm(q, weight, 1e-6))
 
 
 class _Counting:

@@ -98,3 +98,9 @@ def test_the_pytorch_backend_has_no_decode_step(tiny_checkpoints):
 
     loaded = load(tiny_checkpoints["llama"][0], "float32", backend=torch_backend())
     assert loaded.model.decode_program() is None
+
+
+def test_the_environment_switch_keeps_the_layer_loop(tiny_checkpoints, ops, monkeypatch):
+    """README: ``PAGEDLLM_DECODE_STEP=0`` runs the Python loop for every step (to compare)."""
+    monkeypatch.setenv("PAGEDLLM_DECODE_STEP", "0")
+    assert load(tiny_checkpoints["llama"][0], "float32").model.decode_program() is None

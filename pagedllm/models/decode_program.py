@@ -60,7 +60,7 @@ class DecodeProgram:
         attn0 = layers[0].self_attn
         self.step = step_class(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, attn0.scale)
         self.backend = model.backend
-        self.quantized = model.quantized()
+        self.packed_quantized = False  # any layer on quant_linear, whose row rule the backend keeps
         none = torch.empty(0)
         for layer in layers:
             a = layer.self_attn
@@ -68,13 +68,16 @@ class DecodeProgram:
             norms += [n.weight.data if n is not None else none for n in (a.q_norm, a.k_norm)]
             self.step.add_layer(norms, a.window or 0)
             for which, linear in enumerate((a.qkv_proj, a.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)):
-                self.step.add_linear(which, *_linear_args(linear))
+                kind, tensors, ints, bias = _linear_args(linear)
+                self.packed_quantized |= kind == QUANT
+                self.step.add_linear(which, kind, tensors, ints, bias)
         self.step.set_final_norm(model.model.norm.weight.data)
 
     def takes(self, tokens: int, sequences: int, dtype: torch.dtype) -> bool:
         """Whether the program runs this step: every row decodes, and quantized layers would
-        take the packed-weight kernel at this many rows (the backend's own rule)."""
-        return tokens == sequences and (not self.quantized or self.backend.quant_kernel_takes(tokens, dtype))
+        take the packed-weight kernel at this many rows (the backend's own rule; w8a8 and float
+        layers run the same op at any count)."""
+        return tokens == sequences and (not self.packed_quantized or self.backend.quant_kernel_takes(tokens, dtype))
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: CompiledPagedAttention) -> torch.Tensor:
         """h: the step's embeddings (the residual stream, added to in place). Returns the final
