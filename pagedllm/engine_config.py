@@ -19,6 +19,15 @@ from .errors import PagedLLMError
 from .sizes import KV_CACHE_DTYPES, QUANTIZATIONS, SUPPORTED_DTYPES, dtype_name, kv_dtype_name, parse_memory
 
 BACKENDS = ("auto", "cpu-compiled", "cpu-torch")  # pagedllm.backends.NAMES, without importing torch
+SPECULATIVE_METHODS = ("ngram", "draft_model")  # engine.speculative.METHODS, without importing it
+# LLM(speculative={...}) takes vLLM's speculative_config keys; each is one field here
+SPECULATIVE_KEYS = {
+    "method": "speculative_method",
+    "num_speculative_tokens": "num_speculative_tokens",
+    "prompt_lookup_min": "prompt_lookup_min",
+    "prompt_lookup_max": "prompt_lookup_max",
+    "model": "draft_model",
+}
 
 
 class ConfigError(PagedLLMError, ValueError):
@@ -100,6 +109,17 @@ class EngineConfig:
         type=str,
     )
     threads: int | None = _knob(None, "torch threads (default: one per physical core, or PAGEDLLM_THREADS)", type=int)
+    speculative_method: str | None = _knob(
+        None,
+        "speculative decoding: ngram (guesses from earlier n-grams of the prompt and output, "
+        "verified in the same step; greedy and seeded output unchanged); draft_model: not implemented yet",
+        choices=SPECULATIVE_METHODS,
+        type=str,
+    )
+    num_speculative_tokens: int = _knob(4, "speculative decoding: tokens guessed per step, at most", type=int)
+    prompt_lookup_min: int = _knob(2, "ngram: the shortest suffix looked up", type=int)
+    prompt_lookup_max: int = _knob(4, "ngram: the longest suffix looked up", type=int)
+    draft_model: str | None = _knob(None, "draft_model: a smaller model of the same tokenizer", type=str)
     tensor_parallel_size: int = _knob(
         1,
         "ranks the model is split over (tensor parallelism): plan sizes each rank; the engine runs 1 only (for now)",
@@ -128,6 +148,9 @@ class EngineConfig:
             "max_model_len",
             "threads",
             "tensor_parallel_size",
+            "num_speculative_tokens",
+            "prompt_lookup_min",
+            "prompt_lookup_max",
         ):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -138,8 +161,22 @@ class EngineConfig:
             _checked("memory", self.memory, parse_memory)
         if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
             raise ConfigError("memory_fraction", f"must be in (0, 1], got {self.memory_fraction}")
+        self._check_speculative()
         if self.idle_release_after is not None and not self.idle_release_after >= 0:
             raise ConfigError("idle_release_after", f"must be seconds >= 0, got {self.idle_release_after}")
+
+    def _check_speculative(self) -> None:
+        method = self.speculative_method
+        if method is not None and method not in SPECULATIVE_METHODS:
+            raise ConfigError("speculative_method", f"{method!r}: choose one of {', '.join(SPECULATIVE_METHODS)}")
+        if method == "draft_model":
+            raise ConfigError("speculative_method", "draft_model is not implemented yet; ngram is")
+        if self.draft_model is not None and method != "draft_model":
+            raise ConfigError("draft_model", "a draft model needs speculative_method='draft_model'")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(
+                "prompt_lookup_min", f"{self.prompt_lookup_min} is above prompt_lookup_max {self.prompt_lookup_max}"
+            )
 
     @property
     def budgeted(self) -> bool:
@@ -150,6 +187,9 @@ class EngineConfig:
     def from_options(cls, model: Any = None, **options: Any) -> EngineConfig:
         """From ``LLM(model, **options)``; an unknown option is a TypeError naming the known ones."""
         names = {f.name for f in dataclasses.fields(cls)}
+        speculative = options.pop("speculative", None)
+        if speculative is not None:
+            options.update(_speculative_fields(speculative))
         unknown = sorted(set(options) - names)
         if unknown:
             raise TypeError(f"unknown engine option(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
@@ -162,6 +202,18 @@ class EngineConfig:
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
+
+
+def _speculative_fields(speculative: Any) -> dict[str, Any]:
+    """``speculative={"method": "ngram", "num_speculative_tokens": 4, ...}`` (vLLM's keys) as fields."""
+    if not isinstance(speculative, dict):
+        raise ConfigError("speculative", f"a dict of {', '.join(SPECULATIVE_KEYS)}, got {speculative!r}")
+    unknown = sorted(set(speculative) - set(SPECULATIVE_KEYS))
+    if unknown:
+        raise ConfigError("speculative", f"unknown key(s) {', '.join(unknown)}; known: {', '.join(SPECULATIVE_KEYS)}")
+    if "method" not in speculative:
+        raise ConfigError("speculative", "give its 'method' ('ngram')")
+    return {SPECULATIVE_KEYS[key]: value for key, value in speculative.items()}
 
 
 def add_flags(parser: argparse.ArgumentParser, command: str | None = None) -> None:

@@ -101,6 +101,17 @@ class BlockManager:
             table.append(block)
         return copies
 
+    def trim(self, seq_id: int, num_tokens: int) -> None:
+        """Gives back the blocks past the first ``num_tokens`` tokens' (taken for speculative
+        guesses that were rejected: private, never registered)."""
+        table = self.tables.get(seq_id, [])
+        keep = self.blocks_for(num_tokens)
+        while len(table) > keep:
+            block = table.pop()
+            self.ref_counts[block] -= 1
+            assert self.ref_counts[block] == 0 and block not in self._block_key, "trimmed a shared block"
+            self._free.append(block)
+
     def _shared_block_at(self, seq_id: int, position: int) -> int | None:
         """Index in the table of the block holding ``position`` if others hold it too."""
         table, i = self.table(seq_id), position // self.block_size

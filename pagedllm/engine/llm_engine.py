@@ -39,6 +39,7 @@ from .model_runner import ModelRunner
 from .ranks import Ranks
 from .scheduler import Scheduler, SchedulerCounters
 from .sequence import Sequence
+from .speculative import Speculation
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,14 @@ class LLMEngine:
         self.limits = RequestLimits(
             cfg.vocab_size, plan.max_num_seqs, plan.max_model_len, plan.num_blocks, plan.block_size
         )
-        self.scheduler = Scheduler(self.blocks, plan.max_batch_tokens, plan.max_num_seqs, self.detokenizer.check_stop)
+        self.scheduler = Scheduler(
+            self.blocks,
+            plan.max_batch_tokens,
+            plan.max_num_seqs,
+            self.detokenizer.check_stop,
+            speculation=speculation_of(config),
+            max_model_len=plan.max_model_len,
+        )
         self.ranks = ranks
         if ranks is not None:
             loaded.model.tensor_parallel = ranks.group
@@ -362,6 +370,12 @@ class LLMEngine:
             memory_resizes=self.elastic.resizes,
             idle_releases=self.elastic.idle_releases,
         )
+
+
+def speculation_of(config: EngineConfig) -> Speculation | None:
+    if config.speculative_method is None:
+        return None
+    return Speculation(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
 
 
 def stop_token_ids(cfg, tokenizer) -> tuple[int, ...]:

@@ -18,7 +18,7 @@ block manager.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,15 +30,28 @@ from ..layers.workspace import GATHER_BUDGET, PAIRS_BUDGET, SAMPLER_CHUNK_ROWS
 from ..memory.footprint import StepShape
 from ..models import DecoderLM
 from .sequence import Sequence
-from .step import SchedulerOutput, StepInput
+from .step import ScheduledRow, SchedulerOutput, StepInput
 
 
 @dataclass
 class RunResult:
     sampled: list[int]  # indices into out.rows that got a token
-    token_ids: list[int]
+    token_ids: list[int]  # the token sampled for each (after its accepted guesses, if any)
     logprobs: list[dict | None]
     failed: list[int]  # indices into out.rows whose logits were not finite (NaN/inf)
+    # row index -> the logprobs of its guesses that were accepted (one per guess, in order)
+    accepted: dict[int, list[dict | None]] = field(default_factory=dict)
+
+
+class _Verifying:
+    """A sequence as the sampler sees it with ``accepted`` guesses already appended."""
+
+    def __init__(self, seq: Sequence, accepted: list[int]):
+        self.params = seq.params
+        self.prompt_token_ids = seq.prompt_token_ids
+        self.output_token_ids = seq.output_token_ids + accepted
+        self.generator = seq.generator
+        self.matcher = None  # guessed rows have no grammar (the scheduler guesses for none)
 
 
 class ModelRunner:
@@ -79,8 +92,8 @@ class ModelRunner:
             starts.append(len(input_ids))
             input_ids.extend(row.token_ids)
             positions.extend(range(row.start, row.end))
-            if row.samples:
-                logits_rows.append(len(input_ids) - 1)
+            end = len(input_ids)
+            logits_rows.extend(range(end - row.logits_rows, end))
         starts.append(len(input_ids))
         ends = [r.end for r in out.rows]
 
@@ -131,20 +144,56 @@ class ModelRunner:
         )
 
     def sample(self, logits: torch.Tensor, out: SchedulerOutput, seqs: list[Sequence]) -> RunResult:
-        """A token for every sampled row whose logits are finite; the others fail alone."""
-        rows_of = out.sampling_rows  # row index of each logits row
+        """A token for every sampled row whose logits are finite; the others fail alone. A row
+        with speculative guesses has one logits row per position: its guesses are checked in
+        order (``verify``)."""
         # a row is finite iff its max and min are (NaN propagates): no [S, vocab] temporaries
         finite = (torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))).tolist()
-        good = [i for i, ok in zip(rows_of, finite) if ok]
-        failed = [i for i, ok in zip(rows_of, finite) if not ok]
-        if failed:
-            logits = logits[[r for r, ok in enumerate(finite) if ok]]
-        tokens, logprobs = [], []
-        if good:
+        plain: list[tuple[int, int]] = []  # (row, its logits row)
+        guessed: list[tuple[int, int]] = []
+        failed: list[int] = []
+        offset = 0
+        for i in out.sampling_rows:
+            count = out.rows[i].logits_rows
+            if not all(finite[offset : offset + count]):
+                failed.append(i)
+            else:
+                (guessed if count > 1 else plain).append((i, offset))
+            offset += count
+        tokens: dict[int, tuple[int, dict | None]] = {}
+        if plain:
             assert self.sampler is not None, "only the driver samples"
-            sampled = self.sampler(logits, [seqs[i] for i in good])
-            tokens, logprobs = sampled.token_ids, sampled.logprobs
-        return RunResult(good, tokens, logprobs, failed)
+            sampled = self.sampler(logits[[r for _, r in plain]], [seqs[i] for i, _ in plain])
+            tokens.update(zip([i for i, _ in plain], zip(sampled.token_ids, sampled.logprobs)))
+        accepted: dict[int, list[dict | None]] = {}
+        for i, first in guessed:
+            row = out.rows[i]
+            accepted[i], tokens[i] = self.verify(logits[first : first + 1 + row.guesses], row, seqs[i])
+        good = sorted(tokens)
+        return RunResult(good, [tokens[i][0] for i in good], [tokens[i][1] for i in good], failed, accepted)
+
+    def verify(
+        self, logits: torch.Tensor, row: ScheduledRow, seq: Sequence
+    ) -> tuple[list[dict | None], tuple[int, dict | None]]:
+        """Samples each position of a guessed row in order, as decoding one token at a time would
+        (the same sampler and generator; penalties and min_tokens see the guesses accepted
+        before); a guess stands while it equals the token sampled at its place. Returns the
+        accepted guesses' logprobs and the first token that differs (or follows the last)."""
+        assert self.sampler is not None, "only the driver samples"
+        guesses = row.token_ids[len(row.token_ids) - row.guesses :]
+        if not needs_full_path(seq):  # greedy: every position's argmax at once
+            best = logits.argmax(dim=-1).tolist()
+            n = next((j for j, g in enumerate(guesses) if best[j] != g), len(guesses))
+            return [None] * n, (best[n], None)
+        logprobs: list[dict | None] = []
+        for j in range(len(guesses) + 1):
+            view = _Verifying(seq, guesses[:j])
+            sampled = self.sampler(logits[j : j + 1], [view])
+            token, logprob = sampled.token_ids[0], sampled.logprobs[0]
+            if j == len(guesses) or token != guesses[j]:
+                return logprobs, (token, logprob)
+            logprobs.append(logprob)
+        raise AssertionError("unreachable")
 
     def step_shape(self, out: SchedulerOutput, seqs: list[Sequence]) -> StepShape:
         """This step as the memory planner sees it (checked against measured peaks in tests)."""
@@ -162,7 +211,7 @@ class ModelRunner:
         layout = StepLayout.from_step(self.prepare(out), self.group_size)
         return StepShape(
             tokens=out.total_tokens,
-            sampled=len(sampled),
+            sampled=sum(r.logits_rows for r in out.rows),  # a guessed row has one per position
             decode_groups=[(g.blocks.shape[0], g.keys, True) for g in layout.decode_groups],
             prefills=[(p.length, p.context_len) for p in layout.prefills],
             full_sampler_rows=full,

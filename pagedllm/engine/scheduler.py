@@ -31,6 +31,7 @@ from typing import Protocol
 
 from .block_manager import BlockManager
 from .sequence import Finish, Sequence, Status
+from .speculative import Speculation, propose
 from .step import ScheduledRow, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class StepResult(Protocol):
     token_ids: list[int]
     logprobs: list[dict | None]
     failed: list[int]  # indices into out.rows whose logits were not finite
+    accepted: dict[int, list[dict | None]]  # row -> logprobs of its accepted guesses, in order
 
 
 @dataclass
@@ -60,10 +62,23 @@ class SchedulerCounters:
     requests_finished: int = 0
     requests_aborted: int = 0
     requests_failed: int = 0
+    tokens_drafted: int = 0  # speculative guesses scheduled
+    tokens_accepted: int = 0  # of which the model sampled the same token
+    speculative_rows: int = 0  # decode rows that carried guesses
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_batch_tokens: int, max_num_seqs: int, stop_check: StopCheck):
+    def __init__(
+        self,
+        blocks: BlockManager,
+        max_batch_tokens: int,
+        max_num_seqs: int,
+        stop_check: StopCheck,
+        speculation: Speculation | None = None,
+        max_model_len: int | None = None,
+    ):
+        """``speculation``: n-gram guesses appended to decode rows (``engine.speculative``);
+        ``max_model_len``: no guess goes past it."""
         if max_batch_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_batch_tokens and max_num_seqs must be >= 1")
         self.blocks = blocks
@@ -79,6 +94,8 @@ class Scheduler:
         self._to_copy: list[tuple[int, int]] = []  # re-carried after a failed step
         # blocks new admissions may fill (None: all); running sequences grow past it
         self.admission_limit: int | None = None
+        self.speculation = speculation
+        self.max_model_len = max_model_len
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -133,6 +150,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         batch = SchedulerOutput()
         budget = self.max_batch_tokens
+        spec = self.speculation
+        if spec is not None and not spec.rows_allowed(sum(s.width for s in self.running), self.max_num_seqs):
+            spec = None
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -140,6 +160,10 @@ class Scheduler:
                 self._fork(seq, at=i + 1)
             start = seq.num_computed_tokens
             n = min(_compute_until(seq) - start, budget)
+            guesses = self._guesses(seq, spec, budget - n) if n == 1 and spec is not None else []
+            if guesses and not self.blocks.can_write(seq.seq_id, start, start + n + len(guesses)):
+                guesses = []  # guesses never take a block someone else would have to give up
+            n += len(guesses)
             while not self.blocks.can_write(seq.seq_id, start, start + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -148,7 +172,7 @@ class Scheduler:
                     break
             if seq.status is not Status.RUNNING:
                 break  # seq preempted itself: nothing after it is left either
-            self._add(batch, seq, n)
+            self._add(batch, seq, n - len(guesses), guesses)
             budget -= n
             i += 1
         if not batch.preempted:  # memory is tight after a preemption: admit nobody new this step
@@ -200,8 +224,8 @@ class Scheduler:
         seqs = self.sequences(batch)
         for e, seq in zip(batch.rows, seqs):
             c.prompt_tokens_computed += max(0, min(seq.num_prompt_tokens, e.end) - e.start)
-            seq.num_computed_tokens = e.end
-            self.blocks.register_computed(seq.seq_id, seq.tokens, e.end)
+            seq.num_computed_tokens = e.end - e.guesses  # guesses count once accepted (below)
+            self.blocks.register_computed(seq.seq_id, seq.tokens, seq.num_computed_tokens)
         changed: dict[int, Sequence] = {}
         for i in result.failed:
             seq = seqs[i]
@@ -211,16 +235,35 @@ class Scheduler:
             )
             changed[i] = seq
         for i, token, logprob in zip(result.sampled, result.token_ids, result.logprobs):
-            seq = seqs[i]
+            row, seq = batch.rows[i], seqs[i]
+            accepted = result.accepted.get(i, [])
+            guesses = row.token_ids[len(row.token_ids) - row.guesses :][: len(accepted)]
+            self._append(seq, [*zip(guesses, accepted), (token, logprob)])
+            if row.guesses:
+                c.speculative_rows += 1
+                c.tokens_drafted += row.guesses
+                c.tokens_accepted += len(accepted)
+                if not seq.is_finished:  # the accepted guesses' K/V are now computed
+                    self.blocks.register_computed(seq.seq_id, seq.tokens, seq.num_computed_tokens)
+                    self.blocks.trim(seq.seq_id, seq.num_tokens)  # blocks taken for rejected guesses only
+            changed[i] = seq
+        return [changed[i] for i in sorted(changed)]
+
+    def _append(self, seq: Sequence, tokens: list[tuple[int, dict | None]]) -> None:
+        """Appends a row's new tokens in order (accepted guesses, then the sampled one), each
+        checked for a stop as if it had been sampled alone; a stop drops the rest. A guess,
+        once accepted, is a computed token (its K/V were written by the step)."""
+        for j, (token, logprob) in enumerate(tokens):
             accepted = seq.append_token(token, logprob)
-            c.tokens_generated += 1
+            self.counters.tokens_generated += 1
             stop = (
                 self.stop_check(seq) if accepted else Finish("error", "the grammar refused a sampled token", "engine")
             )
             if stop is not None:
                 self.finish(seq, stop)
-            changed[i] = seq
-        return [changed[i] for i in sorted(changed)]
+                return
+            if j < len(tokens) - 1:
+                seq.num_computed_tokens += 1
 
     def recover_from_oom(self, batch: SchedulerOutput, error: BaseException) -> None:
         """Halves the step budget so the same work is retried as smaller steps next time.
@@ -245,15 +288,28 @@ class Scheduler:
             self.max_batch_tokens,
         )
 
-    def _add(self, batch: SchedulerOutput, seq: Sequence, n: int) -> None:
+    def _add(self, batch: SchedulerOutput, seq: Sequence, n: int, guesses: list[int] | None = None) -> None:
+        """``n`` of the sequence's own tokens, then ``guesses`` (speculative, after its last one)."""
+        guesses = guesses or []
         start = seq.num_computed_tokens
-        batch.copies += self.blocks.prepare_write(seq.seq_id, start, start + n)
+        end = start + n + len(guesses)
+        batch.copies += self.blocks.prepare_write(seq.seq_id, start, end)
         table = list(self.blocks.table(seq.seq_id))
         samples = start + n == seq.num_tokens
-        tokens = seq.tokens(start, start + n)
+        tokens = seq.tokens(start, start + n) + guesses
         batch.rows.append(
-            ScheduledRow(seq.seq_id, seq.request_id, seq.index, start, tokens, table, samples, seq.params)
+            ScheduledRow(seq.seq_id, seq.request_id, seq.index, start, tokens, table, samples, seq.params, len(guesses))
         )
+
+    def _guesses(self, seq: Sequence, spec: Speculation, budget: int) -> list[int]:
+        """The n-gram guesses for a decoding sequence: none past its max_tokens (the token sampled
+        after them counts too), the context, or the step's budget; none under a grammar."""
+        if seq.matcher is not None or seq.pending_forks or seq.num_computed_tokens != seq.num_tokens - 1:
+            return []
+        limit = min(budget, seq.params.max_tokens - len(seq.output_token_ids) - 1)
+        if self.max_model_len is not None:
+            limit = min(limit, self.max_model_len - seq.num_tokens - 1)
+        return propose(seq.tokens(0, seq.num_tokens), spec, limit)
 
     def _fork(self, seq: Sequence, at: int) -> None:
         """Splits a sequence into its n samples; they run right after it, sharing its blocks."""
@@ -329,12 +385,13 @@ class Scheduler:
         for seq in self.running:
             if seq.status is not Status.RUNNING:
                 problems.append(f"{seq.request_id}[{seq.index}] is in the running queue with status {seq.status}")
-            need = self.blocks.blocks_for(seq.num_computed_tokens)
-            if len(self.blocks.table(seq.seq_id)) < need:
+            need, held = self.blocks.blocks_for(seq.num_computed_tokens), len(self.blocks.table(seq.seq_id))
+            if held < need:
                 problems.append(
-                    f"{seq.request_id}[{seq.index}] computed {seq.num_computed_tokens} tokens but "
-                    f"holds {len(self.blocks.table(seq.seq_id))} blocks"
+                    f"{seq.request_id}[{seq.index}] computed {seq.num_computed_tokens} tokens but holds {held} blocks"
                 )
+            if held > self.blocks.blocks_for(seq.num_tokens):  # e.g. blocks of rejected guesses kept
+                problems.append(f"{seq.request_id}[{seq.index}] has {seq.num_tokens} tokens but holds {held} blocks")
         for seq in self.waiting:
             if seq.status is not Status.WAITING or seq.num_computed_tokens:
                 problems.append(

@@ -38,6 +38,12 @@ class ScheduledRow:
     block_table: list[int]
     samples: bool  # this step computes the sequence's last known token: a token is sampled for it
     params: SamplingParams
+    guesses: int = 0  # speculative tokens after its last known one (the last of token_ids), each verified
+
+    @property
+    def logits_rows(self) -> int:
+        """Logits rows this row gets: its last known token's and one per guess."""
+        return (1 + self.guesses) if self.samples else 0
 
     @property
     def num_tokens(self) -> int:

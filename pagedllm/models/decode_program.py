@@ -1,12 +1,13 @@
 """A decode step's decoder layers in one compiled call (``kernels/csrc/decode_step.cpp``).
 
-At one request the Python between a layer's ~10 ops cost about a third of each token (4 of
-12.5 ms, default model, 2-core Xeon). ``DecodeProgram`` hands the compiled ``DecodeStep`` every
-layer's weights once, as the layers hold them (oneDNN-packed, tile-packed, plain, quantized or
-int8 segments, biases, Qwen3's q/k norms, sliding windows), and runs all layers of a step in
-one call with the kernels the layers call, in the same order. It runs a step whose every row
-decodes (one new token per sequence); prefill and mixed steps, the PyTorch backend and a split
-model keep the Python layer loop, which stays the reference.
+At one request the Python between a layer's ~10 ops cost a large part of each token (one
+request as stored ran 1.44x faster without it: docs/benchmarks.md). ``DecodeProgram`` hands the
+compiled ``DecodeStep`` every layer's weights once, as the layers hold them (oneDNN-packed,
+tile-packed, plain, quantized or int8 segments, biases, Qwen3's q/k norms, sliding windows),
+and runs all layers of a step in one call with the kernels the layers call, in the same order.
+It runs a step whose every row decodes (one new token per sequence) or of at most
+``SMALL_STEP_TOKENS`` tokens (rows with speculative guesses, a short prompt); longer steps, the
+PyTorch backend and a split model keep the Python layer loop, which stays the reference.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ from ..layers.quantized import QuantizedLinear
 if TYPE_CHECKING:
     from ..layers.attention import CompiledPagedAttention
     from .decoder import DecoderLM
+
+# Steps of up to this many tokens run the program whatever their rows are (a decode row with
+# speculative guesses, a short prompt); longer prefills keep the Python loop.
+SMALL_STEP_TOKENS = 64
 
 # The compiled program's linear kinds (decode_step.cpp's LinearKind).
 PLAIN, ONEDNN, TILES, QUANT, INT8 = range(5)
@@ -74,10 +79,12 @@ class DecodeProgram:
         self.step.set_final_norm(model.model.norm.weight.data)
 
     def takes(self, tokens: int, sequences: int, dtype: torch.dtype) -> bool:
-        """Whether the program runs this step: every row decodes, and quantized layers would
-        take the packed-weight kernel at this many rows (the backend's own rule; w8a8 and float
-        layers run the same op at any count)."""
-        return tokens == sequences and (not self.packed_quantized or self.backend.quant_kernel_takes(tokens, dtype))
+        """Whether the program runs this step: every row decodes, or the step is small (rows
+        with speculative guesses, a short prompt), and quantized layers would take the
+        packed-weight kernel at this many rows (the backend's own rule; w8a8 and float layers
+        run the same op at any count)."""
+        small = tokens == sequences or tokens <= SMALL_STEP_TOKENS
+        return small and (not self.packed_quantized or self.backend.quant_kernel_takes(tokens, dtype))
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: CompiledPagedAttention) -> torch.Tensor:
         """h: the step's embeddings (the residual stream, added to in place). Returns the final

@@ -183,7 +183,8 @@ struct DecodeStep : torch::CustomClassHolder {
       const LayerW& l = layers[i];
       x = add_rms_norm(h, apply(l.o, attention(i, x, cos, sin, cache)), l.post_norm, eps);
       const Tensor following = i + 1 < n ? layers[i + 1].input_norm : final_norm;
-      x = add_rms_norm(h, apply(l.down, silu_mul(apply(l.gate_up, x))), following, eps);
+      Tensor act = silu_mul(apply(l.gate_up, x));  // gate/up freed here, before down runs
+      x = add_rms_norm(h, apply(l.down, act), following, eps);
     }
     return x;
   }

@@ -1,0 +1,58 @@
+"""Speculative decoding by n-gram prompt lookup: guessed tokens verified in the request's own step.
+
+A decoding sequence whose last ``n`` tokens (``prompt_lookup_max`` down to ``prompt_lookup_min``)
+occurred earlier in its prompt or output proposes the tokens that followed that occurrence (the
+latest one), up to ``num_speculative_tokens``. The scheduler appends them to the sequence's
+one-token decode row, so the step computes K/V and logits for the last real token and every
+guess; the runner then samples each position in order, exactly as decoding would one token at
+a time (the same sampler, the same generator draws, the penalties seeing the tokens accepted
+before), and keeps a guess only while it equals the token sampled at its place. The first
+mismatch ends it: the token sampled there is the step's last, and the guesses after it are
+bookkeeping: their K/V are past the computed count (overwritten when those positions are
+computed) and a block taken only for them is given back. Greedy and seeded outputs are
+therefore identical to decoding without speculation, and sampled ones follow the model's
+distribution (a deterministic guess is accepted exactly when the model samples it).
+
+When it speculates (``Speculation.rows_allowed``): only while the step is small enough that
+the guesses' logits rows stay within what the memory plan counts (``max_num_seqs`` rows), so
+the extra rows never cost a batch that is already compute-bound; and not for a request with a
+grammar (its matcher would have to advance through guesses and roll back: not implemented yet).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+NGRAM = "ngram"
+METHODS = (NGRAM, "draft_model")
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """The engine's speculative settings (``EngineConfig.speculative_*``)."""
+
+    num_tokens: int  # guesses per step, at most
+    lookup_min: int
+    lookup_max: int
+
+    def rows_allowed(self, sequences: int, max_num_seqs: int) -> bool:
+        """Whether a step of this many decoding sequences may carry guesses."""
+        return sequences * (1 + self.num_tokens) <= max_num_seqs
+
+
+def propose(tokens: list[int], spec: Speculation, limit: int) -> list[int]:
+    """Up to ``min(spec.num_tokens, limit)`` tokens that followed the latest earlier occurrence
+    of the longest suffix of ``tokens`` of ``lookup_max`` .. ``lookup_min`` tokens; [] if none."""
+    k = min(spec.num_tokens, limit)
+    if k <= 0:
+        return []
+    n_tokens = len(tokens)
+    for n in range(min(spec.lookup_max, n_tokens - 1), spec.lookup_min - 1, -1):
+        suffix = tokens[n_tokens - n :]
+        # latest occurrence that ends before the suffix itself starts to overlap the end
+        for start in range(n_tokens - n - 1, -1, -1):
+            if tokens[start : start + n] == suffix:
+                follow = tokens[start + n : start + n + k]
+                if follow:
+                    return follow
+    return []
