@@ -312,6 +312,12 @@ def _bench_flags(bench: argparse.ArgumentParser) -> None:
         "(prompt / messages / prompt_token_ids)",
     )
     bench.add_argument("--num-prompts", type=int, default=64)
+    bench.add_argument(
+        "--one-at-a-time",
+        action="store_true",
+        help="each request alone, the next once it finished (where one request is bound by "
+        "reading the weights: speculative decoding's case)",
+    )
     bench.add_argument("--new-tokens", type=int, default=None, help="default: 64 (single: 128)")
     bench.add_argument("--compare", default="", help="comma-separated peers: hf-static,hf-cb,vllm,llama.cpp")
     bench.add_argument(

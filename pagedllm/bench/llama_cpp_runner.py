@@ -2,10 +2,13 @@
 (one llama.cpp sequence each, batched through its low-level batch API), greedy, ignore_eos.
 Run with the Python of a venv that has llama-cpp-python; needs nothing from pagedllm:
 
-    python pagedllm/bench/llama_cpp_runner.py WORKLOAD.json MODEL.gguf THREADS
+    python pagedllm/bench/llama_cpp_runner.py WORKLOAD.json MODEL.gguf THREADS [PROMPT_LOOKUP.json]
 
 Prints BENCH_RESULT json. Prompts are fed in chunks of up to 512 tokens (several sequences per
-chunk), then each step decodes one token of every unfinished sequence.
+chunk), then each step decodes one token of every unfinished sequence. A workload of requests
+one at a time runs through the high-level ``Llama`` API instead, one completion after another,
+with PROMPT_LOOKUP ({"num_pred_tokens": K, "max_ngram_size": N}) as its
+``LlamaPromptLookupDecoding`` draft model when given (llama.cpp's own n-gram speculation).
 """
 
 import ctypes
@@ -30,6 +33,10 @@ def main() -> None:
         return
 
     prompts, max_tokens = workload["prompts"], workload["max_tokens"]
+    if workload.get("one_at_a_time"):
+        lookup = json.loads(sys.argv[4]) if len(sys.argv) > 4 else None
+        one_at_a_time(L, gguf, threads, prompts, max_tokens, lookup)
+        return
     n = len(prompts)
     per_seq = max(len(p) + m for p, m in zip(prompts, max_tokens)) + 1
     L.llama_backend_init()
@@ -80,6 +87,30 @@ def main() -> None:
     elapsed = time.perf_counter() - start
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     engine = f"llama.cpp ({n} parallel)" if n > 1 else "llama.cpp"
+    print_result(throughput(engine, prompts, elapsed, produced, rss))
+
+
+def one_at_a_time(L, gguf, threads, prompts, max_tokens, lookup) -> None:
+    """Each prompt alone, greedy, its end-of-text token forbidden (ignore_eos)."""
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    draft = LlamaPromptLookupDecoding(**lookup) if lookup else None
+    n_ctx = max(len(p) + m for p, m in zip(prompts, max_tokens)) + 8
+    llm = L.Llama(
+        model_path=gguf, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, draft_model=draft, verbose=False
+    )
+    no_eos = {llm.token_eos(): float("-inf")}
+
+    def complete(prompt, m):
+        out = llm.create_completion(prompt, max_tokens=m, temperature=0.0, logit_bias=no_eos)
+        return out["usage"]["completion_tokens"]
+
+    complete(prompts[0], 2)  # warm-up
+    start = time.perf_counter()
+    produced = sum(complete(p, m) for p, m in zip(prompts, max_tokens))
+    elapsed = time.perf_counter() - start
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    engine = "llama.cpp prompt lookup" if lookup else "llama.cpp"
     print_result(throughput(engine, prompts, elapsed, produced, rss))
 
 

@@ -64,6 +64,8 @@ def run_engine(
         runner = str(Path(__file__).with_name("llama_cpp_runner.py"))
         threads = str(len(os.sched_getaffinity(0)))
         cmd = [pythons.get("llama.cpp") or sys.executable, runner, workload_file, options["gguf"], threads]
+        if options.get("prompt_lookup"):
+            cmd.append(json.dumps(options["prompt_lookup"]))
     else:
         cmd = [sys.executable, "-m", "pagedllm.bench.runners", engine, workload_file, model_dir, dtype, options_file]
     try:
@@ -115,9 +117,13 @@ def pagedllm_rows(args, workload_file: str, model_dir: str, sizes: list[int], py
         if f.name not in ("model", "dtype", "quantization", "kv_cache_dtype")
         and getattr(args, f.name, f.default) != f.default  # (a serve-only field has no bench flag)
     }
+    spec_fields = ("speculative_method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+    speculating = [None, args.speculative_method] if getattr(args, "speculative_method", None) else [None]
     results = []
-    for (dtype, quantization, kv), tp in itertools.product(variants(args), sizes):
+    for (dtype, quantization, kv), tp, method in itertools.product(variants(args), sizes, speculating):
         options = {**engine_options, "quantization": quantization}
+        if method is None:  # the same run without speculation, to compare with
+            options = {k: v for k, v in options.items() if k not in spec_fields}
         if kv:
             options["kv_cache_dtype"] = kv
         if len(sizes) > 1:  # the same cores, split between the ranks
@@ -127,9 +133,28 @@ def pagedllm_rows(args, workload_file: str, model_dir: str, sizes: list[int], py
             result["engine"] = f"pagedllm {dtype} {quantization or 'stored'}" + (f" kv {kv}" if kv else "")
         if len(sizes) > 1 and "skipped" not in result:
             result["engine"] += f" tp={tp}" if args.variants else f" {dtype} tp={tp}"
+        if method is not None:
+            result["engine"] += f" {method} k={args.num_speculative_tokens}"
+        result["dtype"] = dtype
         results.append(result)
         print(f"# {result['engine']}: done", file=sys.stderr, flush=True)
     return results
+
+
+def speculative_summary(results: list[dict]) -> str:
+    """Each speculative row against the row before it (the same engine without speculation)."""
+    lines = []
+    for off, on in zip(results, results[1:]):
+        if "tokens_drafted" not in on or "tokens_drafted" in off or "skipped" in off or "skipped" in on:
+            continue
+        rows, drafted, accepted = on["speculative_rows"], on["tokens_drafted"], on["tokens_accepted"]
+        lines.append(
+            f"# {on['engine']}: {on['output_tokens_per_s'] / off['output_tokens_per_s']:.2f}x of without, "
+            f"output {'identical' if on['outputs_digest'] == off['outputs_digest'] else 'DIFFERENT'}; "
+            f"{accepted} of {drafted} guesses accepted ({accepted / max(drafted, 1):.0%}) in {rows} guessed "
+            f"steps: {1 + accepted / max(rows, 1):.2f} tokens per guessed step"
+        )
+    return "\n".join(lines)
 
 
 def split_summary(results: list[dict], per_variant: int) -> str:
@@ -197,6 +222,7 @@ def main(args) -> int:
     model_dir, name = resolve_model_dir(args.model)
     tokenizer = load_tokenizer(model_dir)
     workload = build_workload(args.workload, tokenizer, args.num_prompts, args.new_tokens)
+    workload.one_at_a_time = args.one_at_a_time
     if args.serve:
         from . import serve
 
@@ -216,7 +242,7 @@ def main(args) -> int:
         from ..loading.default_model import default_gguf_path
 
         gguf = str(default_gguf_path())
-    peer_options = {"batch_size": args.hf_batch_size, "gguf": gguf}
+    peer_options: dict = {"batch_size": args.hf_batch_size, "gguf": gguf}
     pythons = {"vllm": args.vllm_python, "llama.cpp": args.llama_python}
     print(
         f"# {name}, workload {workload.name}: {len(workload.prompts)} requests, {workload.prompt_tokens} "
@@ -234,14 +260,22 @@ def main(args) -> int:
             for dtype in peer_dtypes(args):
                 result = run_engine(engine, workload_file, str(model_dir), dtype, peer_options, pythons, args.timeout)
                 result["engine"] += f" {dtype}" if several else ""
+                result["dtype"] = dtype
                 results.append(result)
                 print(f"# {engine} {dtype}: done", file=sys.stderr, flush=True)
+            if engine == "llama.cpp" and workload.one_at_a_time and getattr(args, "speculative_method", None):
+                lookup = {"num_pred_tokens": args.num_speculative_tokens, "max_ngram_size": args.prompt_lookup_max}
+                options = {**peer_options, "prompt_lookup": lookup}
+                result = run_engine(engine, workload_file, str(model_dir), args.dtype, options, pythons, args.timeout)
+                results.append({**result, "dtype": args.dtype})
     finally:
         os.unlink(workload_file)
-    for r, dtype in zip(results, _dtypes_of_rows(args, sizes, len(compare))):
+    for r in results:
         if "skipped" not in r:
-            r["limit_shares"] = limits.shares(r, machine_limits, dtype, work)
+            r["limit_shares"] = limits.shares(r, machine_limits, r["dtype"], work)
     print(table(results))
+    if getattr(args, "speculative_method", None):
+        print(speculative_summary(results))
     if len(sizes) > 1:
         print(split_summary(results, len(sizes)))
     if args.json:

@@ -9,6 +9,7 @@ short warm-up are excluded); peak RSS is the whole process's, loading included.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import resource
 import statistics
@@ -56,10 +57,24 @@ def run_pagedllm(workload: dict, model_dir: str, dtype: str, options: dict) -> d
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in workload["max_tokens"]]
     llm.generate(workload["prompts"][:2], SamplingParams(max_tokens=2, temperature=0))  # warm-up
     steps_before = llm.stats.steps
+    counters = llm.engine.scheduler.counters
+    drafted, accepted, guessed_rows = counters.tokens_drafted, counters.tokens_accepted, counters.speculative_rows
     start = time.perf_counter()
-    outs = llm.generate(workload["prompts"], params)
+    if workload.get("one_at_a_time"):
+        outs = [llm.generate([p], [s])[0] for p, s in zip(workload["prompts"], params)]
+    else:
+        outs = llm.generate(workload["prompts"], params)
     elapsed = time.perf_counter() - start
     steps = llm.stats.steps - steps_before
+    speculative = {}
+    if options.get("speculative_method"):
+        rows = counters.speculative_rows - guessed_rows
+        speculative = dict(
+            tokens_drafted=counters.tokens_drafted - drafted,
+            tokens_accepted=counters.tokens_accepted - accepted,
+            speculative_rows=rows,
+        )
+    outputs_digest = hashlib.sha256(json.dumps([o.token_ids for o in outs]).encode()).hexdigest()[:16]
     ttft = [o.metrics.time_to_first_token for o in outs]
     itl = [
         (o.metrics.latency - o.metrics.time_to_first_token) / (len(o.token_ids) - 1)
@@ -86,6 +101,8 @@ def run_pagedllm(workload: dict, model_dir: str, dtype: str, options: dict) -> d
         interpreter_rss_bytes=interpreter,
         weights_bytes=plan.weights_bytes,
         steps=steps,
+        outputs_digest=outputs_digest,
+        **speculative,
         **split,
     )
 

@@ -27,9 +27,15 @@ class Workload:
     name: str
     prompts: list[list[int]]
     max_tokens: list[int]
+    one_at_a_time: bool = False  # each request alone, the next once it has finished
 
     def to_json(self) -> dict:
-        return {"name": self.name, "prompts": self.prompts, "max_tokens": self.max_tokens}
+        return {
+            "name": self.name,
+            "prompts": self.prompts,
+            "max_tokens": self.max_tokens,
+            "one_at_a_time": self.one_at_a_time,
+        }
 
     @property
     def prompt_tokens(self) -> int:

@@ -240,6 +240,7 @@ class Scheduler:
             guesses = row.token_ids[len(row.token_ids) - row.guesses :][: len(accepted)]
             self._append(seq, [*zip(guesses, accepted), (token, logprob)])
             if row.guesses:
+                seq.guess_limit = len(accepted) + 1
                 c.speculative_rows += 1
                 c.tokens_drafted += row.guesses
                 c.tokens_accepted += len(accepted)
@@ -306,7 +307,7 @@ class Scheduler:
         after them counts too), the context, or the step's budget; none under a grammar."""
         if seq.matcher is not None or seq.pending_forks or seq.num_computed_tokens != seq.num_tokens - 1:
             return []
-        limit = min(budget, seq.params.max_tokens - len(seq.output_token_ids) - 1)
+        limit = min(budget, seq.params.max_tokens - len(seq.output_token_ids) - 1, seq.guess_limit or spec.num_tokens)
         if self.max_model_len is not None:
             limit = min(limit, self.max_model_len - seq.num_tokens - 1)
         return propose(seq.tokens(0, seq.num_tokens), spec, limit)

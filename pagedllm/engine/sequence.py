@@ -53,6 +53,9 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    # speculative guesses its next step may carry (None: the configured most): one more than its
+    # last guessed step accepted, so a request whose guesses keep missing spends one row, not k
+    guess_limit: int | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     error_kind: ErrorKind | None = None

