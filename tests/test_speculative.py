@@ -175,3 +175,28 @@ def test_blocks_taken_for_rejected_guesses_go_back_at_once(tiny_checkpoints):
     c = engine.scheduler.counters
     assert 0 < c.tokens_accepted < c.tokens_drafted, "the test must see guesses accepted and rejected"
     assert_all_blocks_back(guessing)
+
+
+def test_the_server_speculates_with_its_flags_and_counts_guesses_in_its_metrics(default_llm):
+    """`pagedllm serve --speculative-method ngram ...` (the engine in its own process, the default
+    model): the same greedy completion as without, and /metrics counts the guesses."""
+    import httpx
+    from server_process import ServerProcess, parse_metrics
+
+    passage = "The old mill by the river grinds wheat on Mondays and barley on Thursdays."
+    prompt = f"Repeat this sentence three times: {passage}\n{passage}\n"
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    want = default_llm.generate([prompt], greedy)[0].text
+    flags = ["--speculative-method", "ngram", "--num-speculative-tokens", "4"]
+    server = ServerProcess("--max-num-seqs", "8", "--max-model-len", "512", *flags)
+    try:
+        body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        metrics = parse_metrics(httpx.get(server.url + "/metrics", timeout=10).text)
+    finally:
+        server.stop()
+    assert r.json()["choices"][0]["text"] == want
+    drafted = metrics["pagedllm_spec_decode_num_draft_tokens_total"]
+    accepted = metrics["pagedllm_spec_decode_num_accepted_tokens_total"]
+    assert 0 < accepted <= drafted and metrics["pagedllm_spec_decode_num_drafts_total"] > 0

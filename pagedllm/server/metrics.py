@@ -103,6 +103,9 @@ class _EngineCollector:
             "pagedllm_requests_aborted": ("Requests aborted", s.requests_aborted),
             "pagedllm_requests_failed": ("Requests failed inside the engine", s.requests_failed),
             "pagedllm_steps": ("Engine steps", s.steps),
+            "pagedllm_spec_decode_num_drafts": ("Decode steps that carried speculative guesses", s.speculative_rows),
+            "pagedllm_spec_decode_num_draft_tokens": ("Speculative tokens guessed", s.tokens_drafted),
+            "pagedllm_spec_decode_num_accepted_tokens": ("Speculative tokens accepted", s.tokens_accepted),
             "pagedllm_prefix_cache_hit_tokens": (
                 "Prompt tokens served from the prefix cache",
                 s.prefix_cache_hit_tokens,
