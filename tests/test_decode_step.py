@@ -84,13 +84,17 @@ def test_decode_step_equals_the_layer_loop_on_the_default_gguf_as_stored(dtype, 
     assert_program_equals_loop(load(None, dtype), kv_dtype)
 
 
-def test_prefill_and_mixed_steps_take_the_layer_loop(tiny_checkpoints, ops):
-    """The program runs steps whose every row decodes; a prompt chunk keeps the Python loop."""
+def test_long_prefill_and_mixed_steps_take_the_layer_loop(tiny_checkpoints, ops):
+    """The program runs steps whose every row decodes, or small ones (rows with speculative
+    guesses); a longer prompt chunk keeps the Python loop."""
+    from pagedllm.models.decode_program import SMALL_STEP_TOKENS
+
     loaded = load(tiny_checkpoints["llama"][0], "float32")
     program = loaded.model.decode_program()
     assert program is not None
-    assert program.takes(tokens=4, sequences=4, dtype=torch.float32)
-    assert not program.takes(tokens=5, sequences=4, dtype=torch.float32)
+    assert program.takes(tokens=200, sequences=200, dtype=torch.float32)
+    assert program.takes(tokens=SMALL_STEP_TOKENS, sequences=4, dtype=torch.float32)
+    assert not program.takes(tokens=SMALL_STEP_TOKENS + 1, sequences=4, dtype=torch.float32)
 
 
 def test_the_pytorch_backend_has_no_decode_step(tiny_checkpoints):

@@ -119,19 +119,21 @@ SEEDED = [SamplingParams(max_tokens=10, temperature=0.9, seed=s, n=2) for s in (
 
 def oom_points(engine):
     """Where an allocation can fail inside a step, each as (object, attribute name): attention in
-    a middle layer, the lm head, the sampler after it drew the random numbers, the copy of a
-    block shared by a request's samples."""
+    a middle layer (the Python layer loop's), the compiled decode step's layers, the lm head, the
+    sampler after it drew the random numbers, the copy of a block shared by a request's samples."""
     from pagedllm.layers import sampler
+    from pagedllm.models.decode_program import DecodeProgram
 
     return {
         "attention": (type(engine.backend.attention(engine.kv_cache, None)), "attend"),
+        "decode_step": (DecodeProgram, "run"),
         "lm_head": (engine.loaded.model.lm_head, "forward"),
         "sampler_after_draws": (sampler, "_logprobs"),
         "copy_on_write": (engine.kv_cache, "copy_blocks"),
     }
 
 
-@pytest.mark.parametrize("point", ["attention", "lm_head", "sampler_after_draws", "copy_on_write"])
+@pytest.mark.parametrize("point", ["attention", "decode_step", "lm_head", "sampler_after_draws", "copy_on_write"])
 def test_an_out_of_memory_error_anywhere_in_a_step_changes_no_output(tiny_checkpoints, point):
     d = tiny_checkpoints["llama"][0]
     sizes = dict(block_size=4, num_blocks=80, max_batch_tokens=64, max_model_len=64)
@@ -140,6 +142,8 @@ def test_an_out_of_memory_error_anywhere_in_a_step_changes_no_output(tiny_checkp
     expected = [[o.token_ids for o in out.outputs] for out in LLM(d, **sizes).generate(prompts, SEEDED)]
 
     llm = LLM(d, **sizes)
+    # these steps are small enough for the compiled decode step, which calls no Python attention
+    llm.engine.loaded.model.use_decode_program = point != "attention"
     owner, name = oom_points(llm.engine)[point]
     real = getattr(owner, name)
     calls = {"n": 0}

@@ -25,6 +25,7 @@ class FakeResult:
     token_ids: list[int]
     logprobs: list[dict | None]
     failed: list[int] = field(default_factory=list)
+    accepted: dict[int, list[dict | None]] = field(default_factory=dict)  # no speculative guesses here
 
 
 class Row(NamedTuple):

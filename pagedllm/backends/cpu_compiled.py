@@ -35,7 +35,10 @@ class CPUCompiledBackend(CPUTorchBackend):
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         # Qwen3's q/k norms get [T, H, D] views of the qkv rows: the kernel takes a contiguous copy
-        return self.ops.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.is_contiguous() and weight.is_contiguous() and weight.dtype == x.dtype:
+            return self.ops.rms_norm(rows, weight, eps).view(x.shape)
+        return super().rms_norm(x, weight, eps)  # a case the kernel does not take
 
     def add_rms_norm(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.ops.add_rms_norm(residual, x, weight, eps)

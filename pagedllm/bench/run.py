@@ -141,6 +141,25 @@ def pagedllm_rows(args, workload_file: str, model_dir: str, sizes: list[int], py
     return results
 
 
+def peer_rows(args, engine: str, workload, workload_file: str, model_dir: str, options: dict, pythons: dict):
+    """A peer's rows, one per dtype; llama.cpp's with its prompt-lookup decoding too when
+    pagedllm speculates on requests one at a time."""
+    several = len(peer_dtypes(args)) > 1
+    rows = []
+    for dtype in peer_dtypes(args):
+        result = run_engine(engine, workload_file, model_dir, dtype, options, pythons, args.timeout)
+        result["engine"] += f" {dtype}" if several else ""
+        rows.append({**result, "dtype": dtype})
+        print(f"# {engine} {dtype}: done", file=sys.stderr, flush=True)
+    if engine == "llama.cpp" and workload.one_at_a_time and getattr(args, "speculative_method", None):
+        lookup = {"num_pred_tokens": args.num_speculative_tokens, "max_ngram_size": args.prompt_lookup_max}
+        result = run_engine(
+            engine, workload_file, model_dir, args.dtype, {**options, "prompt_lookup": lookup}, pythons, args.timeout
+        )
+        rows.append({**result, "dtype": args.dtype})
+    return rows
+
+
 def speculative_summary(results: list[dict]) -> str:
     """Each speculative row against the row before it (the same engine without speculation)."""
     lines = []
@@ -255,19 +274,8 @@ def main(args) -> int:
     work = limits.Work.of(cfg, workload.prompt_tokens)
     try:
         results = pagedllm_rows(args, workload_file, str(model_dir), sizes, pythons)
-        several = len(peer_dtypes(args)) > 1
         for engine in compare:
-            for dtype in peer_dtypes(args):
-                result = run_engine(engine, workload_file, str(model_dir), dtype, peer_options, pythons, args.timeout)
-                result["engine"] += f" {dtype}" if several else ""
-                result["dtype"] = dtype
-                results.append(result)
-                print(f"# {engine} {dtype}: done", file=sys.stderr, flush=True)
-            if engine == "llama.cpp" and workload.one_at_a_time and getattr(args, "speculative_method", None):
-                lookup = {"num_pred_tokens": args.num_speculative_tokens, "max_ngram_size": args.prompt_lookup_max}
-                options = {**peer_options, "prompt_lookup": lookup}
-                result = run_engine(engine, workload_file, str(model_dir), args.dtype, options, pythons, args.timeout)
-                results.append({**result, "dtype": args.dtype})
+            results += peer_rows(args, engine, workload, workload_file, str(model_dir), peer_options, pythons)
     finally:
         os.unlink(workload_file)
     for r in results:

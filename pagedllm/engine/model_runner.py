@@ -87,13 +87,15 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         starts: list[int] = []
-        logits_rows: list[int] = []
+        plain_rows: list[int] = []  # rows without guesses first, so the sampler reads them in place
+        guessed_rows: list[int] = []
         for row in out.rows:
             starts.append(len(input_ids))
             input_ids.extend(row.token_ids)
             positions.extend(range(row.start, row.end))
             end = len(input_ids)
-            logits_rows.extend(range(end - row.logits_rows, end))
+            (guessed_rows if row.guesses else plain_rows).extend(range(end - row.logits_rows, end))
+        logits_rows = plain_rows + guessed_rows
         starts.append(len(input_ids))
         ends = [r.end for r in out.rows]
 
@@ -149,11 +151,13 @@ class ModelRunner:
         order (``verify``)."""
         # a row is finite iff its max and min are (NaN propagates): no [S, vocab] temporaries
         finite = (torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))).tolist()
+        sampling = out.sampling_rows  # logits come plain rows first, then guessed rows (``prepare``)
+        order = [i for i in sampling if not out.rows[i].guesses] + [i for i in sampling if out.rows[i].guesses]
         plain: list[tuple[int, int]] = []  # (row, its logits row)
         guessed: list[tuple[int, int]] = []
         failed: list[int] = []
         offset = 0
-        for i in out.sampling_rows:
+        for i in order:
             count = out.rows[i].logits_rows
             if not all(finite[offset : offset + count]):
                 failed.append(i)
@@ -163,13 +167,17 @@ class ModelRunner:
         tokens: dict[int, tuple[int, dict | None]] = {}
         if plain:
             assert self.sampler is not None, "only the driver samples"
-            sampled = self.sampler(logits[[r for _, r in plain]], [seqs[i] for i, _ in plain])
+            # in place when every plain row is there (the common case); else a copy of those kept
+            kept = [r for _, r in plain]
+            rows = logits[: len(kept)] if kept == list(range(len(kept))) else logits[kept]
+            sampled = self.sampler(rows, [seqs[i] for i, _ in plain])
             tokens.update(zip([i for i, _ in plain], zip(sampled.token_ids, sampled.logprobs)))
         accepted: dict[int, list[dict | None]] = {}
         for i, first in guessed:
             row = out.rows[i]
             accepted[i], tokens[i] = self.verify(logits[first : first + 1 + row.guesses], row, seqs[i])
         good = sorted(tokens)
+        failed.sort()
         return RunResult(good, [tokens[i][0] for i in good], [tokens[i][1] for i in good], failed, accepted)
 
     def verify(

@@ -397,13 +397,16 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
     if e != 4:
         phases["logits to float32"] = base + n * h * e + head_out + n * sv * 4
     if cfg.qk_norm:
-        # q's norm, then k's while q's result is alive (PyTorch: 3-d inputs take its path)
-        phases["q/k norm"] = (
-            base
-            + xn
-            + qkv_out
-            + max(_norm_transient(t * cfg.num_heads, d, e), t * dq * e + _norm_transient(t * cfg.num_kv_heads, d, e))
-        )
+        # q's norm, then k's while q's result is alive
+        dk = cfg.num_kv_heads * d
+        if s.kernels == "compiled":  # the kernel's output, after a contiguous copy of the heads' rows
+            copies = 2 if t > 1 else 1  # one row's heads are contiguous already
+            norms = max(copies * t * dq * e, t * dq * e + copies * t * dk * e)
+        else:  # PyTorch's formulation
+            norms = max(
+                _norm_transient(t * cfg.num_heads, d, e), t * dq * e + _norm_transient(t * cfg.num_kv_heads, d, e)
+            )
+        phases["q/k norm"] = base + xn + qkv_out + norms
     logits = n * sv * 4
     sampler = max([r * sv * SAMPLER_BYTES_PER_LOGIT + INDEX * sv for r in shape.full_sampler_rows], default=0)
     penalties = max([40 * length for length in shape.penalized_lengths], default=0)
