@@ -200,3 +200,21 @@ def test_the_server_speculates_with_its_flags_and_counts_guesses_in_its_metrics(
     drafted = metrics["pagedllm_spec_decode_num_draft_tokens_total"]
     accepted = metrics["pagedllm_spec_decode_num_accepted_tokens_total"]
     assert 0 < accepted <= drafted and metrics["pagedllm_spec_decode_num_drafts_total"] > 0
+
+
+def test_blocks_registered_for_the_prefix_cache_hold_only_accepted_tokens(tiny_checkpoints):
+    """A request whose prompt continues an earlier one's output adopts that output's cached
+    blocks; had a block been registered with a rejected guess's K/V in it, its continuation would
+    part from the plain engine's."""
+    plain, guessing = engines(tiny_checkpoints["llama"][0])
+    prompts = repetitive_prompts(plain.engine.loaded.config.vocab_size)
+    first = SamplingParams(max_tokens=30, temperature=1.0, seed=7, ignore_eos=True)  # guesses get rejected
+    outs = guessing.generate(prompts, first)
+    continued = [p + o.token_ids for p, o in zip(prompts, outs)]
+    hits = guessing.engine.blocks.prefix_stats.hit_tokens
+    then = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    got = [o.token_ids for o in guessing.generate(continued, then)]
+    assert guessing.engine.blocks.prefix_stats.hit_tokens - hits > sum(len(o.token_ids) for o in outs) // 2
+    assert got == [o.token_ids for o in plain.generate(continued, then)]
+    c = guessing.engine.scheduler.counters
+    assert c.tokens_accepted < c.tokens_drafted, "the test must see rejected guesses"
