@@ -188,7 +188,7 @@ class ModelRunner:
         before); a guess stands while it equals the token sampled at its place. Returns the
         accepted guesses' logprobs and the first token that differs (or follows the last)."""
         assert self.sampler is not None, "only the driver samples"
-        guesses = row.token_ids[len(row.token_ids) - row.guesses :]
+        guesses = row.guessed_tokens
         if not needs_full_path(seq):  # greedy: every position's argmax at once
             best = logits.argmax(dim=-1).tolist()
             n = next((j for j, g in enumerate(guesses) if best[j] != g), len(guesses))

@@ -237,7 +237,7 @@ class Scheduler:
         for i, token, logprob in zip(result.sampled, result.token_ids, result.logprobs):
             row, seq = batch.rows[i], seqs[i]
             accepted = result.accepted.get(i, [])
-            guesses = row.token_ids[len(row.token_ids) - row.guesses :][: len(accepted)]
+            guesses = row.guessed_tokens[: len(accepted)]
             self._append(seq, [*zip(guesses, accepted), (token, logprob)])
             if row.guesses:
                 seq.guess_limit = len(accepted) + 1

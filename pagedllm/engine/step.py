@@ -41,6 +41,11 @@ class ScheduledRow:
     guesses: int = 0  # speculative tokens after its last known one (the last of token_ids), each verified
 
     @property
+    def guessed_tokens(self) -> list[int]:
+        """Its speculative guesses: the last ``guesses`` of ``token_ids``."""
+        return self.token_ids[len(self.token_ids) - self.guesses :]
+
+    @property
     def logits_rows(self) -> int:
         """Logits rows this row gets: its last known token's and one per guess."""
         return (1 + self.guesses) if self.samples else 0
