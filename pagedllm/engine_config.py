@@ -112,7 +112,8 @@ class EngineConfig:
     speculative_method: str | None = _knob(
         None,
         "speculative decoding: ngram (guesses from earlier n-grams of the prompt and output, "
-        "verified in the same step; greedy and seeded output unchanged); draft_model: not implemented yet",
+        "verified in the same step; greedy and seeded output unchanged); draft_model (a smaller model's greedy "
+        "guesses, --draft-model)",
         choices=SPECULATIVE_METHODS,
         type=str,
     )
@@ -169,8 +170,12 @@ class EngineConfig:
         method = self.speculative_method
         if method is not None and method not in SPECULATIVE_METHODS:
             raise ConfigError("speculative_method", f"{method!r}: choose one of {', '.join(SPECULATIVE_METHODS)}")
-        if method == "draft_model":
-            raise ConfigError("speculative_method", "draft_model is not implemented yet; ngram is")
+        if method == "draft_model" and not self.draft_model:
+            raise ConfigError("draft_model", "speculative_method='draft_model' needs the draft model's path")
+        if method == "draft_model" and self.tensor_parallel_size > 1:
+            raise ConfigError("draft_model", "a draft model with tensor_parallel_size > 1 is not implemented yet")
+        if method == "draft_model" and self.memory == "follow":
+            raise ConfigError("draft_model", "a draft model with memory='follow' is not implemented yet")
         if self.draft_model is not None and method != "draft_model":
             raise ConfigError("draft_model", "a draft model needs speculative_method='draft_model'")
         if self.prompt_lookup_min > self.prompt_lookup_max:
@@ -212,7 +217,7 @@ def _speculative_fields(speculative: Any) -> dict[str, Any]:
     if unknown:
         raise ConfigError("speculative", f"unknown key(s) {', '.join(unknown)}; known: {', '.join(SPECULATIVE_KEYS)}")
     if "method" not in speculative:
-        raise ConfigError("speculative", "give its 'method' ('ngram')")
+        raise ConfigError("speculative", "give its 'method' ('ngram' or 'draft_model')")
     return {SPECULATIVE_KEYS[key]: value for key, value in speculative.items()}
 
 

@@ -125,7 +125,7 @@ def test_a_full_batch_does_not_guess(tiny_checkpoints):
 
 def test_speculative_settings_are_checked():
     with pytest.raises(ConfigError, match="not implemented yet"):
-        EngineConfig.from_options(None, speculative={"method": "draft_model", "model": "small"})
+        EngineConfig.from_options(None, speculative={"method": "draft_model", "model": "small"}, tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="unknown key"):
         EngineConfig.from_options(None, speculative={"method": "ngram", "lookahead": 3})
     with pytest.raises(ConfigError, match="prompt_lookup_min"):

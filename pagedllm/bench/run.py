@@ -117,7 +117,13 @@ def pagedllm_rows(args, workload_file: str, model_dir: str, sizes: list[int], py
         if f.name not in ("model", "dtype", "quantization", "kv_cache_dtype")
         and getattr(args, f.name, f.default) != f.default  # (a serve-only field has no bench flag)
     }
-    spec_fields = ("speculative_method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+    spec_fields = (
+        "speculative_method",
+        "num_speculative_tokens",
+        "prompt_lookup_min",
+        "prompt_lookup_max",
+        "draft_model",
+    )
     speculating = [None, args.speculative_method] if getattr(args, "speculative_method", None) else [None]
     results = []
     for (dtype, quantization, kv), tp, method in itertools.product(variants(args), sizes, speculating):

@@ -63,6 +63,8 @@ class ElasticMemory:
         engine = self.engine
         if engine.ranks is not None:
             raise ConfigError("memory", "a split model's budget cannot change at run time yet")
+        if engine.drafter is not None:
+            raise ConfigError("memory", "with a draft model the budget cannot change at run time yet")
         budget = self._budget_bytes(memory, memory_fraction)
         old = engine.memory_plan
         kept = engine.config.replace(

@@ -34,6 +34,7 @@ from ..sizes import dtype_name
 from ..structured import GRAMMAR_CACHE_BYTES, Grammars
 from .block_manager import BlockManager
 from .detokenizer import Detokenizer
+from .drafter import DraftModel, draft_facts, load_draft
 from .elastic import ElasticMemory
 from .model_runner import ModelRunner
 from .ranks import Ranks
@@ -80,13 +81,15 @@ class LLMEngine:
         plan: MemoryPlan | None = None,
         grammars: Grammars | None = None,
         ranks: Ranks | None = None,
+        draft: LoadedModel | None = None,
         **options,
     ):
         """``grammars``: the structured-output compiler for this tokenizer (``LLM`` builds it
         before measuring the process); without one, the first constrained request builds it.
         With a budget (``config.memory``/``memory_fraction``) the whole KV cache is committed now.
         ``ranks``: the other ranks of a split model (``build_engine`` starts them); this engine is
-        their driver, and ``loaded`` its shard."""
+        their driver, and ``loaded`` its shard. ``draft``: speculative decoding's draft model
+        (``speculative_method='draft_model'``), loaded now from ``config.draft_model`` if not given."""
         cfg = loaded.config
         model_dtype = dtype_name(next(loaded.model.parameters()).dtype)
         config = config or EngineConfig.from_options(**{"dtype": model_dtype, **options})
@@ -96,19 +99,9 @@ class LLMEngine:
         self.loaded = loaded
         self.backend = loaded.model.backend
         self.tokenizer = loaded.tokenizer
-        if plan is None:  # the model is loaded already: the baseline is what the process holds besides it
-            weights = loaded.model.weight_bytes()
-            plan = plan_for(
-                config,
-                cfg,
-                loaded.name,
-                self.backend,
-                with_grammars=loaded.tokenizer is not None,
-                weights_bytes=weights,
-                quantized_weights=loaded.model.quantized(),
-                baseline_bytes=max(0, resident_bytes()[0] - weights),
-                already_loaded=weights,
-            )
+        if draft is None and config.speculative_method == "draft_model":
+            draft = load_draft(config, loaded, self.backend)
+        plan = plan or self._plan_loaded(draft)
         self.memory_plan = plan
         self.max_model_len = plan.max_model_len
         self.eos_token_ids = stop_token_ids(cfg, self.tokenizer)
@@ -117,6 +110,7 @@ class LLMEngine:
         self.limits = RequestLimits(
             cfg.vocab_size, plan.max_num_seqs, plan.max_model_len, plan.num_blocks, plan.block_size
         )
+        self.drafter = self._drafter(draft, plan) if draft is not None else None
         self.scheduler = Scheduler(
             self.blocks,
             plan.max_batch_tokens,
@@ -124,6 +118,7 @@ class LLMEngine:
             self.detokenizer.check_stop,
             speculation=speculation_of(config),
             max_model_len=plan.max_model_len,
+            proposer=self.drafter,
         )
         self.ranks = ranks
         if ranks is not None:
@@ -152,6 +147,31 @@ class LLMEngine:
         self.elastic = ElasticMemory(self)
         self._refresh_stats(0)
         log.info("memory plan:\n%s", plan.table())
+
+    def _plan_loaded(self, draft: LoadedModel | None) -> MemoryPlan:
+        """The plan when the model (and draft) are loaded already: the baseline is what the
+        process holds besides them."""
+        weights = self.loaded.model.weight_bytes()
+        held = weights + (draft.model.weight_bytes() if draft is not None else 0)
+        return plan_for(
+            self.config,
+            self.loaded.config,
+            self.loaded.name,
+            self.backend,
+            with_grammars=self.tokenizer is not None,
+            weights_bytes=weights,  # (the draft's: plan_for reads its checkpoint)
+            quantized_weights=self.loaded.model.quantized(),
+            baseline_bytes=max(0, resident_bytes()[0] - held),
+            already_loaded=held,
+        )
+
+    def _drafter(self, draft: LoadedModel, plan: MemoryPlan) -> DraftModel:
+        """The draft model over a cache of its own, as many blocks as the model's (the plan
+        counts one of each)."""
+        cache = self.backend.allocate_kv_cache(
+            draft.model.config, plan.num_blocks, plan.block_size, plan.kv_dtype, resident=self.config.budgeted
+        )
+        return DraftModel(draft.model, cache, self.backend, plan.max_batch_tokens, self.loaded.config.vocab_size)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -291,7 +311,11 @@ class LLMEngine:
         """Runs one step; returns an output for every sample that produced text or finished.
         A step that runs out of memory commits nothing and is retried smaller next time."""
         self.elastic.settle()  # a grown budget that has held opens to new admissions
-        out = self.scheduler.schedule()
+        if self.drafter is None:
+            out = self.scheduler.schedule()
+        else:  # the draft model guesses while the step is scheduled
+            with self.threads.running():
+                out = self.scheduler.schedule()
         outputs = []
         if out:
             seqs = self.scheduler.sequences(out)
@@ -415,4 +439,5 @@ def plan_for(
         quantized_weights=quantized_weights,
         grammar_cache_bytes=grammar_bytes,
         api_process_bytes=api_process_bytes,
+        draft=draft_facts(config),
     )

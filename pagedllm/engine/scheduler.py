@@ -31,7 +31,7 @@ from typing import Protocol
 
 from .block_manager import BlockManager
 from .sequence import Finish, Sequence, Status
-from .speculative import Speculation, propose
+from .speculative import NgramProposer, Proposer, Speculation
 from .step import ScheduledRow, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -76,9 +76,10 @@ class Scheduler:
         stop_check: StopCheck,
         speculation: Speculation | None = None,
         max_model_len: int | None = None,
+        proposer: Proposer | None = None,
     ):
-        """``speculation``: n-gram guesses appended to decode rows (``engine.speculative``);
-        ``max_model_len``: no guess goes past it."""
+        """``speculation``: guesses appended to decode rows (``engine.speculative``), made by
+        ``proposer`` (default: n-gram lookup); ``max_model_len``: no guess goes past it."""
         if max_batch_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_batch_tokens and max_num_seqs must be >= 1")
         self.blocks = blocks
@@ -95,6 +96,7 @@ class Scheduler:
         # blocks new admissions may fill (None: all); running sequences grow past it
         self.admission_limit: int | None = None
         self.speculation = speculation
+        self.proposer = proposer or (NgramProposer(speculation) if speculation is not None else None)
         self.max_model_len = max_model_len
 
     # ---- requests ---------------------------------------------------------------------------
@@ -133,6 +135,8 @@ class Scheduler:
             self.waiting.remove(seq)
         self.blocks.free(seq.seq_id)
         self.live.pop(seq.seq_id, None)
+        if self.proposer is not None:
+            self.proposer.forget(seq.seq_id)
         seq.mark_finished(finish)
         if finish.reason == "error":
             self.counters.requests_failed += 1
@@ -151,8 +155,8 @@ class Scheduler:
         batch = SchedulerOutput()
         budget = self.max_batch_tokens
         spec = self.speculation
-        if spec is not None and not spec.rows_allowed(sum(s.width for s in self.running), self.max_num_seqs):
-            spec = None
+        allowed = spec is not None and spec.rows_allowed(sum(s.width for s in self.running), self.max_num_seqs)
+        proposals = self._proposals() if allowed else {}
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -160,7 +164,7 @@ class Scheduler:
                 self._fork(seq, at=i + 1)
             start = seq.num_computed_tokens
             n = min(_compute_until(seq) - start, budget)
-            guesses = self._guesses(seq, spec, budget - n) if n == 1 and spec is not None else []
+            guesses = proposals.get(seq.seq_id, [])[: budget - n] if n == 1 else []
             if guesses and not self.blocks.can_write(seq.seq_id, start, start + n + len(guesses)):
                 guesses = []  # guesses never take a block someone else would have to give up
             n += len(guesses)
@@ -302,15 +306,31 @@ class Scheduler:
             ScheduledRow(seq.seq_id, seq.request_id, seq.index, start, tokens, table, samples, seq.params, len(guesses))
         )
 
-    def _guesses(self, seq: Sequence, spec: Speculation, budget: int) -> list[int]:
-        """The n-gram guesses for a decoding sequence: none past its max_tokens (the token sampled
-        after them counts too), the context, or the step's budget; none under a grammar."""
+    def _proposals(self) -> dict[int, list[int]]:
+        """The proposer's guesses for every running sequence that may guess this step, by seq
+        id (the step's budget trims them as it fills)."""
+        seqs, limits = [], []
+        for seq in self.running:
+            limit = self._guess_limit(seq)
+            if limit > 0:
+                seqs.append(seq)
+                limits.append(limit)
+        if not seqs:
+            return {}
+        assert self.proposer is not None
+        return {seq.seq_id: guesses for seq, guesses in zip(seqs, self.proposer.propose(seqs, limits)) if guesses}
+
+    def _guess_limit(self, seq: Sequence) -> int:
+        """How many guesses a sequence may carry: none unless it decodes, none under a grammar,
+        none past its max_tokens (the token sampled after them counts too) or the context."""
+        assert self.speculation is not None
         if seq.matcher is not None or seq.pending_forks or seq.num_computed_tokens != seq.num_tokens - 1:
-            return []
-        limit = min(budget, seq.params.max_tokens - len(seq.output_token_ids) - 1, seq.guess_limit or spec.num_tokens)
+            return 0
+        left = seq.params.max_tokens - len(seq.output_token_ids) - 1
+        limit = min(left, seq.guess_limit or self.speculation.num_tokens)
         if self.max_model_len is not None:
             limit = min(limit, self.max_model_len - seq.num_tokens - 1)
-        return propose(seq.tokens(0, seq.num_tokens), spec, limit)
+        return limit
 
     def _fork(self, seq: Sequence, at: int) -> None:
         """Splits a sequence into its n samples; they run right after it, sharing its blocks."""

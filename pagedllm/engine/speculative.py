@@ -13,6 +13,10 @@ computed) and a block taken only for them is given back. Greedy and seeded outpu
 therefore identical to decoding without speculation, and sampled ones follow the model's
 distribution (a deterministic guess is accepted exactly when the model samples it).
 
+Who guesses is a ``Proposer``: ``NgramProposer`` here, or ``engine.drafter.DraftModel`` (a
+smaller model of the same tokenizer, its greedy tokens: a deterministic proposal too, so the
+same verification is exact for it).
+
 When it speculates (``Speculation.rows_allowed``): only while the step is small enough that
 the guesses' logits rows stay within what the memory plan counts (``max_num_seqs`` rows), so
 the extra rows never cost a batch that is already compute-bound; and not for a request with a
@@ -22,6 +26,10 @@ grammar (its matcher would have to advance through guesses and roll back: not im
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from .sequence import Sequence
 
 NGRAM = "ngram"
 METHODS = (NGRAM, "draft_model")
@@ -38,6 +46,31 @@ class Speculation:
     def rows_allowed(self, sequences: int, max_num_seqs: int) -> bool:
         """Whether a step of this many decoding sequences may carry guesses."""
         return sequences * (1 + self.num_tokens) <= max_num_seqs
+
+
+class Proposer(Protocol):
+    """Guesses for decoding sequences, asked once a step before the scheduler fills it."""
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        """Up to ``limits[i]`` guessed tokens to follow ``seqs[i]``'s last one, for each."""
+        ...
+
+    def forget(self, seq_id: int) -> None:
+        """A sequence ended: whatever is kept for it can go."""
+        ...
+
+
+class NgramProposer:
+    """Prompt lookup (``propose``): no state, no weights."""
+
+    def __init__(self, spec: Speculation):
+        self.spec = spec
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        return [propose(seq.tokens(0, seq.num_tokens), self.spec, limit) for seq, limit in zip(seqs, limits)]
+
+    def forget(self, seq_id: int) -> None:
+        pass
 
 
 def propose(tokens: list[int], spec: Speculation, limit: int) -> list[int]:

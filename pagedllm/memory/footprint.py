@@ -180,6 +180,11 @@ class EngineSettings:
     # driver gathers every rank's logits, ``gathered_vocab`` wide, to sample from.
     tensor_parallel: int = 1
     gathered_vocab: int | None = None
+    # Speculative decoding's draft model (engine.drafter): its weights, and its own KV cache of as
+    # many blocks as the target's (one block of each per block of the plan). Its steps run between
+    # the target's and are no larger, so the target's activation peak bounds them.
+    draft_weights_bytes: int = 0
+    draft_kv_bytes_per_block: int = 0
 
     @property
     def kv(self) -> str:

@@ -77,6 +77,9 @@ class MemoryPlan:
     weights_format: str = ""  # e.g. "int4 weights, bfloat16 activations"; empty: plain dtype
     api_process_bytes: int = 0  # the server's API process, in the baseline (engine in its own process)
     tensor_parallel_size: int = 1  # above 1: this is one rank's plan (the driver's, which bounds them all)
+    # speculative decoding's draft model, included in weights_bytes and kv_bytes_per_block
+    draft_weights_bytes: int = 0
+    draft_kv_bytes_per_block: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -129,12 +132,21 @@ class MemoryPlan:
                 "process baseline",
                 f"{gib(self.baseline_bytes, 8)}  ({self.baseline_source}: Python, libraries, tokenizer)",
             ),
-            ("weights", f"{gib(self.weights_bytes, 8)}  ({self.weights_format or self.dtype})"),
+            (
+                "weights",
+                f"{gib(self.weights_bytes, 8)}  ({self.weights_format or self.dtype}"
+                + (f"; the draft model's {gib(self.draft_weights_bytes, 8)})" if self.draft_weights_bytes else ")"),
+            ),
             (
                 "KV cache",
                 f"{gib(self.kv_cache_bytes, 8)}  ({self.num_blocks} blocks x {self.block_size} tokens = "
                 f"{self.cache_tokens} tokens, {self.full_length_requests} requests of "
-                f"{self.max_model_len} tokens ({self.max_model_len_source}); {self.kv_dtype})",
+                f"{self.max_model_len} tokens ({self.max_model_len_source}); {self.kv_dtype}"
+                + (
+                    f"; the draft model's {self.draft_kv_bytes_per_block / 1024:.1f} KiB of each block)"
+                    if self.draft_kv_bytes_per_block
+                    else ")"
+                ),
             ),
             (
                 "activation peak",
@@ -174,13 +186,15 @@ class _Costs:
 
     @property
     def weights(self) -> int:
+        """The model's weights, and a draft model's beside them."""
         if self.s.weights_bytes is not None:
-            return self.s.weights_bytes
-        return weight_bytes(self.cfg, self.s.dtype, self.s.quantization)
+            return self.s.weights_bytes + self.s.draft_weights_bytes
+        return weight_bytes(self.cfg, self.s.dtype, self.s.quantization) + self.s.draft_weights_bytes
 
     @property
     def per_block(self) -> int:
-        return kv_bytes_per_block(self.cfg, self.s.block_size, self.s.kv)
+        """A block of the model's cache, and one of a draft model's (it holds as many)."""
+        return kv_bytes_per_block(self.cfg, self.s.block_size, self.s.kv) + self.s.draft_kv_bytes_per_block
 
     def fixed(self, m: int, max_len: int) -> int:
         """Everything but the cache, at step budget ``m`` and context ``max_len``."""
@@ -301,6 +315,8 @@ def plan(
         overhead(s),
         costs.loader,
         _weights_format(s),
+        draft_weights_bytes=s.draft_weights_bytes,
+        draft_kv_bytes_per_block=s.draft_kv_bytes_per_block,
     )
 
 
@@ -481,6 +497,7 @@ def plan_engine(
     quantized_weights: bool | None = None,
     grammar_cache_bytes: int = 0,
     api_process_bytes: int = 0,
+    draft: tuple[ModelConfig, int] | None = None,
 ) -> MemoryPlan:
     """The plan an engine starts from: the budget, then ``plan``. Everything the user chose is in
     ``config`` (default: ``EngineConfig()``); the rest are facts of this process and checkpoint.
@@ -499,7 +516,7 @@ def plan_engine(
     reserve the whole host. ``grammar_cache_bytes``: the bound of structured output's caches (when
     it is on), counted in the overhead. ``api_process_bytes``: the peak of the server's API process
     when the engine runs in its own (``engine_process``): the budget bounds the sum of both
-    processes, so it joins the baseline.
+    processes, so it joins the baseline. ``draft``: a draft model's config and weights' bytes.
     """
     c = config or EngineConfig()
     cfg, split = _one_rank(cfg, c, weights_bytes, quantized_weights)
@@ -509,26 +526,9 @@ def plan_engine(
     )
     if c.memory is None:
         budget, source = budget + baseline, f"{source} + the process baseline"
-    named = {"cpu-compiled": "compiled", "cpu-torch": "torch"}.get(c.backend)  # `pagedllm plan --backend`
-    kernels = backend.kernels if backend is not None else named or expected_kernels()
-    isa = (backend.gemm_kind if backend is not None else None) or gemm_isa()
-    amx_tiles = backend.amx_tiles if backend is not None else kernels == "compiled" and isa == "amx"
-    settings = EngineSettings(
-        dtype=c.dtype,
-        kv_dtype=c.kv_cache_dtype,
-        block_size=c.block_size,
-        max_model_len=c.max_model_len,
-        gemm_isa=isa,
-        kernels=kernels,
-        threads=c.threads or usable_cpus(),
-        quantization=c.quantization,
-        weights_bytes=weights_bytes,  # one rank's when split (``checkpoint_weights`` with its shard)
-        quantized_weights=c.quantization in QUANTIZED if quantized_weights is None else quantized_weights,
-        packed=packs_weights(isa, c.dtype),
-        amx_tiles=amx_tiles,
-        grammar_cache_bytes=grammar_cache_bytes,
-        **split,
-    )
+    settings = _settings(c, backend, weights_bytes, quantized_weights, grammar_cache_bytes, split)
+    if draft is not None:
+        settings = _with_draft(settings, cfg, *draft)
     seqs = c.max_num_seqs or AUTO_MAX_NUM_SEQS
     longest = min(c.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     cap = seqs * ceil_div(longest, c.block_size) if not c.budgeted else None
@@ -549,3 +549,53 @@ def plan_engine(
         baseline_source=measured_source,
     )
     return replace(result, api_process_bytes=api_process_bytes, tensor_parallel_size=c.tensor_parallel_size)
+
+
+def _settings(
+    c: EngineConfig,
+    backend: PlanFacts | None,
+    weights_bytes: int | None,
+    quantized_weights: bool | None,
+    grammar_cache_bytes: int,
+    split: dict,
+) -> EngineSettings:
+    """What the footprint depends on, from the user's config and this process's facts."""
+    named = {"cpu-compiled": "compiled", "cpu-torch": "torch"}.get(c.backend)  # `pagedllm plan --backend`
+    kernels = backend.kernels if backend is not None else named or expected_kernels()
+    isa = (backend.gemm_kind if backend is not None else None) or gemm_isa()
+    amx_tiles = backend.amx_tiles if backend is not None else kernels == "compiled" and isa == "amx"
+    settings = EngineSettings(
+        dtype=c.dtype,
+        kv_dtype=c.kv_cache_dtype,
+        block_size=c.block_size,
+        max_model_len=c.max_model_len,
+        gemm_isa=isa,
+        kernels=kernels,
+        threads=c.threads or usable_cpus(),
+        quantization=c.quantization,
+        weights_bytes=weights_bytes,  # one rank's when split (``checkpoint_weights`` with its shard)
+        quantized_weights=c.quantization in QUANTIZED if quantized_weights is None else quantized_weights,
+        packed=packs_weights(isa, c.dtype),
+        amx_tiles=amx_tiles,
+        grammar_cache_bytes=grammar_cache_bytes,
+        **split,
+    )
+    return settings
+
+
+def _with_draft(s: EngineSettings, cfg: ModelConfig, draft: ModelConfig, draft_weights: int) -> EngineSettings:
+    """The settings with a draft model's weights and its K/V beside each block. The plan bounds
+    the draft's passes by the model's activation term: so no width of the draft may exceed the
+    model's (a draft is the smaller model anyway)."""
+    widths = {
+        "hidden_size": (draft.hidden_size, cfg.hidden_size),
+        "intermediate_size": (draft.intermediate_size, cfg.intermediate_size),
+        "attention width": (draft.num_heads * draft.head_dim, cfg.num_heads * cfg.head_dim),
+        "vocab_size": (draft.vocab_size, cfg.vocab_size),
+    }
+    wider = [f"{name} {mine} > {theirs}" for name, (mine, theirs) in widths.items() if mine > theirs]
+    if wider:
+        raise ConfigError("draft_model", "the draft model is wider than the model: " + ", ".join(wider))
+    return replace(
+        s, draft_weights_bytes=draft_weights, draft_kv_bytes_per_block=kv_bytes_per_block(draft, s.block_size, s.kv)
+    )
