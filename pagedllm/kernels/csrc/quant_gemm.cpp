@@ -18,6 +18,7 @@
 #include "common.h"
 #include "ops.h"
 #include "quant.h"
+#include "quant_avx2.h"
 #include "quant_avx512.h"
 
 namespace pagedllm {
@@ -27,6 +28,8 @@ namespace {
 void channels(const QuantMatrix& m, const float* X, int64_t rows, int64_t n0, int64_t n1, float* Y) {
 #if defined(PAGEDLLM_AVX512)
   avx512::channels(m, X, rows, n0, n1, Y);
+#elif defined(PAGEDLLM_AVX2)
+  avx2::channels(m, X, rows, n0, n1, Y);
 #else
   float w[32];
   for (int64_t n = n0; n < n1; ++n) {
