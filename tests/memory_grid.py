@@ -86,6 +86,7 @@ def run_grid(loaded, dtype: str, seed: int = 0, kv_dtype: str | None = None) -> 
         # w8a8's GEMMs hold other transients than weight-only quantization's
         quantization="w8a8" if any(getattr(m, "int8_activations", False) for m in loaded.model.modules()) else None,
         amx_tiles=getattr(loaded.model.backend, "amx_tiles", False),
+        quant_float_any_rows=getattr(loaded.model.backend, "quant_float_any_rows", True),
         kv_dtype=kv_dtype,
     )
     warm = LLMEngine(loaded, num_blocks=64, max_model_len=256, kv_cache_dtype=kv_dtype)

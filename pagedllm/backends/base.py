@@ -35,6 +35,7 @@ class PlanFacts:
     gemm_kind: str | None  # what oneDNN's bf16 GEMMs run on (``machine.GEMM_ISAS``); None: the CPU's flags say
     amx_tiles: bool  # the compiled kernels run bf16 GEMMs on AMX tiles (quantized weights; dense ones packed)
     device: str = "cpu"
+    quant_float_any_rows: bool = True  # float32 rows of any count take the compiled quantized kernel
 
 
 class Attention(Protocol):

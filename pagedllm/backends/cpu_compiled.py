@@ -29,6 +29,9 @@ class CPUCompiledBackend(CPUTorchBackend):
         # weights in the kernels' own layout at any count): built with AMX, the OS grants the
         # tile state, and ONEDNN_MAX_CPU_ISA does not cap it away.
         self.amx_tiles = bool(ops.amx_tiles())
+        # Whether float32 rows of any count take the quantized kernel (its AVX-512 path), or only
+        # a few (``QUANT_KERNEL_MAX_ROWS``) as bf16 rows do, the rest dequantize + GEMM.
+        self.quant_float_any_rows = bool(ops.quant_float_any_rows())
 
     def attention(self, kv_cache: KVCache, layout: attention.StepLayout) -> Attention:
         return attention.CompiledPagedAttention(self.ops, kv_cache, layout)
@@ -82,9 +85,9 @@ class CPUCompiledBackend(CPUTorchBackend):
         return super().quantized_matmul(x, w)
 
     def quant_kernel_takes(self, rows: int, dtype: torch.dtype) -> bool:
-        """Few rows, or float32 ones (AMX tiles also take any bf16 rows whose width is a multiple
-        of 32, which the decode step does not assume)."""
-        return rows <= QUANT_KERNEL_MAX_ROWS or dtype == torch.float32
+        """Few rows, or float32 ones where the kernel has its AVX-512 path (AMX tiles also take
+        any bf16 rows whose width is a multiple of 32, which the decode step does not assume)."""
+        return rows <= QUANT_KERNEL_MAX_ROWS or (dtype == torch.float32 and self.quant_float_any_rows)
 
     def decode_step_class(self) -> Any:
         return torch.classes.pagedllm.DecodeStep
@@ -110,4 +113,9 @@ class CPUCompiledBackend(CPUTorchBackend):
 
     def plan_facts(self, dtype: str) -> PlanFacts:
         facts = super().plan_facts(dtype)
-        return PlanFacts(kernels=self.kernels, gemm_kind=facts.gemm_kind, amx_tiles=self.amx_tiles)
+        return PlanFacts(
+            kernels=self.kernels,
+            gemm_kind=facts.gemm_kind,
+            amx_tiles=self.amx_tiles,
+            quant_float_any_rows=self.quant_float_any_rows,
+        )

@@ -174,6 +174,9 @@ class EngineSettings:
     weights_bytes: int | None = None  # exact, from the checkpoint's header, when it is at hand
     quantized_weights: bool = False  # the linear layers run on quantized weights (layers/quantized.py)
     amx_tiles: bool = False  # the compiled kernels run bf16 GEMMs on AMX tiles (quantized, or their own packing)
+    # float32 rows of any count take the compiled quantized kernel (its AVX-512 path); else, as
+    # bf16, only QUANT_KERNEL_MAX_ROWS of them, more dequantize + GEMM
+    quant_float_any_rows: bool = True
     grammar_cache_bytes: int = 0  # structured output's compiled-grammar caches, at their bound
     # Tensor parallelism (distributed.shards): the config is one rank's; the row-parallel outputs
     # are summed across ranks (a communication buffer of their size while they are), and the
@@ -341,7 +344,8 @@ class _Gemms:
             return rows * k + rows * 4 + max(rounding, rows * out * 8)
         if s.quantized_weights:
             tiles = s.amx_tiles and e == 2 and rows > QUANT_KERNEL_MAX_ROWS
-            kernel = rows <= QUANT_KERNEL_MAX_ROWS or tiles or (e == 4 and s.kernels == "compiled")
+            float_rows = e == 4 and s.kernels == "compiled" and s.quant_float_any_rows
+            kernel = rows <= QUANT_KERNEL_MAX_ROWS or tiles or float_rows
             if kernel:  # a float32 output; for bf16 the result in bf16,
                 # and, off the tiles, x in fp32
                 return rows * out * 4 + (rows * out * e + (0 if tiles else rows * k * 4) if e != 4 else 0)

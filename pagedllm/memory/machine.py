@@ -51,6 +51,16 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def kernels_have_avx512() -> bool:
+    """Whether the compiled kernels would be built with their AVX-512 paths here (as
+    ``kernels.build`` targets them: ``PAGEDLLM_KERNEL_TARGET``, else this CPU), for a plan made
+    without loading them (``pagedllm plan``); a backend tells it exactly."""
+    target = os.environ.get("PAGEDLLM_KERNEL_TARGET", "").strip()
+    if target:
+        return target == "x86-64-v4"
+    return {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags()
+
+
 def onednn_isa_cap() -> str | None:
     """The best kind ONEDNN_MAX_CPU_ISA (or its old name DNNL_MAX_CPU_ISA) lets oneDNN use, or
     None where it caps nothing. oneDNN reads it once, at its first use; pagedllm's own AMX

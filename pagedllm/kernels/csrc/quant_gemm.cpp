@@ -85,6 +85,12 @@ inline void dequantize_row(const QuantMatrix& m, int64_t n, T* dst) {
     avx512::dequant_step(m, n, k0, lo, hi);
     store_w(dst + k0, VF(lo));
     if (m.bits == 4) store_w(dst + k0 + 16, VF(hi));
+#elif defined(PAGEDLLM_AVX2)
+    __m256 w[4];
+    avx2::dequant_step(m, n, k0, w);
+    alignas(32) float values[32];
+    for (int v = 0; v < m.step() / 8; ++v) _mm256_store_ps(values + 8 * v, w[v]);
+    for (int64_t j = 0; j < m.step(); ++j) dst[k0 + j] = narrow<T>(values[j]);
 #else
     alignas(64) float w[32];
     dequant_step_scalar(m, n, k0, w);
@@ -152,6 +158,14 @@ Tensor dequantize(const Tensor& qweight, const Tensor& scale, const c10::optiona
     });
   });
   return out;
+}
+
+bool quant_float_any_rows() {
+#if defined(PAGEDLLM_AVX512)
+  return true;  // measured against dequantize + GEMM from 8 to 512 rows (docs/quantization.md)
+#else
+  return false;  // the AVX2 path loses from a few dozen rows (dequantizing is shared by 2-5 rows)
+#endif
 }
 
 bool amx_tiles() {
