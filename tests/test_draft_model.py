@@ -218,3 +218,18 @@ def test_the_command_line_takes_a_draft_model(command):
         "/models/small",
         3,
     )
+
+
+def test_a_request_whose_guesses_keep_missing_stops_paying_for_them(tiny_checkpoints, tmp_path):
+    """A draft that never agrees (another random model) costs a pass per guess: after guessed
+    steps that accept nothing the request decodes 1, 3, 7, 15 steps without guesses between
+    tries, so 60 tokens carry guesses in about 7 steps, not 59. The output is the model's."""
+    directory, hf = tiny_checkpoints["llama"]
+    noisy_copy("llama", tmp_path, noise=1.0)
+    llm = speculating(directory, tmp_path)
+    prompt = repetitive_prompts(hf.config.vocab_size)[0]
+    out = llm.generate([prompt], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))[0]
+    assert_greedy_matches([out.token_ids], [hf_greedy(hf, prompt, 60)])
+    c = llm.engine.scheduler.counters
+    assert c.tokens_accepted == 0, "the test needs a draft that never agrees"
+    assert 3 <= c.speculative_rows <= 9, c.speculative_rows

@@ -36,6 +36,10 @@ from .step import ScheduledRow, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
+# A sequence whose guessed steps keep accepting nothing decodes 1, 3, 7, then 15 steps without
+# guesses between tries (a draft model's passes cost a step's worth; a miss is never free).
+MAX_GUESS_PAUSE = 15
+
 # Whether a sequence ends, decided after its token is appended (None: it goes on).
 StopCheck = Callable[[Sequence], "Finish | None"]
 
@@ -245,6 +249,8 @@ class Scheduler:
             self._append(seq, [*zip(guesses, accepted), (token, logprob)])
             if row.guesses:
                 seq.guess_limit = len(accepted) + 1
+                seq.guess_misses = 0 if accepted else seq.guess_misses + 1
+                seq.guess_pause = min(MAX_GUESS_PAUSE, 2 ** max(0, seq.guess_misses - 1) - 1)
                 c.speculative_rows += 1
                 c.tokens_drafted += row.guesses
                 c.tokens_accepted += len(accepted)
@@ -325,6 +331,9 @@ class Scheduler:
         none past its max_tokens (the token sampled after them counts too) or the context."""
         assert self.speculation is not None
         if seq.matcher is not None or seq.pending_forks or seq.num_computed_tokens != seq.num_tokens - 1:
+            return 0
+        if seq.guess_pause:  # its guesses keep missing: a draft pass or a row is not worth it
+            seq.guess_pause -= 1
             return 0
         left = seq.params.max_tokens - len(seq.output_token_ids) - 1
         limit = min(left, seq.guess_limit or self.speculation.num_tokens)

@@ -56,6 +56,8 @@ class Sequence:
     # speculative guesses its next step may carry (None: the configured most): one more than its
     # last guessed step accepted, so a request whose guesses keep missing spends one row, not k
     guess_limit: int | None = None
+    guess_misses: int = 0  # guessed steps in a row that accepted nothing
+    guess_pause: int = 0  # steps to decode without guesses: 2^(misses - 1) - 1, at most 15
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     error_kind: ErrorKind | None = None
