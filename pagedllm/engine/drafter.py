@@ -66,6 +66,8 @@ def load_draft(config: EngineConfig, target: LoadedModel, backend: Backend) -> L
 class DraftModel:
     """A ``speculative.Proposer`` running ``model`` over its own ``kv_cache``."""
 
+    pause_after_misses = True  # every guess costs a draft pass
+
     def __init__(self, model: DecoderLM, kv_cache: KVCache, backend: Backend, max_step_tokens: int, vocab_size: int):
         """``max_step_tokens``: the most tokens one draft pass computes (the target's step budget,
         which the memory plan's activation peak covers); ``vocab_size``: the target's (a guess

@@ -36,8 +36,8 @@ from .step import ScheduledRow, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
-# A sequence whose guessed steps keep accepting nothing decodes 1, 3, 7, then 15 steps without
-# guesses between tries (a draft model's passes cost a step's worth; a miss is never free).
+# With a draft model, a sequence whose guessed steps keep accepting nothing decodes 1, 3, 7, then
+# 15 steps without guesses between tries (each guess costs a draft pass).
 MAX_GUESS_PAUSE = 15
 
 # Whether a sequence ends, decided after its token is appended (None: it goes on).
@@ -250,7 +250,8 @@ class Scheduler:
             if row.guesses:
                 seq.guess_limit = len(accepted) + 1
                 seq.guess_misses = 0 if accepted else seq.guess_misses + 1
-                seq.guess_pause = min(MAX_GUESS_PAUSE, 2 ** max(0, seq.guess_misses - 1) - 1)
+                if self.proposer is not None and self.proposer.pause_after_misses:
+                    seq.guess_pause = min(MAX_GUESS_PAUSE, 2 ** max(0, seq.guess_misses - 1) - 1)
                 c.speculative_rows += 1
                 c.tokens_drafted += row.guesses
                 c.tokens_accepted += len(accepted)

@@ -51,6 +51,10 @@ class Speculation:
 class Proposer(Protocol):
     """Guesses for decoding sequences, asked once a step before the scheduler fills it."""
 
+    # whether a request whose guesses keep missing should pause guessing: a draft model's passes
+    # cost a step's worth each; an n-gram miss costs a row and a pause would lose bursts of hits
+    pause_after_misses: bool
+
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
         """Up to ``limits[i]`` guessed tokens to follow ``seqs[i]``'s last one, for each."""
         ...
@@ -62,6 +66,8 @@ class Proposer(Protocol):
 
 class NgramProposer:
     """Prompt lookup (``propose``): no state, no weights."""
+
+    pause_after_misses = False
 
     def __init__(self, spec: Speculation):
         self.spec = spec
