@@ -19,7 +19,7 @@ from .errors import PagedLLMError
 from .sizes import KV_CACHE_DTYPES, QUANTIZATIONS, SUPPORTED_DTYPES, dtype_name, kv_dtype_name, parse_memory
 
 BACKENDS = ("auto", "cpu-compiled", "cpu-torch")  # pagedllm.backends.NAMES, without importing torch
-SPECULATIVE_METHODS = ("ngram", "draft_model")  # engine.speculative.METHODS, without importing it
+SPECULATIVE_METHODS = ("ngram", "draft_model")  # engine.speculative.NgramProposer, engine.drafter.DraftModel
 # LLM(speculative={...}) takes vLLM's speculative_config keys; each is one field here
 SPECULATIVE_KEYS = {
     "method": "speculative_method",

@@ -31,9 +31,6 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from .sequence import Sequence
 
-NGRAM = "ngram"
-METHODS = (NGRAM, "draft_model")
-
 
 @dataclass(frozen=True)
 class Speculation:
