@@ -8,6 +8,8 @@ each test checks the counters too."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from greedy import assert_greedy_matches, hf_greedy
@@ -218,3 +220,57 @@ def test_blocks_registered_for_the_prefix_cache_hold_only_accepted_tokens(tiny_c
     assert got == [o.token_ids for o in plain.generate(continued, then)]
     c = guessing.engine.scheduler.counters
     assert c.tokens_accepted < c.tokens_drafted, "the test must see rejected guesses"
+
+
+def test_guesses_under_a_grammar_give_the_tokens_decoding_one_at_a_time_gives(default_llm):
+    """A constrained request guesses too: its guesses are cut to what the grammar accepts, and
+    each guessed position is masked as the grammar stands after the guesses before it. The
+    regex forbids what the prompt (and the model) would continue with ("mat"), so an unmasked
+    or wrongly masked position changes the output or breaks the grammar."""
+    from pagedllm.sampling_params import StructuredOutput
+
+    guessing = LLM(speculative={**NGRAM, "prompt_lookup_min": 2})
+    text = "The cat sat on the mat. The dog sat on the log. " * 3
+    record = '{"name": "Ada Lovelace", "born": 1815, "field": "mathematics", "known_for": "the first algorithm"}'
+    schema = {
+        "type": "object",
+        "properties": {k: {"type": "integer" if k == "born" else "string"} for k in json.loads(record)},
+        "required": list(json.loads(record)),
+    }
+    cases = [
+        ("Repeat this text: " + text, StructuredOutput(regex=r"(The cat sat on the log\. ){3}")),
+        ("Copy this JSON exactly: " + record, StructuredOutput(json=schema)),
+    ]
+    prompts, params = [], []
+    for question, constraint in cases:
+        for sampling in (dict(temperature=0), dict(temperature=0.7, seed=3, logprobs=2)):
+            prompts.append(default_llm.apply_chat_template([{"role": "user", "content": question}]))
+            params.append(SamplingParams(max_tokens=80, structured_output=constraint, **sampling))
+    texts = []
+    for prompt, p in zip(prompts, params):  # one at a time: every step may guess
+        want, got = default_llm.generate([prompt], p)[0], guessing.generate([prompt], p)[0]
+        assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason == "stop"
+        if p.logprobs:
+            ours, theirs = [lp["token"][1] for lp in got.logprobs], [lp["token"][1] for lp in want.logprobs]
+            assert ours == pytest.approx(theirs, abs=1e-4)
+        texts.append(got.text)
+    assert texts[0] == "The cat sat on the log. " * 3
+    assert json.loads(texts[2]) == json.loads(record)
+    c = guessing.engine.scheduler.counters
+    assert c.tokens_accepted > 20, "the test must exercise accepted guesses under a grammar"
+    assert_all_blocks_back(guessing)
+
+
+def test_guesses_are_cut_where_the_grammar_refuses_or_ends(default_llm):
+    from pagedllm.sampling_params import StructuredOutput
+    from pagedllm.structured import allowed_prefix
+
+    grammars = default_llm.engine.grammars
+    matcher = grammars.matcher(StructuredOutput(choice=["yes indeed", "no"]))
+    yes = default_llm.engine.encode("yes indeed")
+    eos = default_llm.engine.eos_token_ids[0]
+    assert len(yes) > 1
+    assert allowed_prefix(matcher, yes + [eos]) == len(yes)  # the stop that ends it is not guessed
+    assert allowed_prefix(matcher, yes[:1] + default_llm.engine.encode(" maybe")) == 1
+    assert allowed_prefix(matcher, default_llm.engine.encode("maybe")) == 0
+    assert all(matcher.accept_token(t) for t in yes), "the matcher must be left where it was"

@@ -51,7 +51,7 @@ class _Verifying:
         self.prompt_token_ids = seq.prompt_token_ids
         self.output_token_ids = seq.output_token_ids + accepted
         self.generator = seq.generator
-        self.matcher = None  # guessed rows have no grammar (the scheduler guesses for none)
+        self.matcher = None  # a grammar's masks are on every position already (``verify``)
 
 
 class ModelRunner:
@@ -184,11 +184,13 @@ class ModelRunner:
         self, logits: torch.Tensor, row: ScheduledRow, seq: Sequence
     ) -> tuple[list[dict | None], tuple[int, dict | None]]:
         """Samples each position of a guessed row in order, as decoding one token at a time would
-        (the same sampler and generator; penalties and min_tokens see the guesses accepted
-        before); a guess stands while it equals the token sampled at its place. Returns the
+        (the same sampler and generator; penalties, min_tokens and a grammar's mask see the
+        guesses accepted before); a guess stands while it equals the token sampled at its place. Returns the
         accepted guesses' logprobs and the first token that differs (or follows the last)."""
         assert self.sampler is not None, "only the driver samples"
         guesses = row.guessed_tokens
+        if seq.matcher is not None:
+            self.sampler.mask_guessed(logits, seq.matcher, guesses)
         if not needs_full_path(seq):  # greedy: every position's argmax at once
             best = logits.argmax(dim=-1).tolist()
             n = next((j for j, g in enumerate(guesses) if best[j] != g), len(guesses))

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from ..structured import allowed_prefix
 from .block_manager import BlockManager
 from .sequence import Finish, Sequence, Status
 from .speculative import NgramProposer, Proposer, Speculation
@@ -325,13 +326,19 @@ class Scheduler:
         if not seqs:
             return {}
         assert self.proposer is not None
-        return {seq.seq_id: guesses for seq, guesses in zip(seqs, self.proposer.propose(seqs, limits)) if guesses}
+        proposals = {}
+        for seq, guesses in zip(seqs, self.proposer.propose(seqs, limits)):
+            if seq.matcher is not None:  # only what its grammar allows can be verified
+                guesses = guesses[: allowed_prefix(seq.matcher, guesses)]
+            if guesses:
+                proposals[seq.seq_id] = guesses
+        return proposals
 
     def _guess_limit(self, seq: Sequence) -> int:
-        """How many guesses a sequence may carry: none unless it decodes, none under a grammar,
-        none past its max_tokens (the token sampled after them counts too) or the context."""
+        """How many guesses a sequence may carry: none unless it decodes, none past its
+        max_tokens (the token sampled after them counts too) or the context."""
         assert self.speculation is not None
-        if seq.matcher is not None or seq.pending_forks or seq.num_computed_tokens != seq.num_tokens - 1:
+        if seq.pending_forks or seq.num_computed_tokens != seq.num_tokens - 1:
             return 0
         if seq.guess_pause:  # its guesses keep missing: a draft pass or a row is not worth it
             seq.guess_pause -= 1

@@ -19,8 +19,9 @@ same verification is exact for it).
 
 When it speculates (``Speculation.rows_allowed``): only while the step is small enough that
 the guesses' logits rows stay within what the memory plan counts (``max_num_seqs`` rows), so
-the extra rows never cost a batch that is already compute-bound; and not for a request with a
-grammar (its matcher would have to advance through guesses and roll back: not implemented yet).
+the extra rows never cost a batch that is already compute-bound. Under a grammar, guesses are cut
+to what it accepts (``structured.allowed_prefix``) and each guessed position is masked as the
+grammar stands after the guesses before it (``Grammars.mask_guessed``).
 """
 
 from __future__ import annotations

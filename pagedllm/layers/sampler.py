@@ -88,6 +88,12 @@ class Sampler:
             logprobs += lp
         return SampleResult(tokens, logprobs)
 
+    def mask_guessed(self, logits: torch.Tensor, matcher: Any, guesses: list[int]) -> None:
+        """A speculative row's positions masked by its grammar, each as it stands after the
+        guesses before it (``Grammars.mask_guessed``)."""
+        assert self.grammars is not None and self.backend is not None, "a grammar needs the sampler's grammars"
+        self.grammars.mask_guessed(logits, matcher, guesses, self.backend)
+
     def _full(self, raw: torch.Tensor, seqs: list[SamplingRow]):
         params = [s.params for s in seqs]
         rows, vocab = raw.shape

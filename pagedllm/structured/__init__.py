@@ -2,6 +2,6 @@
 (``grammars``). OpenAI's tool calls, a protocol built on these constraints, are the server's
 (``pagedllm.server.tool_calls``)."""
 
-from .grammars import GRAMMAR_CACHE_BYTES, Grammars, Matcher, available
+from .grammars import GRAMMAR_CACHE_BYTES, Grammars, Matcher, allowed_prefix, available
 
-__all__ = ["GRAMMAR_CACHE_BYTES", "Grammars", "Matcher", "available"]
+__all__ = ["GRAMMAR_CACHE_BYTES", "Grammars", "Matcher", "allowed_prefix", "available"]

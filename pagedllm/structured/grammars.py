@@ -51,6 +51,28 @@ class Matcher(Protocol):
 
     def is_terminated(self) -> bool: ...
 
+    def rollback(self, num_tokens: int) -> None: ...
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> Any: ...
+
+
+def allowed_prefix(matcher: Matcher, tokens: list[int]) -> int:
+    """How many of ``tokens``, in order, the grammar accepts from where ``matcher`` stands, not
+    counting one that would end it (nothing can be checked after it); the matcher is left where
+    it was. Speculative guesses are cut to this before they are verified."""
+    n = 0
+    for token in tokens:
+        if not matcher.accept_token(token):
+            break
+        n += 1
+        if matcher.is_terminated():
+            n -= 1
+            matcher.rollback(1)
+            break
+    if n:
+        matcher.rollback(n)
+    return n
+
 
 def available() -> bool:
     try:
@@ -143,6 +165,23 @@ class Grammars:
         for i in rows:
             matchers[i].fill_next_token_bitmask(bitmask, i)  # type: ignore[union-attr]
         backend.mask_logits(logits, bitmask, rows, self.vocab_size)
+
+    def mask_guessed(self, logits: torch.Tensor, matcher: Matcher, guesses: list[int], backend: Backend) -> None:
+        """Masks a speculative row's logits, one row per position: row j as the grammar stands
+        after ``guesses[:j]`` (which it accepts: ``allowed_prefix``); the matcher is left where
+        it was (the commit advances it by the tokens kept)."""
+        rows = len(guesses) + 1
+        assert logits.shape[0] == rows
+        bitmask = self._xgr.allocate_token_bitmask(rows, self.vocab_size)
+        for j in range(rows):
+            matcher.fill_next_token_bitmask(bitmask, j)
+            if j < len(guesses) and not matcher.accept_token(guesses[j]):
+                if j:
+                    matcher.rollback(j)
+                raise AssertionError("a guess the grammar refuses reached verification")
+        if guesses:
+            matcher.rollback(len(guesses))
+        backend.mask_logits(logits, bitmask, list(range(rows)), self.vocab_size)
 
 
 def _tokenizer_info(xgr, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
