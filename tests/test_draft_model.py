@@ -1,10 +1,11 @@
 """Speculative decoding with a draft model (``engine.drafter``): a smaller model of the same
-tokenizer guesses greedily, the model verifies. What a user relies on: greedy output is the
-model's own (every architecture, both kernel paths), sampling follows the model's distribution
-(seeded: the very same tokens; a chi-square test of first and later tokens against
-transformers' probabilities), the draft's weights and cache are in the memory plan, and its
-cache gives every block back. The draft here is the model with noise on its weights: it agrees
-often, not always, so guesses are both accepted and rejected (each test checks the counters)."""
+tokenizer guesses (its argmax for greedy requests, a draw for sampled ones), the model
+verifies. What a user relies on: greedy output is the model's own (every architecture, both
+kernel paths), sampling follows the model's distribution (a chi-square test of first and later
+tokens against transformers' probabilities; seeded: the same tokens run after run), the
+draft's weights and cache are in the memory plan, and its cache gives every block back. The
+draft here is the model with noise on its weights: it agrees often, not always, so guesses are
+both accepted and rejected (each test checks the counters)."""
 
 from __future__ import annotations
 
@@ -123,27 +124,31 @@ def test_sampling_follows_the_models_distribution(tiny_checkpoints, drafts):
     assert_some_accepted_some_rejected(llm)
 
 
-def test_seeded_sampling_gives_the_same_tokens_as_without_a_draft(tiny_checkpoints, drafts):
+def test_seeded_sampling_with_a_draft_repeats_itself(tiny_checkpoints, drafts):
+    """The draft draws its guesses with the request's generator and the model accepts them with
+    it too: the same seeds give the same tokens and logprobs run after run (not those of decoding
+    without a draft: the draws are others, their distribution the same)."""
     directory, hf = tiny_checkpoints["qwen2"]
-    plain, guessing = LLM(directory, **ENGINE), speculating(directory, drafts["qwen2"], k=4)
     prompts = repetitive_prompts(hf.config.vocab_size)
     params = [
         SamplingParams(max_tokens=30, temperature=0.4, top_p=0.95, seed=i, logprobs=1, ignore_eos=True)
         for i in range(len(prompts))
     ]
-    a, b = plain.generate(prompts, params), guessing.generate(prompts, params)
-    assert [o.token_ids for o in b] == [o.token_ids for o in a]
-    assert_some_accepted_some_rejected(guessing)
+    runs = [speculating(directory, drafts["qwen2"], k=4).generate(prompts, params) for _ in range(2)]
+    assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
+    assert [o.logprobs for o in runs[0]] == [o.logprobs for o in runs[1]]
+    assert all(len(o.logprobs) == len(o.token_ids) for o in runs[0])
 
 
 def test_the_plan_counts_the_draft_models_weights_and_cache(tiny_checkpoints, tmp_path):
     """A draft of 2 layers (vocabulary and widths the model's): its weights (every parameter,
     float32) join the plan's weights, its K/V (2 layers x K and V x 2 heads x 16 values x 4
-    bytes a token) join each block's cost, and the draft's cache holds as many blocks."""
+    bytes a token) join each block's cost, the draft's cache holds as many blocks, and the
+    step's peak holds its distributions."""
     directory, hf = tiny_checkpoints["llama"]
     draft = noisy_copy("llama", tmp_path, noise=0.03, num_hidden_layers=2)
-    alone = LLM(directory, **ENGINE).engine.memory_plan
-    llm = speculating(directory, tmp_path)
+    alone = LLM(directory, **ENGINE, max_batch_tokens=64).engine.memory_plan
+    llm = speculating(directory, tmp_path, max_batch_tokens=64)
     plan = llm.engine.memory_plan
     draft_weights = sum(p.numel() * 4 for p in draft.parameters())
     assert plan.draft_weights_bytes == draft_weights
@@ -153,6 +158,9 @@ def test_the_plan_counts_the_draft_models_weights_and_cache(tiny_checkpoints, tm
     assert plan.kv_bytes_per_block == alone.kv_bytes_per_block + plan.draft_kv_bytes_per_block
     assert plan.kv_cache_bytes == plan.num_blocks * plan.kv_bytes_per_block
     assert llm.engine.drafter.blocks.num_blocks == plan.num_blocks
+    # the distributions a draft draws from, kept to the step's sampling: a float32 vocabulary row
+    # for each of max_num_seqs (< max_batch_tokens) logits rows
+    assert plan.activation_bytes == alone.activation_bytes + ENGINE["max_num_seqs"] * hf.config.vocab_size * 4
     assert "the draft model's" in plan.table()
 
 

@@ -156,7 +156,9 @@ def test_each_guessed_position_is_sampled_seeing_the_guesses_accepted_before_it(
     runner = object.__new__(ModelRunner)
     runner.sampler = sampler
     params = SamplingParams(temperature=0.8, seed=1)
-    seq = SimpleNamespace(params=params, prompt_token_ids=[1, 2], output_token_ids=[5], generator=None, matcher=None)
+    seq = SimpleNamespace(
+        params=params, prompt_token_ids=[1, 2], output_token_ids=[5], generator=None, matcher=None, guess_probs=None
+    )
     row = ScheduledRow(0, "r", 0, 2, [5, 11, 12, 13], [0], True, params, guesses=3)
     accepted, (token, _) = runner.verify(torch.zeros(4, 8), row, seq)
     assert (len(accepted), token) == (2, 99)
@@ -201,7 +203,9 @@ def test_the_server_speculates_with_its_flags_and_counts_guesses_in_its_metrics(
     assert r.json()["choices"][0]["text"] == want
     drafted = metrics["pagedllm_spec_decode_num_draft_tokens_total"]
     accepted = metrics["pagedllm_spec_decode_num_accepted_tokens_total"]
-    assert 0 < accepted <= drafted and metrics["pagedllm_spec_decode_num_drafts_total"] > 0
+    drafts = metrics["pagedllm_spec_decode_num_drafts_total"]
+    assert 0 < accepted <= drafted and drafts > 0
+    assert metrics["pagedllm_spec_decode_mean_acceptance_length"] == pytest.approx(1 + accepted / drafts)
 
 
 def test_blocks_registered_for_the_prefix_cache_hold_only_accepted_tokens(tiny_checkpoints):

@@ -177,7 +177,7 @@ def speculative_summary(results: list[dict]) -> str:
             f"# {on['engine']}: {on['output_tokens_per_s'] / off['output_tokens_per_s']:.2f}x of without, "
             f"output {'identical' if on['outputs_digest'] == off['outputs_digest'] else 'DIFFERENT'}; "
             f"{accepted} of {drafted} guesses accepted ({accepted / max(drafted, 1):.0%}) in {rows} guessed "
-            f"steps: {1 + accepted / max(rows, 1):.2f} tokens per guessed step"
+            f"steps: mean acceptance length {1 + accepted / max(rows, 1):.2f} tokens per guessed step"
         )
     return "\n".join(lines)
 

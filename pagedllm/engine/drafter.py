@@ -13,22 +13,31 @@ fed guesses sit past that and are overwritten when those positions come round ag
 kept while the sequence lives (a preempted one resumes with them) and freed when it ends; a
 sequence the draft cache has no room for decodes without guesses.
 
-Greedy proposals are deterministic, so the target's verification (``ModelRunner.verify``: a
-guess stands when the target samples that very token) is rejection sampling for them, exact.
+For a greedy request (or one with a grammar) the draft proposes its argmax: a deterministic
+proposal, for which the model's verification (``ModelRunner.verify``: a guess stands when the
+model samples that very token) is exact rejection sampling. For a sampled request it draws each
+guess from its own distribution under the request's settings (temperature, top-k/p, min-p,
+penalties) and keeps that distribution on the sequence (``guess_probs``); the model accepts a
+guess with probability min(1, p/q) and replaces the first it refuses by a draw from
+max(0, p - q) (``ModelRunner._verify_drawn``): outputs follow the model's distribution, and
+accept more often than a greedy guess at higher temperatures.
 """
 
 from __future__ import annotations
+
+import torch
 
 from .. import loading
 from ..backends import Backend
 from ..config import ModelConfig
 from ..engine_config import ConfigError, EngineConfig
 from ..layers.kv_cache import KVCache
+from ..layers.sampler import Sampler
 from ..loading import LoadedModel
 from ..models import DecoderLM
 from ..sampling_params import SamplingParams
 from .block_manager import BlockManager
-from .model_runner import ModelRunner
+from .model_runner import AfterGuesses, ModelRunner
 from .sequence import Sequence
 from .step import ScheduledRow, SchedulerOutput
 
@@ -68,11 +77,21 @@ class DraftModel:
 
     pause_after_misses = True  # every guess costs a draft pass
 
-    def __init__(self, model: DecoderLM, kv_cache: KVCache, backend: Backend, max_step_tokens: int, vocab_size: int):
+    def __init__(
+        self,
+        model: DecoderLM,
+        kv_cache: KVCache,
+        backend: Backend,
+        max_step_tokens: int,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...],
+    ):
         """``max_step_tokens``: the most tokens one draft pass computes (the target's step budget,
         which the memory plan's activation peak covers); ``vocab_size``: the target's (a guess
-        past it, from a draft with a larger padded vocabulary, ends the proposal)."""
+        past it, from a draft with a larger padded vocabulary, ends the proposal);
+        ``eos_token_ids``: the model's (min_tokens keeps them out of a draw)."""
         self.runner = ModelRunner(model, kv_cache, None, backend)
+        self.sampler = Sampler(eos_token_ids)
         self.blocks = BlockManager(kv_cache.num_blocks, kv_cache.block_size, enable_prefix_caching=False)
         self.max_step_tokens = max_step_tokens
         self.vocab_size = vocab_size
@@ -84,13 +103,13 @@ class DraftModel:
 
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
         guesses: list[list[int]] = [[] for _ in seqs]
+        drawn: dict[int, list[torch.Tensor]] = {}  # a sampled request's draft distributions
         going = [i for i, limit in enumerate(limits) if limit > 0 and self._make_room(seqs[i], limit)]
         if not going:
             return guesses
-        # pass 1: everything the draft has not seen, the last position's argmax the first guess
+        # pass 1: everything the draft has not seen, the last position giving the first guess
         pieces = [(i, self._seen.get(seqs[i].seq_id, 0), seqs[i].num_tokens) for i in going]
-        for i, token in zip(going, self._catch_up(seqs, pieces)):
-            guesses[i].append(token)
+        self._choose(seqs, going, self._catch_up(seqs, pieces), guesses, drawn)
         for seq in (seqs[i] for i in going):
             self._seen[seq.seq_id] = seq.num_tokens
         # then one pass per further guess, feeding the one before
@@ -99,9 +118,31 @@ class DraftModel:
             if not going:
                 break
             rows = [self._row(seqs[i], seqs[i].num_tokens + j - 1, [guesses[i][-1]], True) for i in going]
-            for i, token in zip(going, self._argmax(rows)):
-                guesses[i].append(token)
+            self._choose(seqs, going, self._logits(rows), guesses, drawn)
+        for i, probs in drawn.items():
+            seqs[i].guess_probs = torch.stack(probs)
         return [_within(g, self.vocab_size) for g in guesses]
+
+    def _choose(
+        self,
+        seqs: list[Sequence],
+        going: list[int],
+        logits: torch.Tensor,
+        guesses: list[list[int]],
+        drawn: dict[int, list[torch.Tensor]],
+    ) -> None:
+        """The next guess of each ``seqs[i]``, i in ``going``, from its row of ``logits``: the
+        argmax for a greedy request or one with a grammar (a deterministic guess: the model's
+        verification by equality is exact for it), else a draw from the draft's distribution
+        under the request's sampling settings, kept for the model's speculative sampling."""
+        for r, i in enumerate(going):
+            seq, row = seqs[i], logits[r]
+            if seq.params.greedy or seq.matcher is not None:
+                guesses[i].append(int(row.argmax().item()))
+                continue
+            q = self.sampler.distribution(_as_vocab(row, self.vocab_size), AfterGuesses(seq, guesses[i]))
+            guesses[i].append(int(torch.multinomial(q, 1, generator=seq.generator).item()))
+            drawn.setdefault(i, []).append(q)
 
     def _make_room(self, seq: Sequence, limit: int) -> bool:
         """Blocks for what a proposal of ``limit`` tokens writes (the sequence's unseen tokens
@@ -113,10 +154,10 @@ class DraftModel:
         self._seen[seq.seq_id] = start
         return True
 
-    def _catch_up(self, seqs: list[Sequence], pieces: list[tuple[int, int, int]]) -> list[int]:
-        """The argmax after each sequence's tokens [start, end), computed in passes of at most
-        ``max_step_tokens`` tokens (a long prompt is cut into chunks); one token per piece."""
-        found: dict[int, int] = {}
+    def _catch_up(self, seqs: list[Sequence], pieces: list[tuple[int, int, int]]) -> torch.Tensor:
+        """The logits after each sequence's tokens [start, end), computed in passes of at most
+        ``max_step_tokens`` tokens (a long prompt is cut into chunks); one row per piece."""
+        found: dict[int, torch.Tensor] = {}
         todo = list(pieces)
         while todo:
             rows, room, rest = [], self.max_step_tokens, []
@@ -131,18 +172,24 @@ class DraftModel:
                 if start + take < end:
                     rest.append((i, start + take, end))
             sampled = [i for i, row in rows if row.samples]
-            found.update(zip(sampled, self._argmax([row for _, row in rows])))
+            found.update(zip(sampled, self._logits([row for _, row in rows])))
             todo = rest
-        return [found[i] for i, _, _ in pieces]
+        return torch.stack([found[i] for i, _, _ in pieces])
 
     def _row(self, seq: Sequence, start: int, tokens: list[int], samples: bool) -> ScheduledRow:
         table = list(self.blocks.table(seq.seq_id))
         return ScheduledRow(seq.seq_id, seq.request_id, seq.index, start, tokens, table, samples, _GREEDY)
 
-    def _argmax(self, rows: list[ScheduledRow]) -> list[int]:
-        """One draft pass; the argmax of each sampling row's logits, in order."""
-        logits = self.runner.execute(self.runner.prepare(SchedulerOutput(rows=rows)))
-        return logits.argmax(dim=-1).tolist() if logits.shape[0] else []
+    def _logits(self, rows: list[ScheduledRow]) -> torch.Tensor:
+        """One draft pass; the logits of each sampling row, in order."""
+        return self.runner.execute(self.runner.prepare(SchedulerOutput(rows=rows)))
+
+
+def _as_vocab(row: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """A draft's logits row as wide as the model's vocabulary (cut, or -inf past the draft's)."""
+    if row.shape[0] >= vocab_size:
+        return row[:vocab_size]
+    return torch.cat([row, row.new_full((vocab_size - row.shape[0],), float("-inf"))])
 
 
 def _within(guesses: list[int], vocab_size: int) -> list[int]:

@@ -171,7 +171,9 @@ class LLMEngine:
         cache = self.backend.allocate_kv_cache(
             draft.model.config, plan.num_blocks, plan.block_size, plan.kv_dtype, resident=self.config.budgeted
         )
-        return DraftModel(draft.model, cache, self.backend, plan.max_batch_tokens, self.loaded.config.vocab_size)
+        return DraftModel(
+            draft.model, cache, self.backend, plan.max_batch_tokens, self.loaded.config.vocab_size, self.eos_token_ids
+        )
 
     # ---- requests -------------------------------------------------------------------------
 

@@ -43,7 +43,7 @@ class RunResult:
     accepted: dict[int, list[dict | None]] = field(default_factory=dict)
 
 
-class _Verifying:
+class AfterGuesses:
     """A sequence as the sampler sees it with ``accepted`` guesses already appended."""
 
     def __init__(self, seq: Sequence, accepted: list[int]):
@@ -191,19 +191,45 @@ class ModelRunner:
         guesses = row.guessed_tokens
         if seq.matcher is not None:
             self.sampler.mask_guessed(logits, seq.matcher, guesses)
+        if seq.guess_probs is not None:
+            return self._verify_drawn(logits, seq, guesses, seq.guess_probs)
         if not needs_full_path(seq):  # greedy: every position's argmax at once
             best = logits.argmax(dim=-1).tolist()
             n = next((j for j, g in enumerate(guesses) if best[j] != g), len(guesses))
             return [None] * n, (best[n], None)
         logprobs: list[dict | None] = []
         for j in range(len(guesses) + 1):
-            view = _Verifying(seq, guesses[:j])
+            view = AfterGuesses(seq, guesses[:j])
             sampled = self.sampler(logits[j : j + 1], [view])
             token, logprob = sampled.token_ids[0], sampled.logprobs[0]
             if j == len(guesses) or token != guesses[j]:
                 return logprobs, (token, logprob)
             logprobs.append(logprob)
         raise AssertionError("unreachable")
+
+    def _verify_drawn(
+        self, logits: torch.Tensor, seq: Sequence, guesses: list[int], draft_probs: torch.Tensor
+    ) -> tuple[list[dict | None], tuple[int, dict | None]]:
+        """Speculative sampling for guesses a draft drew from ``draft_probs`` (q): guess x at
+        its place stands with probability min(1, p(x) / q(x)), p the distribution the model
+        draws from there; the first that does not is replaced by a draw from max(0, p - q),
+        renormalised. Each token then follows p exactly (Leviathan et al., 2023), and accepts
+        sum(min(p, q)) of the time, not just p(x) of a deterministic guess."""
+        assert self.sampler is not None
+        generator, logprobs = seq.generator, []
+        for j, guess in enumerate(guesses):
+            view = AfterGuesses(seq, guesses[:j])
+            p, q = self.sampler.distribution(logits[j], view), draft_probs[j]
+            if torch.rand((), generator=generator).item() * q[guess].item() <= p[guess].item():
+                logprobs.append(self.sampler.logprob(logits[j], guess, seq.params))
+                continue
+            residual = (p - q).clamp_(min=0)
+            if residual.sum().item() <= 0:  # p within q's rounding of it: p itself
+                residual = p
+            token = int(torch.multinomial(residual, 1, generator=generator).item())
+            return logprobs, (token, self.sampler.logprob(logits[j], token, seq.params))
+        sampled = self.sampler(logits[len(guesses) :], [AfterGuesses(seq, guesses)])
+        return logprobs, (sampled.token_ids[0], sampled.logprobs[0])
 
     def step_shape(self, out: SchedulerOutput, seqs: list[Sequence]) -> StepShape:
         """This step as the memory planner sees it (checked against measured peaks in tests)."""

@@ -249,6 +249,7 @@ class Scheduler:
             guesses = row.guessed_tokens[: len(accepted)]
             self._append(seq, [*zip(guesses, accepted), (token, logprob)])
             if row.guesses:
+                seq.guess_probs = None
                 seq.guess_limit = len(accepted) + 1
                 seq.guess_misses = 0 if accepted else seq.guess_misses + 1
                 if self.proposer is not None and self.proposer.pause_after_misses:
@@ -319,6 +320,7 @@ class Scheduler:
         id (the step's budget trims them as it fills)."""
         seqs, limits = [], []
         for seq in self.running:
+            seq.guess_probs = None  # a draft's distributions live for one step
             limit = self._guess_limit(seq)
             if limit > 0:
                 seqs.append(seq)

@@ -58,6 +58,9 @@ class Sequence:
     guess_limit: int | None = None
     guess_misses: int = 0  # guessed steps in a row that accepted nothing
     guess_pause: int = 0  # steps to decode without guesses: 2^(misses - 1) - 1, at most 15
+    # a draft model's distribution [guesses, vocab] at each guess it drew for this step (a sampled
+    # request's); None: its guesses are deterministic (n-gram, or a draft's greedy tokens)
+    guess_probs: torch.Tensor | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     error_kind: ErrorKind | None = None
@@ -111,6 +114,7 @@ class Sequence:
                 generator=None,
                 matcher=self.matcher.fork() if self.matcher is not None else None,
                 logprobs=[],
+                guess_probs=None,
             )
             for i in range(self.pending_forks)
         ]

@@ -88,6 +88,23 @@ class Sampler:
             logprobs += lp
         return SampleResult(tokens, logprobs)
 
+    @torch.inference_mode()
+    def distribution(self, raw: torch.Tensor, seq: SamplingRow) -> torch.Tensor:
+        """The probabilities [vocab] a sampled (not greedy) row's token is drawn from: penalties,
+        min_tokens, temperature, then top-k, top-p and min-p, as ``__call__`` draws. Speculative
+        sampling weighs a draft's guess by it (a grammar's mask is on ``raw`` already)."""
+        temperature = seq.params.temperature
+        assert temperature is not None and not seq.params.greedy, "a sampled row's settings, defaults filled"
+        logits = raw.clone()[None]
+        _penalize_row(logits[0], seq)
+        self._block_stops(logits, [seq])
+        logits.div_(temperature)
+        return _filtered_probs(logits, [seq.params])[0]
+
+    def logprob(self, raw: torch.Tensor, token: int, params: SamplingParams) -> dict | None:
+        """The logprobs entry of ``token`` drawn from the row ``raw`` [vocab] (None unless asked)."""
+        return _logprobs(raw[None], [token], [params])[0]
+
     def mask_guessed(self, logits: torch.Tensor, matcher: Any, guesses: list[int]) -> None:
         """A speculative row's positions masked by its grammar, each as it stands after the
         guesses before it (``Grammars.mask_guessed``)."""

@@ -369,7 +369,10 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
     h, i, v, d = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
     dq, dk = cfg.num_heads * d, cfg.num_kv_heads * d
     window_sizes = {w for w in cfg.sliding_windows if w is not None}
-    x = step_buffers(shape, s.block_size, window_sizes, compiled) + SCALAR_SLACK
+    # a draft model's distributions at the guesses it drew (one per guessed logits row at most),
+    # alive from its passes before the step to the step's sampling
+    drafted = shape.sampled * (s.gathered_vocab or v) * 4 if s.draft_weights_bytes else 0
+    x = step_buffers(shape, s.block_size, window_sizes, compiled) + SCALAR_SLACK + drafted
     base = x + t * h * e + 2 * t * d * e  # buffers, residual stream, rotary tables (cos, sin)
     xn = th = t * h * e
     norm = 0 if compiled else _norm_transient(t, h, e)
@@ -419,7 +422,7 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
     logits = n * sv * 4
     sampler = max([r * sv * SAMPLER_BYTES_PER_LOGIT + INDEX * sv for r in shape.full_sampler_rows], default=0)
     penalties = max([40 * length for length in shape.penalized_lengths], default=0)
-    phases["sampler"] = logits + sampler + penalties + INDEX * n + SCALAR_SLACK
+    phases["sampler"] = logits + sampler + penalties + INDEX * n + SCALAR_SLACK + drafted
     return phases
 
 

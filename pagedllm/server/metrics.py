@@ -85,6 +85,10 @@ class _EngineCollector:
                 s.prefix_cache_hit_tokens / max(1, s.prefix_cache_queried_tokens),
             ),
             "pagedllm_generation_tokens_per_second": ("Generated tokens per second, last 10 s", self.throughput.rate()),
+            "pagedllm_spec_decode_mean_acceptance_length": (
+                "Tokens a step carrying speculative guesses gave a request: 1 + accepted / such steps (vLLM's)",
+                1 + s.tokens_accepted / max(1, s.speculative_rows),
+            ),
         }
         if self.metrics.plan is not None:
             plan = self.metrics.plan()
