@@ -54,15 +54,18 @@ def random_quantized(rows, cols, bits, group, zero, seed=0):
 
 
 @pytest.mark.parametrize("bits, group, zero", FORMATS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 9, 17])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 17])
 def test_quantized_matmul_equals_dequantize_then_gemm(ops, bits, group, zero, rows):
     """fp32 activations: the kernel computes with the exact weight values. bf16 ones on 4-bit
     weights also quantize each row of x to 8 bits per 32 columns (integer dot products): within
     1% of the exact product. Row counts and 37 channels that leave every remainder of the
-    kernels' row blocks and channel tiles."""
+    kernels' row blocks and channel tiles; the kernel itself for every count (the backend may
+    take dequantize + GEMM from a few rows on)."""
     w = random_quantized(37, 512, bits, group, zero)
     x = torch.randn(rows, 512)
     exact = x @ torch_backend().dequantize(w, torch.float32).T
+    kernel = ops.quant_linear(x, w.qweight, w.scale, w.zero, w.bits, w.group)
+    torch.testing.assert_close(kernel, exact, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(compiled_backend().quantized_matmul(x, w), exact, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(torch_backend().quantized_matmul(x, w), exact, rtol=1e-4, atol=1e-4)
     got = compiled_backend().quantized_matmul(x.bfloat16(), w).float()

@@ -56,14 +56,15 @@ inline __m256 weights(int v, __m128i low, __m128i high, __m256 s, __m256 z) {
 
 // Y[r][n0 + c] = X[r] . W[n0 + c] for NC channels and MR rows, each weight dequantized once for
 // every row (x read from L1). One row: a step's vectors dequantized together, NC channels' sums
-// in flight. Several rows: one channel, each vector used by every row then dropped, and two
-// accumulators per row (even and odd vectors) so that 2 x MR FMA chains hide the FMA latency;
-// holding a step's 4 vectors and 2 channels of 5 rows made GCC keep accumulators on the stack
-// (measured on a Zen 2 EPYC, one thread, a 3072 x 576 4-bit layer: 4 rows 0.43 -> 0.29 ms,
-// 5 rows 0.49 -> 0.36, 8 rows 1.07 -> 0.63).
+// in flight. Several rows: one channel, each vector used by every row then dropped; up to 5
+// rows, two accumulators per row (even and odd vectors) so that enough FMA chains hide the FMA
+// latency, 6-8 rows one each (two would not fit the registers). Holding a step's 4 vectors and 2
+// channels of 5 rows made GCC keep accumulators on the stack (measured on a Zen 2 EPYC, one
+// thread, a 3072 x 576 4-bit layer: 4 rows 0.43 -> 0.29 ms, 5 rows 0.49 -> 0.36, 8 rows 1.07 ->
+// 0.53).
 template <int NC, int MR, int V>
 void tile_of(const QuantMatrix& m, const float* X, int64_t ldx, int64_t n0, float* Y, int64_t ldy) {
-  constexpr int S = MR > 1 ? 2 : 1;
+  constexpr int S = MR > 1 && MR <= 5 ? 2 : 1;
   __m256 acc[S][NC][MR];
   for (int a = 0; a < S; ++a)
     for (int c = 0; c < NC; ++c)
@@ -112,43 +113,41 @@ void tile(const QuantMatrix& m, const float* X, int64_t ldx, int64_t n0, float* 
     tile_of<NC, MR, 2>(m, X, ldx, n0, Y, ldy);
 }
 
-// Rows in blocks of MR (then one block of the rest), NC channels at a time. Six rows left in
-// blocks of five go as 3 + 3: a lone last row would dequantize every weight for itself.
-template <int NC, int MR>
-void tile_rows(const QuantMatrix& m, const float* X, int64_t rows, int64_t n0, float* Y) {
+// One channel of several rows: blocks of 8, the rest in one tile; nine left go as 5 + 4 (a lone
+// last row would dequantize every weight for itself).
+inline void rows_of_channel(const QuantMatrix& m, const float* X, int64_t rows, int64_t n, float* Y) {
   int64_t r = 0;
-  for (; r + MR <= rows && !(MR == 5 && rows - r == 6); r += MR) tile<NC, MR>(m, X + r * m.k, m.k, n0, Y + r * m.n, m.n);
+  for (; rows - r >= 8 && rows - r != 9; r += 8) tile<1, 8>(m, X + r * m.k, m.k, n, Y + r * m.n, m.n);
   const float* x = X + r * m.k;
   float* y = Y + r * m.n;
   switch (rows - r) {
-    case 6:
-      tile<NC, 3>(m, x, m.k, n0, y, m.n);
-      tile<NC, 3>(m, x + 3 * m.k, m.k, n0, y + 3 * m.n, m.n);
+    case 9:
+      tile<1, 5>(m, x, m.k, n, y, m.n);
+      tile<1, 4>(m, x + 5 * m.k, m.k, n, y + 5 * m.n, m.n);
       break;
-    case 4: tile<NC, 4>(m, x, m.k, n0, y, m.n); break;
-    case 3: tile<NC, 3>(m, x, m.k, n0, y, m.n); break;
-    case 2: tile<NC, 2>(m, x, m.k, n0, y, m.n); break;
-    case 1: tile<NC, 1>(m, x, m.k, n0, y, m.n); break;
+    case 7: tile<1, 7>(m, x, m.k, n, y, m.n); break;
+    case 6: tile<1, 6>(m, x, m.k, n, y, m.n); break;
+    case 5: tile<1, 5>(m, x, m.k, n, y, m.n); break;
+    case 4: tile<1, 4>(m, x, m.k, n, y, m.n); break;
+    case 3: tile<1, 3>(m, x, m.k, n, y, m.n); break;
+    case 2: tile<1, 2>(m, x, m.k, n, y, m.n); break;
+    case 1: tile<1, 1>(m, x, m.k, n, y, m.n); break;
     default: break;
   }
 }
 
-template <int NC, int MR>
-void channel_tiles(const QuantMatrix& m, const float* X, int64_t rows, int64_t n0, int64_t n1, float* Y) {
-  int64_t n = n0;
-  for (; n + NC <= n1; n += NC) tile_rows<NC, MR>(m, X, rows, n, Y);
-  for (; n < n1; ++n) tile_rows<1, MR>(m, X, rows, n, Y);
-}
-
 // Channels [n0, n1) of Y = X W^T, X float32 [rows, K]. AVX2 has 16 vector registers: a tile's
 // accumulators and its weight vectors must fit. One row: four channels at a time; more (a
-// decode step with speculative guesses, a few sequences decoding): rows in blocks of five, one
-// channel at a time (measured faster than two channels or two rows at a time, from 2 to 12 rows).
+// decode step with speculative guesses, a few sequences decoding): one channel at a time, its
+// rows in blocks (measured faster than two channels or two rows at a time, from 2 to 12 rows).
 inline void channels(const QuantMatrix& m, const float* X, int64_t rows, int64_t n0, int64_t n1, float* Y) {
-  if (rows == 1)
-    channel_tiles<4, 1>(m, X, rows, n0, n1, Y);
-  else
-    channel_tiles<1, 5>(m, X, rows, n0, n1, Y);
+  if (rows > 1) {
+    for (int64_t n = n0; n < n1; ++n) rows_of_channel(m, X, rows, n, Y);
+    return;
+  }
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) tile<4, 1>(m, X, m.k, n, Y, m.n);
+  for (; n < n1; ++n) tile<1, 1>(m, X, m.k, n, Y, m.n);
 }
 
 }  // namespace pagedllm::avx2
