@@ -17,7 +17,7 @@ import torch
 from pagedllm.engine import LLMEngine
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.onednn_probe import dispatched_gemm_isa
-from pagedllm.layers.workspace import DEQUANT_CHUNK_ELEMENTS, padded_rows, tile_packable
+from pagedllm.layers.workspace import DEQUANT_CHUNK_ELEMENTS, QUANT_FLOAT_ANY_ROWS, padded_rows, tile_packable
 from pagedllm.memory.footprint import SCALAR_SLACK, EngineSettings, step_phases
 from pagedllm.memory.tracker import track_peak
 from pagedllm.sampling_params import SamplingParams
@@ -86,7 +86,7 @@ def run_grid(loaded, dtype: str, seed: int = 0, kv_dtype: str | None = None) -> 
         # w8a8's GEMMs hold other transients than weight-only quantization's
         quantization="w8a8" if any(getattr(m, "int8_activations", False) for m in loaded.model.modules()) else None,
         amx_tiles=getattr(loaded.model.backend, "amx_tiles", False),
-        quant_float_any_rows=getattr(loaded.model.backend, "quant_float_any_rows", True),
+        quant_float_max_rows=getattr(loaded.model.backend, "quant_float_max_rows", QUANT_FLOAT_ANY_ROWS),
         kv_dtype=kv_dtype,
     )
     warm = LLMEngine(loaded, num_blocks=64, max_model_len=256, kv_cache_dtype=kv_dtype)

@@ -54,7 +54,7 @@ def random_quantized(rows, cols, bits, group, zero, seed=0):
 
 
 @pytest.mark.parametrize("bits, group, zero", FORMATS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 17])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 17])
 def test_quantized_matmul_equals_dequantize_then_gemm(ops, bits, group, zero, rows):
     """fp32 activations: the kernel computes with the exact weight values. bf16 ones on 4-bit
     weights also quantize each row of x to 8 bits per 32 columns (integer dot products): within
@@ -69,7 +69,7 @@ def test_quantized_matmul_equals_dequantize_then_gemm(ops, bits, group, zero, ro
     torch.testing.assert_close(compiled_backend().quantized_matmul(x, w), exact, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(torch_backend().quantized_matmul(x, w), exact, rtol=1e-4, atol=1e-4)
     got = compiled_backend().quantized_matmul(x.bfloat16(), w).float()
-    assert got.dtype == torch.float32 and (got - exact).norm() < 0.01 * exact.norm()
+    assert got.dtype == torch.float32 and (got - exact).norm() <= 0.01 * exact.norm()
 
 
 def test_dequantize_kernel_equals_the_torch_path_and_picks_rows(ops):

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from ..layers.workspace import QUANT_FLOAT_ANY_ROWS
+
 if TYPE_CHECKING:
     from ..config import ModelConfig
     from ..engine.step import StepInput
@@ -35,7 +37,7 @@ class PlanFacts:
     gemm_kind: str | None  # what oneDNN's bf16 GEMMs run on (``machine.GEMM_ISAS``); None: the CPU's flags say
     amx_tiles: bool  # the compiled kernels run bf16 GEMMs on AMX tiles (quantized weights; dense ones packed)
     device: str = "cpu"
-    quant_float_any_rows: bool = True  # float32 rows of any count take the compiled quantized kernel
+    quant_float_max_rows: int = QUANT_FLOAT_ANY_ROWS  # the most float32 rows the compiled quantized kernel takes
 
 
 class Attention(Protocol):

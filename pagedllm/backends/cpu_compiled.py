@@ -29,9 +29,9 @@ class CPUCompiledBackend(CPUTorchBackend):
         # weights in the kernels' own layout at any count): built with AMX, the OS grants the
         # tile state, and ONEDNN_MAX_CPU_ISA does not cap it away.
         self.amx_tiles = bool(ops.amx_tiles())
-        # Whether float32 rows of any count take the quantized kernel (its AVX-512 path), or only
-        # a few (``QUANT_KERNEL_MAX_ROWS``) as bf16 rows do, the rest dequantize + GEMM.
-        self.quant_float_any_rows = bool(ops.quant_float_any_rows())
+        # How many float32 rows the quantized kernel takes (any count on its AVX-512 path, 64 on
+        # AVX2); more dequantize + GEMM, as bf16 rows beyond ``QUANT_KERNEL_MAX_ROWS`` do.
+        self.quant_float_max_rows = int(ops.quant_float_max_rows())
 
     def attention(self, kv_cache: KVCache, layout: attention.StepLayout) -> Attention:
         return attention.CompiledPagedAttention(self.ops, kv_cache, layout)
@@ -76,8 +76,9 @@ class CPUCompiledBackend(CPUTorchBackend):
 
     def quantized_matmul(self, x: torch.Tensor, w: quant.QuantizedWeight) -> torch.Tensor:
         """The packed-weight kernel for few rows (a step costs the bytes of the 4- or 8-bit
-        weights), for any number of float32 rows (it beats dequantize + GEMM at every row count
-        measured, 8 to 512: docs/quantization.md), and for any number of bf16 rows on AMX tiles
+        weights), for float32 rows up to ``quant_float_max_rows`` (with AVX-512 any count: it
+        beats dequantize + GEMM at every count measured, 8 to 512; with AVX2 up to 64:
+        docs/quantization.md), and for any number of bf16 rows on AMX tiles
         (weights dequantized 16 channels at a time into L1); else dequantize the layer + GEMM."""
         tiles = self.amx_tiles and x.dtype == torch.bfloat16 and w.shape[1] % 32 == 0
         if tiles or self.quant_kernel_takes(x.shape[0], x.dtype):
@@ -85,9 +86,10 @@ class CPUCompiledBackend(CPUTorchBackend):
         return super().quantized_matmul(x, w)
 
     def quant_kernel_takes(self, rows: int, dtype: torch.dtype) -> bool:
-        """Few rows, or float32 ones where the kernel has its AVX-512 path (AMX tiles also take
-        any bf16 rows whose width is a multiple of 32, which the decode step does not assume)."""
-        return rows <= QUANT_KERNEL_MAX_ROWS or (dtype == torch.float32 and self.quant_float_any_rows)
+        """Few rows, or float32 ones up to what the kernel beats dequantize + GEMM at (AMX tiles
+        also take any bf16 rows whose width is a multiple of 32, which the decode step does not
+        assume)."""
+        return rows <= QUANT_KERNEL_MAX_ROWS or (dtype == torch.float32 and rows <= self.quant_float_max_rows)
 
     def decode_step_class(self) -> Any:
         return torch.classes.pagedllm.DecodeStep
@@ -117,5 +119,5 @@ class CPUCompiledBackend(CPUTorchBackend):
             kernels=self.kernels,
             gemm_kind=facts.gemm_kind,
             amx_tiles=self.amx_tiles,
-            quant_float_any_rows=self.quant_float_any_rows,
+            quant_float_max_rows=self.quant_float_max_rows,
         )

@@ -13,6 +13,10 @@ SAMPLER_CHUNK_ROWS = 8
 # beats dequantize + GEMM (measured, docs/quantization.md); above, a layer is dequantized at most
 # this many weights at a time (32 MiB in fp32).
 QUANT_KERNEL_MAX_ROWS = 8
+# float32 rows: the kernel's AVX-512 path takes any count (the kernels' int64 maximum), its AVX2
+# path up to 64 (kernels/csrc/quant_gemm.cpp: quant_float_max_rows)
+QUANT_FLOAT_ANY_ROWS = 2**63 - 1
+QUANT_FLOAT_AVX2_ROWS = 64
 DEQUANT_CHUNK_ELEMENTS = 8 * 1024 * 1024
 
 

@@ -50,6 +50,7 @@ from ..layers.workspace import (
     DEQUANT_CHUNK_ELEMENTS,
     GATHER_BUDGET,
     PAIRS_BUDGET,
+    QUANT_FLOAT_ANY_ROWS,
     QUANT_KERNEL_MAX_ROWS,
     SAMPLER_CHUNK_ROWS,
     padded_rows,
@@ -174,9 +175,10 @@ class EngineSettings:
     weights_bytes: int | None = None  # exact, from the checkpoint's header, when it is at hand
     quantized_weights: bool = False  # the linear layers run on quantized weights (layers/quantized.py)
     amx_tiles: bool = False  # the compiled kernels run bf16 GEMMs on AMX tiles (quantized, or their own packing)
-    # float32 rows of any count take the compiled quantized kernel (its AVX-512 path); else, as
-    # bf16, only QUANT_KERNEL_MAX_ROWS of them, more dequantize + GEMM
-    quant_float_any_rows: bool = True
+    # the most float32 rows the compiled quantized kernel takes (any count on its AVX-512 path,
+    # QUANT_FLOAT_AVX2_ROWS on AVX2); more dequantize + GEMM, as bf16 rows beyond
+    # QUANT_KERNEL_MAX_ROWS do
+    quant_float_max_rows: int = QUANT_FLOAT_ANY_ROWS
     grammar_cache_bytes: int = 0  # structured output's compiled-grammar caches, at their bound
     # Tensor parallelism (distributed.shards): the config is one rank's; the row-parallel outputs
     # are summed across ranks (a communication buffer of their size while they are), and the
@@ -344,7 +346,7 @@ class _Gemms:
             return rows * k + rows * 4 + max(rounding, rows * out * 8)
         if s.quantized_weights:
             tiles = s.amx_tiles and e == 2 and rows > QUANT_KERNEL_MAX_ROWS
-            float_rows = e == 4 and s.kernels == "compiled" and s.quant_float_any_rows
+            float_rows = e == 4 and s.kernels == "compiled" and rows <= s.quant_float_max_rows
             kernel = rows <= QUANT_KERNEL_MAX_ROWS or tiles or float_rows
             if kernel:  # a float32 output; for bf16 the result in bf16,
                 # and, off the tiles, x in fp32

@@ -7,6 +7,8 @@ import functools
 import os
 import shutil
 
+from ..layers.workspace import QUANT_FLOAT_ANY_ROWS, QUANT_FLOAT_AVX2_ROWS, QUANT_KERNEL_MAX_ROWS
+
 # What oneDNN's bf16 GEMMs run on, best first; each takes its own scratch (footprint.gemm_scratch).
 #   amx          AMX tiles (brg_matmul:avx10_1_512_amx)
 #   avx512_bf16  AVX-512 with bf16 dot products, no AMX (brg_matmul:avx512_core_bf16)
@@ -51,14 +53,18 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def kernels_have_avx512() -> bool:
-    """Whether the compiled kernels would be built with their AVX-512 paths here (as
-    ``kernels.build`` targets them: ``PAGEDLLM_KERNEL_TARGET``, else this CPU), for a plan made
-    without loading them (``pagedllm plan``); a backend tells it exactly."""
+def kernel_float_max_rows() -> int:
+    """The most float32 rows the compiled quantized kernel would take here (any on its AVX-512
+    path, 64 on AVX2, else as many as bf16 rows), as ``kernels.build`` targets it
+    (``PAGEDLLM_KERNEL_TARGET``, else this CPU), for a plan made without loading the kernels
+    (``pagedllm plan``); a backend tells it exactly."""
     target = os.environ.get("PAGEDLLM_KERNEL_TARGET", "").strip()
-    if target:
-        return target == "x86-64-v4"
-    return {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags()
+    flags = cpu_flags()
+    if target == "x86-64-v4" or (not target and {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags):
+        return QUANT_FLOAT_ANY_ROWS
+    if target == "x86-64-v3" or (not target and {"avx2", "fma"} <= flags):
+        return QUANT_FLOAT_AVX2_ROWS
+    return QUANT_KERNEL_MAX_ROWS
 
 
 def onednn_isa_cap() -> str | None:

@@ -17,7 +17,7 @@ from ..errors import CacheDoesNotFitError
 from ..sizes import QUANTIZED, ceil_div, dtype_bytes, gib, kv_element_bytes
 from .budget import resolve_budget
 from .footprint import EngineSettings, activation_peak, kv_bytes_per_block, loader_bytes, weight_bytes
-from .machine import expected_kernels, gemm_isa, kernels_have_avx512, usable_cpus
+from .machine import expected_kernels, gemm_isa, kernel_float_max_rows, usable_cpus
 
 if TYPE_CHECKING:
     from ..backends import PlanFacts
@@ -564,7 +564,7 @@ def _settings(
     kernels = backend.kernels if backend is not None else named or expected_kernels()
     isa = (backend.gemm_kind if backend is not None else None) or gemm_isa()
     amx_tiles = backend.amx_tiles if backend is not None else kernels == "compiled" and isa == "amx"
-    any_rows = backend.quant_float_any_rows if backend is not None else kernels_have_avx512()
+    float_rows = backend.quant_float_max_rows if backend is not None else kernel_float_max_rows()
     settings = EngineSettings(
         dtype=c.dtype,
         kv_dtype=c.kv_cache_dtype,
@@ -578,7 +578,7 @@ def _settings(
         quantized_weights=c.quantization in QUANTIZED if quantized_weights is None else quantized_weights,
         packed=packs_weights(isa, c.dtype),
         amx_tiles=amx_tiles,
-        quant_float_any_rows=any_rows,
+        quant_float_max_rows=float_rows,
         grammar_cache_bytes=grammar_cache_bytes,
         **split,
     )

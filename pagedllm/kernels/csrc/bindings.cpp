@@ -18,7 +18,7 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scale, Tensor? zero, int bits, int group) -> Tensor");
   // No tensor argument to dispatch on: registered with its schema, for every backend.
   m.def("amx_tiles() -> bool", &pagedllm::amx_tiles);
-  m.def("quant_float_any_rows() -> bool", &pagedllm::quant_float_any_rows);
+  m.def("quant_float_max_rows() -> int", &pagedllm::quant_float_max_rows);
   m.def(
       "dequantize(Tensor qweight, Tensor scale, Tensor? zero, int bits, int group, Tensor? rows, ScalarType dtype) "
       "-> Tensor");

@@ -29,7 +29,7 @@ void rotary(Tensor q, Tensor k, const Tensor& cos, const Tensor& sin);
 Tensor quant_linear(const Tensor& x, const Tensor& qweight, const Tensor& scale, const c10::optional<Tensor>& zero,
                     int64_t bits, int64_t group);
 bool amx_tiles();  // AMX tiles usable here: built for them, granted, not capped
-bool quant_float_any_rows();  // quant_linear's float path beats dequantize + GEMM at any row count
+int64_t quant_float_max_rows();  // the most float32 rows quant_linear beats dequantize + GEMM at
 Tensor dequantize(const Tensor& qweight, const Tensor& scale, const c10::optional<Tensor>& zero, int64_t bits,
                   int64_t group, const c10::optional<Tensor>& rows, at::ScalarType dtype);
 

@@ -14,6 +14,8 @@
 // - amx_tiles: whether the kernels' bf16 GEMMs run on AMX tiles in this process (quant_linear's
 //   many rows; dense_gemm.cpp's dense_linear, for which the backend then packs bf16 weights).
 
+#include <limits>
+
 #include "amx.h"
 #include "common.h"
 #include "ops.h"
@@ -160,11 +162,13 @@ Tensor dequantize(const Tensor& qweight, const Tensor& scale, const c10::optiona
   return out;
 }
 
-bool quant_float_any_rows() {
+int64_t quant_float_max_rows() {
 #if defined(PAGEDLLM_AVX512)
-  return true;  // measured against dequantize + GEMM from 8 to 512 rows (docs/quantization.md)
+  return std::numeric_limits<int64_t>::max();  // measured against dequantize + GEMM from 8 to 512 rows
+#elif defined(PAGEDLLM_AVX2)
+  return 64;  // ahead of dequantize + GEMM up to 48-64 rows, behind at 512 (docs/quantization.md)
 #else
-  return false;  // the AVX2 path loses from a few dozen rows (dequantizing is shared by 2-5 rows)
+  return 8;  // the scalar loop: as few rows as bf16 ones
 #endif
 }
 
