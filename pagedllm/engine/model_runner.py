@@ -185,8 +185,9 @@ class ModelRunner:
     ) -> tuple[list[dict | None], tuple[int, dict | None]]:
         """Samples each position of a guessed row in order, as decoding one token at a time would
         (the same sampler and generator; penalties, min_tokens and a grammar's mask see the
-        guesses accepted before); a guess stands while it equals the token sampled at its place. Returns the
-        accepted guesses' logprobs and the first token that differs (or follows the last)."""
+        guesses accepted before); a guess stands while it equals the token sampled at its place.
+        Returns the accepted guesses' logprobs and the first token that differs (or follows the
+        last). Guesses a draft drew from its own distribution go to ``_verify_drawn``."""
         assert self.sampler is not None, "only the driver samples"
         guesses = row.guessed_tokens
         if seq.matcher is not None:
