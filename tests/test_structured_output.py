@@ -377,3 +377,46 @@ def test_no_forbidden_token_is_listed_among_the_top_logprobs(default_llm):
     when fewer tokens are allowed than logprobs asks for (the list is shorter then)."""
     for _, entry, allowed in constrained_steps(default_llm, 5):
         assert {t for t, _ in entry["top"]} <= allowed, entry["top"]
+
+
+# ---- bounds that make constrained JSON end (pagedllm.structured.json_bounds) ---------------------
+
+
+def json_accepts(schema: dict, text: str) -> bool:
+    """Whether the grammar pagedllm compiles for ``schema`` accepts ``text`` whole (xgrammar's
+    own matcher walks it; the oracle is the count of characters written in the test)."""
+    import xgrammar as xgr
+
+    from pagedllm.structured.grammars import _json_grammar
+
+    return xgr.testing._is_grammar_accept_string(xgr.Grammar.from_ebnf(_json_grammar(xgr, schema)), text)
+
+
+@pytest.mark.parametrize(
+    ("schema", "longest", "one_more"),
+    [
+        ({"type": "number"}, "9" * 15, "9" * 16),  # integral part: 15 digits
+        ({"type": "number"}, "1." + "0" * 16, "1." + "0" * 17),  # fraction: 16
+        ({"type": "number"}, "1e-308", "1e-3080"),  # exponent: 3
+        ({"type": "integer"}, "-" + "9" * 15, "-" + "9" * 16),
+        ({"type": "number", "minimum": 0}, "1" * 15, "1" * 16),  # a minimum leaves the top open in xgrammar
+        ({"type": "integer", "minimum": 5}, "5" * 15, "5" * 16),
+        ({"type": "string"}, '"' + "a" * 2048 + '"', '"' + "a" * 2049 + '"'),  # strings: 2048 characters
+        ({"type": "string"}, '"' + "\\n" * 2048 + '"', '"' + "\\n" * 2049 + '"'),  # an escape is one
+        ({"type": "string", "minLength": 3}, '"' + "a" * 2048 + '"', '"' + "a" * 2049 + '"'),
+        ({"type": "object"}, '{"k": "' + "a" * 2048 + '"}', '{"k": "' + "a" * 2049 + '"}'),  # json_object
+    ],
+)
+def test_numbers_and_strings_are_bounded_so_json_ends(schema, longest, one_more):
+    assert json_accepts(schema, longest)
+    assert not json_accepts(schema, one_more)
+
+
+def test_a_schemas_own_bounds_win_over_pagedllms():
+    assert json_accepts({"type": "string", "maxLength": 5000}, '"' + "a" * 5000 + '"')
+    assert json_accepts({"type": "string", "minLength": 3000}, '"' + "a" * 3000 + '"')
+    assert json_accepts({"type": "string", "pattern": "^a+$"}, '"' + "a" * 3000 + '"')
+    assert json_accepts({"type": "integer", "maximum": 10**18}, str(10**18))
+    assert json_accepts({"type": "array", "items": {"type": "integer"}}, "[" + ", ".join(["1"] * 3000) + "]")
+    assert not json_accepts({"type": "number", "maximum": 100}, "100.5")  # ... and still hold
+    assert json_accepts({"type": "object"}, '{"a": [1.5, -2e10, "x", {"b": null}], "c": true}')

@@ -28,6 +28,7 @@ import torch
 
 from ..errors import RequestRejected
 from ..sampling_params import StructuredOutput
+from .json_bounds import bounded_json_ebnf
 
 if TYPE_CHECKING:
     import xgrammar
@@ -134,12 +135,9 @@ class Grammars:
 
     def _compile(self, c: StructuredOutput) -> xgrammar.CompiledGrammar:
         compiler = self._compiler
-        if c.json is not None:
-            schema = c.json if isinstance(c.json, str) else json.dumps(c.json)
-            # Compact JSON (", " and ": "): free whitespace lets a small model pad forever.
-            return compiler.compile_json_schema(schema, any_whitespace=False)
-        if c.json_object:
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if c.json is not None or c.json_object:
+            schema = '{"type": "object"}' if c.json is None else c.json
+            return compiler.compile_grammar(_json_grammar(self._xgr, schema))
         if c.regex is not None:
             return compiler.compile_regex(c.regex)
         if c.choice is not None:
@@ -203,6 +201,15 @@ def _tokenizer_info(xgr, tokenizer: Any, vocab_size: int, stop_token_ids: list[i
         stop_token_ids=stop_token_ids,
         add_prefix_space=metadata["add_prefix_space"],
     )
+
+
+def _json_grammar(xgr, schema: dict | str) -> str:
+    """A JSON schema's grammar as EBNF text, compact (", " and ": ": free whitespace lets a small
+    model pad forever) and with numbers and strings bounded (``json_bounds``: so it ends)."""
+    import xgrammar as xgr
+
+    text = schema if isinstance(schema, str) else json.dumps(schema)
+    return bounded_json_ebnf(str(xgr.Grammar.from_json_schema(text, any_whitespace=False)))
 
 
 def _ebnf_literal(text: str) -> str:
