@@ -62,6 +62,9 @@ class RequestOutput:
     request_finished: bool = False
     outputs: list[CompletionOutput] = field(default_factory=list)
     error_kind: ErrorKind | None = None
+    # with SamplingParams.prompt_logprobs: one entry per prompt token (the first None), each
+    # {"token": (id, logprob), "top": [(id, logprob), ...], "rank": the token's, 1 = most likely}
+    prompt_logprobs: list[dict | None] | None = None
 
     def completion(self) -> CompletionOutput:
         return CompletionOutput(

@@ -96,6 +96,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; n = chosen token plus the top n
+    # the prompt's own tokens' logprobs (the model's raw distribution at each position; the first
+    # token has none) with the top n at each: None = off. Computed in the prompt's own pass
+    prompt_logprobs: int | None = None
     n: int = 1  # samples of this prompt; they share its KV blocks. With a seed, sample i uses seed + i.
     structured_output: StructuredOutput | None = None
 
@@ -128,6 +131,11 @@ class SamplingParams:
             (
                 self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
                 "logprobs must be None or an integer in [0, 20]",
+            ),
+            (
+                self.prompt_logprobs is None
+                or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
+                "prompt_logprobs must be None or an integer in [0, 20]",
             ),
             (
                 self.seed is None or isinstance(self.seed, int) and -(2**63) <= self.seed < 2**63,

@@ -26,6 +26,7 @@ class FakeResult:
     logprobs: list[dict | None]
     failed: list[int] = field(default_factory=list)
     accepted: dict[int, list[dict | None]] = field(default_factory=dict)  # no speculative guesses here
+    prompt_logprobs: dict[int, list[dict | None]] = field(default_factory=dict)  # none asked for here
 
 
 class Row(NamedTuple):

@@ -41,6 +41,8 @@ class RunResult:
     failed: list[int]  # indices into out.rows whose logits were not finite (NaN/inf)
     # row index -> the logprobs of its guesses that were accepted (one per guess, in order)
     accepted: dict[int, list[dict | None]] = field(default_factory=dict)
+    # row index -> the prompt logprobs its prompt logits gave (one per position, in order)
+    prompt_logprobs: dict[int, list[dict | None]] = field(default_factory=dict)
 
 
 class AfterGuesses:
@@ -87,15 +89,15 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         starts: list[int] = []
-        plain_rows: list[int] = []  # rows without guesses first, so the sampler reads them in place
-        guessed_rows: list[int] = []
+        plain_rows: list[int] = []  # rows of one logits row first, so the sampler reads them in place
+        multi_rows: list[int] = []  # then rows with guesses or prompt logits (several each)
         for row in out.rows:
             starts.append(len(input_ids))
             input_ids.extend(row.token_ids)
             positions.extend(range(row.start, row.end))
             end = len(input_ids)
-            (guessed_rows if row.guesses else plain_rows).extend(range(end - row.logits_rows, end))
-        logits_rows = plain_rows + guessed_rows
+            (multi_rows if _several(row) else plain_rows).extend(range(end - row.logits_rows, end))
+        logits_rows = plain_rows + multi_rows
         starts.append(len(input_ids))
         ends = [r.end for r in out.rows]
 
@@ -151,19 +153,27 @@ class ModelRunner:
         order (``verify``)."""
         # a row is finite iff its max and min are (NaN propagates): no [S, vocab] temporaries
         finite = (torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))).tolist()
-        sampling = out.sampling_rows  # logits come plain rows first, then guessed rows (``prepare``)
-        order = [i for i in sampling if not out.rows[i].guesses] + [i for i in sampling if out.rows[i].guesses]
+        with_logits = out.rows_with_logits  # plain rows first, then the others (``prepare``)
+        order = [i for i in with_logits if not _several(out.rows[i])] + [
+            i for i in with_logits if _several(out.rows[i])
+        ]
         plain: list[tuple[int, int]] = []  # (row, its logits row)
         guessed: list[tuple[int, int]] = []
         failed: list[int] = []
+        prompt: dict[int, list[dict | None]] = {}
         offset = 0
         for i in order:
-            count = out.rows[i].logits_rows
-            if not all(finite[offset : offset + count]):
+            row = out.rows[i]
+            if not all(finite[offset : offset + row.logits_rows]):
                 failed.append(i)
+            elif row.guesses:
+                guessed.append((i, offset))
             else:
-                (guessed if count > 1 else plain).append((i, offset))
-            offset += count
+                if row.prompt_logits:
+                    prompt[i] = prompt_logprobs(logits[offset : offset + row.prompt_logits], row, seqs[i])
+                if row.samples:
+                    plain.append((i, offset + row.prompt_logits))
+            offset += row.logits_rows
         tokens: dict[int, tuple[int, dict | None]] = {}
         if plain:
             assert self.sampler is not None, "only the driver samples"
@@ -178,7 +188,7 @@ class ModelRunner:
             accepted[i], tokens[i] = self.verify(logits[first : first + 1 + row.guesses], row, seqs[i])
         good = sorted(tokens)
         failed.sort()
-        return RunResult(good, [tokens[i][0] for i in good], [tokens[i][1] for i in good], failed, accepted)
+        return RunResult(good, [tokens[i][0] for i in good], [tokens[i][1] for i in good], failed, accepted, prompt)
 
     def verify(
         self, logits: torch.Tensor, row: ScheduledRow, seq: Sequence
@@ -236,6 +246,10 @@ class ModelRunner:
         """This step as the memory planner sees it (checked against measured peaks in tests)."""
         sampled = [seqs[i] for i in out.sampling_rows]
         full, penalized = [], []
+        for r in out.rows:  # prompt logprobs: a log-softmax of SAMPLER_CHUNK_ROWS rows at a time
+            full += [
+                min(SAMPLER_CHUNK_ROWS, r.prompt_logits - c0) for c0 in range(0, r.prompt_logits, SAMPLER_CHUNK_ROWS)
+            ]
         for c0 in range(0, len(sampled), SAMPLER_CHUNK_ROWS):
             chunk = sampled[c0 : c0 + SAMPLER_CHUNK_ROWS]
             if any(needs_full_path(s) for s in chunk):
@@ -254,3 +268,28 @@ class ModelRunner:
             full_sampler_rows=full,
             penalized_lengths=penalized,
         )
+
+
+def _several(row: ScheduledRow) -> bool:
+    """Whether a row gets more than its one sampled logits row (guesses or prompt logits)."""
+    return bool(row.guesses or row.prompt_logits)
+
+
+def prompt_logprobs(logits: torch.Tensor, row: ScheduledRow, seq: Sequence) -> list[dict | None]:
+    """The prompt logprobs of a row's prompt logits: position p's raw log-softmax at token p + 1
+    (the model's own distribution, before any sampling setting, as vLLM reports them) with
+    its top ``prompt_logprobs`` and its rank; SAMPLER_CHUNK_ROWS rows at a time, as the plan
+    counts them."""
+    top_n = row.params.prompt_logprobs or 0
+    first = row.end - row.logits_rows  # the position of the first prompt-logits row
+    out: list[dict | None] = []
+    for c0 in range(0, logits.shape[0], SAMPLER_CHUNK_ROWS):
+        lp = logits[c0 : c0 + SAMPLER_CHUNK_ROWS].log_softmax(dim=-1)
+        top_vals, top_ids = lp.topk(max(1, top_n), dim=-1)
+        for j in range(lp.shape[0]):
+            token = seq.prompt_token_ids[first + c0 + j + 1]
+            top = zip(top_ids[j, :top_n].tolist(), top_vals[j, :top_n].tolist())
+            value = lp[j, token]
+            rank = 1 + int((lp[j] > value).sum())  # vLLM's: 1 + the tokens more likely than it
+            out.append({"token": (token, float(value)), "top": list(top), "rank": rank})
+    return out

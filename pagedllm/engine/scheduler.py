@@ -53,6 +53,7 @@ class StepResult(Protocol):
     logprobs: list[dict | None]
     failed: list[int]  # indices into out.rows whose logits were not finite
     accepted: dict[int, list[dict | None]]  # row -> logprobs of its accepted guesses, in order
+    prompt_logprobs: dict[int, list[dict | None]]  # row -> the prompt logprobs of its prompt logits
 
 
 @dataclass
@@ -96,6 +97,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.counters = SchedulerCounters()
+        self._extra_rows = 0  # this step's (``_within_logits_rows``)
         self._to_zero: list[int] = []  # carried by the next batch
         self._to_copy: list[tuple[int, int]] = []  # re-carried after a failed step
         # blocks new admissions may fill (None: all); running sequences grow past it
@@ -162,13 +164,14 @@ class Scheduler:
         spec = self.speculation
         allowed = spec is not None and spec.rows_allowed(sum(s.width for s in self.running), self.max_num_seqs)
         proposals = self._proposals() if allowed else {}
+        self._extra_rows = 0  # logits rows prompt logprobs took beyond their sequences' own slots
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             if seq.ready_to_fork:
                 self._fork(seq, at=i + 1)
             start = seq.num_computed_tokens
-            n = min(_compute_until(seq) - start, budget)
+            n = self._within_logits_rows(seq, start, min(_compute_until(seq) - start, budget))
             guesses = proposals.get(seq.seq_id, [])[: budget - n] if n == 1 else []
             if guesses and not self.blocks.can_write(seq.seq_id, start, start + n + len(guesses)):
                 guesses = []  # guesses never take a block someone else would have to give up
@@ -194,12 +197,15 @@ class Scheduler:
 
     def _admit(self, batch: SchedulerOutput, budget: int) -> None:
         slots = self.slots_used
-        while self.waiting and budget > 0 and slots + self.waiting[0].width <= self.max_num_seqs:
+        while self.waiting and budget > 0 and slots + self._extra_rows + self.waiting[0].width <= self.max_num_seqs:
             seq = self.waiting[0]
-            # Reuse the longest cached prefix (prefix caching): those tokens are not recomputed.
-            seq.num_computed_tokens = self.blocks.adopt_prefix(seq.seq_id, seq.tokens(0, seq.num_tokens))
+            # Reuse the longest cached prefix (prefix caching): those tokens are not recomputed
+            # (nor do they give logits: a sequence owing prompt logprobs adopts only what it has).
+            cacheable = min(seq.num_tokens, seq.prefix_cache_limit + 1)
+            seq.num_computed_tokens = self.blocks.adopt_prefix(seq.seq_id, seq.tokens(0, cacheable))
             start = seq.num_computed_tokens
             n = 0 if seq.ready_to_fork else min(_compute_until(seq) - start, budget)
+            n = self._within_logits_rows(seq, start, n, admitting=True)
             if not self.blocks.can_write(seq.seq_id, start, start + n) or self._over_admission_limit(seq, start, n):
                 self.blocks.free(seq.seq_id)  # adopted blocks go back to the cache
                 seq.num_computed_tokens = 0
@@ -212,6 +218,22 @@ class Scheduler:
             if n:  # (a sequence with nothing to compute before it forks runs from the next step)
                 self._add(batch, seq, n)
                 budget -= n
+
+    def _within_logits_rows(self, seq: Sequence, start: int, n: int, admitting: bool = False) -> int:
+        """``n`` cut so the step's logits rows stay within ``max_num_seqs``, what the memory plan
+        allows for: a sequence owing prompt logprobs gets a logits row per prompt position, out of
+        its own slots and the ones nobody holds this step; the rest of its prompt comes next step."""
+        wanted = seq.prompt_logits_wanted(start, start + n)
+        if not wanted:
+            return n
+        samples = start + n == seq.num_tokens
+        spare = self.max_num_seqs - self.slots_used - self._extra_rows - (seq.width if admitting else 0)
+        allowed = seq.width + max(0, spare) - (1 if samples else 0)
+        if wanted > allowed:
+            n -= wanted - max(1, allowed) + (1 if samples else 0)
+            wanted = seq.prompt_logits_wanted(start, start + n)
+        self._extra_rows += max(0, wanted + (1 if start + n == seq.num_tokens else 0) - seq.width)
+        return n
 
     def _over_admission_limit(self, seq: Sequence, start: int, n: int) -> bool:
         limit = self.admission_limit
@@ -235,6 +257,11 @@ class Scheduler:
             c.prompt_tokens_computed += max(0, min(seq.num_prompt_tokens, e.end) - e.start)
             seq.num_computed_tokens = e.end - e.guesses  # guesses count once accepted (below)
             self.blocks.register_computed(seq.seq_id, seq.tokens, seq.num_computed_tokens)
+        for i, entries in result.prompt_logprobs.items():
+            seq = seqs[i]
+            if not seq.prompt_logprobs:
+                seq.prompt_logprobs.append(None)  # the first token: nothing before it to predict it
+            seq.prompt_logprobs.extend(entries)
         changed: dict[int, Sequence] = {}
         for i in result.failed:
             seq = seqs[i]
@@ -311,8 +338,20 @@ class Scheduler:
         table = list(self.blocks.table(seq.seq_id))
         samples = start + n == seq.num_tokens
         tokens = seq.tokens(start, start + n) + guesses
+        prompt_logits = seq.prompt_logits_wanted(start, start + n)
         batch.rows.append(
-            ScheduledRow(seq.seq_id, seq.request_id, seq.index, start, tokens, table, samples, seq.params, len(guesses))
+            ScheduledRow(
+                seq.seq_id,
+                seq.request_id,
+                seq.index,
+                start,
+                tokens,
+                table,
+                samples,
+                seq.params,
+                len(guesses),
+                prompt_logits,
+            )
         )
 
     def _proposals(self) -> dict[int, list[int]]:

@@ -71,6 +71,9 @@ class Sequence:
     text: str = ""
     emitted_chars: int = 0
     logprobs: list[dict] = field(default_factory=list)
+    # with params.prompt_logprobs: one entry per prompt token computed so far (the first is None);
+    # the samples a request forks into share the list, complete by then
+    prompt_logprobs: list[dict | None] = field(default_factory=list)
     # timings (time.perf_counter seconds)
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
@@ -121,6 +124,23 @@ class Sequence:
         self.group.extend(children)
         self.pending_forks = 0
         return children
+
+    def prompt_logits_wanted(self, start: int, end: int) -> int:
+        """How many of positions [start, end) still owe a prompt logprob: position p's logits
+        give token p + 1's, so the last prompt position owes none (it samples). They are the
+        last of the range, as prompt logprobs are collected in order."""
+        if self.params.prompt_logprobs is None:
+            return 0
+        first = max(start, len(self.prompt_logprobs) - 1, 0)
+        return max(0, min(end, self.num_prompt_tokens - 1) - first)
+
+    @property
+    def prefix_cache_limit(self) -> int:
+        """How many of its first tokens the prefix cache may skip: all, unless it still owes prompt
+        logprobs (then only positions already collected: a cache hit computes no logits)."""
+        if self.params.prompt_logprobs is None or len(self.prompt_logprobs) >= self.num_prompt_tokens:
+            return self.num_tokens
+        return max(0, len(self.prompt_logprobs) - 1)
 
     def tokens(self, start: int, end: int) -> list[int]:
         p = self.prompt_token_ids

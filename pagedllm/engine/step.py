@@ -39,6 +39,9 @@ class ScheduledRow:
     samples: bool  # this step computes the sequence's last known token: a token is sampled for it
     params: SamplingParams
     guesses: int = 0  # speculative tokens after its last known one (the last of token_ids), each verified
+    # prompt positions whose logits this row also returns, for the request's prompt logprobs:
+    # the last ones of token_ids before the sampled one (``Sequence.prompt_logits_wanted``)
+    prompt_logits: int = 0
 
     @property
     def guessed_tokens(self) -> list[int]:
@@ -47,8 +50,8 @@ class ScheduledRow:
 
     @property
     def logits_rows(self) -> int:
-        """Logits rows this row gets: its last known token's and one per guess."""
-        return (1 + self.guesses) if self.samples else 0
+        """Logits rows this row gets: its prompt logits, its last known token's and one per guess."""
+        return self.prompt_logits + ((1 + self.guesses) if self.samples else 0)
 
     @property
     def num_tokens(self) -> int:
@@ -74,8 +77,13 @@ class SchedulerOutput:
 
     @property
     def sampling_rows(self) -> list[int]:
-        """Indices into ``rows`` that get a logits row, in order."""
+        """Indices into ``rows`` that sample a token, in order."""
         return [i for i, r in enumerate(self.rows) if r.samples]
+
+    @property
+    def rows_with_logits(self) -> list[int]:
+        """Indices into ``rows`` that get logits rows (a token to sample or prompt logprobs), in order."""
+        return [i for i, r in enumerate(self.rows) if r.logits_rows]
 
     def __bool__(self) -> bool:
         return bool(self.rows)

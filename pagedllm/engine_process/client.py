@@ -64,6 +64,7 @@ class Outputs:
     def __init__(self) -> None:
         self.prompts: dict[str, list[int]] = {}
         self._samples: dict[tuple[str, int], _Sample] = {}
+        self._prompt_logprobs: dict[str, list[dict | None]] = {}  # by request, from its first delta
 
     def rebuild(self, d: m.Delta) -> RequestOutput:
         key = (d.request_id, d.index)
@@ -76,6 +77,10 @@ class Outputs:
         if not d.finished:
             self._samples[key] = sample
         prompt = self.prompts.pop(d.request_id, []) if d.request_finished else self.prompts.get(d.request_id, [])
+        if d.prompt_logprobs is not None:
+            self._prompt_logprobs[d.request_id] = d.prompt_logprobs
+        pop_or_get = self._prompt_logprobs.pop if d.request_finished else self._prompt_logprobs.get
+        prompt_logprobs = pop_or_get(d.request_id, None)
         return RequestOutput(
             request_id=d.request_id,
             prompt_token_ids=prompt,
@@ -90,6 +95,7 @@ class Outputs:
             metrics=d.metrics,
             index=d.index,
             request_finished=d.request_finished,
+            prompt_logprobs=prompt_logprobs,
         )
 
 

@@ -119,6 +119,7 @@ class Delta:
     error_kind: ErrorKind | None
     metrics: RequestMetrics | None
     request_finished: bool
+    prompt_logprobs: list[dict | None] | None = None  # sent once, with a sample's first delta
 
 
 @dataclass
