@@ -177,6 +177,13 @@ class LLM:
             outputs.append(out)
         return outputs
 
+    def embed(self, prompts: Prompt | Seq[Prompt], pooling: str = "last") -> list[list[float]]:
+        """Each prompt's embedding: its last hidden states (after the final norm) pooled, the
+        last token's ("last") or their mean ("mean"), L2-normalised. Batched with everything
+        else the engine runs, under the same plan; nothing is generated."""
+        outs = self.generate(prompts, SamplingParams(max_tokens=1, pooling=pooling))
+        return [out.embedding or [] for out in outs]
+
     def chat(
         self,
         messages: list[dict] | list[list[dict]],

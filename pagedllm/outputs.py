@@ -65,6 +65,7 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs: one entry per prompt token (the first None), each
     # {"token": (id, logprob), "top": [(id, logprob), ...], "rank": the token's, 1 = most likely}
     prompt_logprobs: list[dict | None] | None = None
+    embedding: list[float] | None = None  # with SamplingParams.pooling: the pooled, normalised vector
 
     def completion(self) -> CompletionOutput:
         return CompletionOutput(

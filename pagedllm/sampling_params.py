@@ -99,6 +99,9 @@ class SamplingParams:
     # the prompt's own tokens' logprobs (the model's raw distribution at each position; the first
     # token has none) with the top n at each: None = off. Computed in the prompt's own pass
     prompt_logprobs: int | None = None
+    # an embedding request: the prompt's last hidden states pooled ("last" token or "mean"),
+    # L2-normalised, in RequestOutput.embedding; nothing is generated
+    pooling: str | None = None
     n: int = 1  # samples of this prompt; they share its KV blocks. With a seed, sample i uses seed + i.
     structured_output: StructuredOutput | None = None
 
@@ -137,6 +140,8 @@ class SamplingParams:
                 or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
                 "prompt_logprobs must be None or an integer in [0, 20]",
             ),
+            (self.pooling in (None, "last", "mean"), "pooling must be None, 'last' or 'mean'"),
+            (self.pooling is None or self.n == 1, "an embedding request (pooling) takes n=1"),
             (
                 self.seed is None or isinstance(self.seed, int) and -(2**63) <= self.seed < 2**63,
                 "seed must be None or an integer in [-2**63, 2**63)",

@@ -27,6 +27,7 @@ class FakeResult:
     failed: list[int] = field(default_factory=list)
     accepted: dict[int, list[dict | None]] = field(default_factory=dict)  # no speculative guesses here
     prompt_logprobs: dict[int, list[dict | None]] = field(default_factory=dict)  # none asked for here
+    pooled: dict = field(default_factory=dict)  # no embedding requests here
 
 
 class Row(NamedTuple):

@@ -373,6 +373,7 @@ class LLMEngine:
             error_kind=seq.error_kind,
             logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
             prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
+            embedding=seq.embedding,
             metrics=RequestMetrics(seq.arrival_time, seq.first_token_time, seq.finish_time, seq.num_preemptions),
             index=seq.index,
             request_finished=seq.request_finished,

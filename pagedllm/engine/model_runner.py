@@ -43,6 +43,8 @@ class RunResult:
     accepted: dict[int, list[dict | None]] = field(default_factory=dict)
     # row index -> the prompt logprobs its prompt logits gave (one per position, in order)
     prompt_logprobs: dict[int, list[dict | None]] = field(default_factory=dict)
+    # row index -> the sum of its pooled hidden states (an embedding request's)
+    pooled: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class AfterGuesses:
@@ -74,6 +76,9 @@ class ModelRunner:
         self.gather_budget = gather_budget
         cfg = model.config
         self.group_size = cfg.num_heads // cfg.num_kv_heads
+        # [P, hidden] float32: the sums of the pooled hidden states of the step ``execute`` ran
+        # last, one per row that pools, in row order (what ``sample`` hands to the scheduler)
+        self.pooled: torch.Tensor | None = None
 
     def run(self, out: SchedulerOutput, seqs: list[Sequence]) -> RunResult:
         """prepare -> execute -> sample: one step on this process (and, for a split model, the
@@ -91,12 +96,15 @@ class ModelRunner:
         starts: list[int] = []
         plain_rows: list[int] = []  # rows of one logits row first, so the sampler reads them in place
         multi_rows: list[int] = []  # then rows with guesses or prompt logits (several each)
+        pool_ranges: list[tuple[int, int]] = []
         for row in out.rows:
             starts.append(len(input_ids))
             input_ids.extend(row.token_ids)
             positions.extend(range(row.start, row.end))
             end = len(input_ids)
             (multi_rows if _several(row) else plain_rows).extend(range(end - row.logits_rows, end))
+            if row.pooled:
+                pool_ranges.append((end - row.pooled, end))
         logits_rows = plain_rows + multi_rows
         starts.append(len(input_ids))
         ends = [r.end for r in out.rows]
@@ -116,6 +124,7 @@ class ModelRunner:
             block_size=self.kv_cache.block_size,
             pairs_budget=self.pairs_budget,
             gather_budget=self.gather_budget,
+            pool_ranges=longs(pool_ranges).view(-1, 2),
         )
 
     def execute(self, step: StepInput) -> torch.Tensor:
@@ -143,9 +152,12 @@ class ModelRunner:
         self.kv_cache.zero_blocks(step.zeros.tolist())
         self.kv_cache.copy_blocks(step.copies.tolist())  # [source, destination] pairs
         layout = self.backend.attention_metadata(step, self.group_size)
-        return self.model(
-            step.input_ids, step.positions, self.backend.attention(self.kv_cache, layout), step.logits_rows
-        )
+        attention = self.backend.attention(self.kv_cache, layout)
+        if not step.pool_ranges.numel():
+            return self.model(step.input_ids, step.positions, attention, step.logits_rows)
+        x = self.model.hidden_states(step.input_ids, step.positions, attention)
+        self.pooled = torch.stack([x[a:b].float().sum(dim=0) for a, b in step.pool_ranges.tolist()])
+        return self.model.logits(x, step.logits_rows)
 
     def sample(self, logits: torch.Tensor, out: SchedulerOutput, seqs: list[Sequence]) -> RunResult:
         """A token for every sampled row whose logits are finite; the others fail alone. A row
@@ -186,9 +198,13 @@ class ModelRunner:
         for i, first in guessed:
             row = out.rows[i]
             accepted[i], tokens[i] = self.verify(logits[first : first + 1 + row.guesses], row, seqs[i])
+        pooling = [i for i, r in enumerate(out.rows) if r.pooled]
+        pooled = dict(zip(pooling, self.pooled)) if pooling and self.pooled is not None else {}
         good = sorted(tokens)
         failed.sort()
-        return RunResult(good, [tokens[i][0] for i in good], [tokens[i][1] for i in good], failed, accepted, prompt)
+        return RunResult(
+            good, [tokens[i][0] for i in good], [tokens[i][1] for i in good], failed, accepted, prompt, pooled
+        )
 
     def verify(
         self, logits: torch.Tensor, row: ScheduledRow, seq: Sequence

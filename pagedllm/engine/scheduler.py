@@ -27,7 +27,7 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..structured import allowed_prefix
 from .block_manager import BlockManager
@@ -54,6 +54,7 @@ class StepResult(Protocol):
     failed: list[int]  # indices into out.rows whose logits were not finite
     accepted: dict[int, list[dict | None]]  # row -> logprobs of its accepted guesses, in order
     prompt_logprobs: dict[int, list[dict | None]]  # row -> the prompt logprobs of its prompt logits
+    pooled: dict[int, Any]  # row -> the sum of its pooled hidden states (a tensor)
 
 
 @dataclass
@@ -263,6 +264,12 @@ class Scheduler:
                 seq.prompt_logprobs.append(None)  # the first token: nothing before it to predict it
             seq.prompt_logprobs.extend(entries)
         changed: dict[int, Sequence] = {}
+        for i, summed in result.pooled.items():
+            seq = seqs[i]
+            seq.pool(summed, batch.rows[i].pooled)
+            if seq.embedding is not None:
+                self.finish(seq, Finish("stop"))
+                changed[i] = seq
         for i in result.failed:
             seq = seqs[i]
             self._to_zero += self.blocks.release_poisoned(seq.seq_id)
@@ -336,7 +343,7 @@ class Scheduler:
         end = start + n + len(guesses)
         batch.copies += self.blocks.prepare_write(seq.seq_id, start, end)
         table = list(self.blocks.table(seq.seq_id))
-        samples = start + n == seq.num_tokens
+        samples = start + n == seq.num_tokens and seq.params.pooling is None
         tokens = seq.tokens(start, start + n) + guesses
         prompt_logits = seq.prompt_logits_wanted(start, start + n)
         batch.rows.append(
@@ -351,6 +358,7 @@ class Scheduler:
                 seq.params,
                 len(guesses),
                 prompt_logits,
+                seq.pooled_positions(start, start + n),
             )
         )
 
@@ -436,6 +444,7 @@ class Scheduler:
         self.blocks.free(seq.seq_id)
         seq.status = Status.WAITING
         seq.num_computed_tokens = 0
+        seq.pooled_sum, seq.pooled_count = None, 0  # an embedding request pools again from the start
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
 

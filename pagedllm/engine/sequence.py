@@ -74,6 +74,10 @@ class Sequence:
     # with params.prompt_logprobs: one entry per prompt token computed so far (the first is None);
     # the samples a request forks into share the list, complete by then
     prompt_logprobs: list[dict | None] = field(default_factory=list)
+    # with params.pooling: the sum of its pooled hidden states so far, and over how many tokens
+    pooled_sum: torch.Tensor | None = None
+    pooled_count: int = 0
+    embedding: list[float] | None = None  # once its prompt is computed
     # timings (time.perf_counter seconds)
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
@@ -138,9 +142,28 @@ class Sequence:
     def prefix_cache_limit(self) -> int:
         """How many of its first tokens the prefix cache may skip: all, unless it still owes prompt
         logprobs (then only positions already collected: a cache hit computes no logits)."""
+        if self.params.pooling == "mean":  # every prompt token's hidden state is pooled
+            return 0
         if self.params.prompt_logprobs is None or len(self.prompt_logprobs) >= self.num_prompt_tokens:
             return self.num_tokens
         return max(0, len(self.prompt_logprobs) - 1)
+
+    def pooled_positions(self, start: int, end: int) -> int:
+        """How many of the last of positions [start, end) an embedding request pools: all of
+        them ("mean"), or the last prompt token ("last")."""
+        if self.params.pooling == "mean":
+            return end - start
+        if self.params.pooling == "last":
+            return int(end == self.num_prompt_tokens)
+        return 0
+
+    def pool(self, summed: torch.Tensor, count: int) -> None:
+        """Adds ``count`` pooled hidden states (their sum); at the end of the prompt, the embedding."""
+        self.pooled_sum = summed if self.pooled_sum is None else self.pooled_sum + summed
+        self.pooled_count += count
+        if self.num_computed_tokens == self.num_prompt_tokens:
+            mean = self.pooled_sum / self.pooled_count
+            self.embedding = torch.nn.functional.normalize(mean, dim=0).tolist()
 
     def tokens(self, start: int, end: int) -> list[int]:
         p = self.prompt_token_ids

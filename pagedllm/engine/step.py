@@ -42,6 +42,7 @@ class ScheduledRow:
     # prompt positions whose logits this row also returns, for the request's prompt logprobs:
     # the last ones of token_ids before the sampled one (``Sequence.prompt_logits_wanted``)
     prompt_logits: int = 0
+    pooled: int = 0  # an embedding request's: its last positions whose hidden states are pooled
 
     @property
     def guessed_tokens(self) -> list[int]:
@@ -109,3 +110,6 @@ class StepInput:
     block_size: int
     pairs_budget: int  # attention's tiles (layers.workspace): part of the step, so a replay is exact
     gather_budget: int
+    # [P, 2] int64: (first, end) rows of the flat batch whose final hidden states are summed
+    # (an embedding request's pooled positions; ``ModelRunner.pooled``)
+    pool_ranges: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 2, dtype=torch.long))

@@ -74,6 +74,7 @@ def delta(out: RequestOutput, tokens_sent: int, logprobs_sent: int) -> m.Delta:
         out.metrics,
         out.request_finished,
         out.prompt_logprobs if tokens_sent == 0 else None,
+        out.embedding,
     )
 
 

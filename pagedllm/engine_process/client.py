@@ -96,6 +96,7 @@ class Outputs:
             index=d.index,
             request_finished=d.request_finished,
             prompt_logprobs=prompt_logprobs,
+            embedding=d.embedding,
         )
 
 

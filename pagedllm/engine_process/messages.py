@@ -120,6 +120,7 @@ class Delta:
     metrics: RequestMetrics | None
     request_finished: bool
     prompt_logprobs: list[dict | None] | None = None  # sent once, with a sample's first delta
+    embedding: list[float] | None = None
 
 
 @dataclass

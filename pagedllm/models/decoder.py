@@ -215,15 +215,25 @@ class DecoderLM(nn.Module):
 
         Returns float32 logits [S, vocab].
         """
-        body, tp = self.model, self.tensor_parallel
+        return self.logits(self.hidden_states(input_ids, positions, attn), logits_rows)
+
+    @torch.inference_mode()
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        """[T, hidden]: every token's last hidden state, after the final norm (what embeddings
+        pool); the K/V of every layer written to the cache on the way."""
+        body = self.model
         h = self.embed(input_ids)  # the residual stream: this step's own buffer, added to in place
         cos, sin = body.rotary.tables(positions, h.dtype)
         program = self.decode_program()
         if program is not None and program.takes(h.shape[0], attn.layout.query_start.numel() - 1, h.dtype):
-            x = program.run(h, cos, sin, attn)
-        else:
-            x = self.layer_loop(h, cos, sin, attn)
-        del h
+            return program.run(h, cos, sin, attn)
+        return self.layer_loop(h, cos, sin, attn)
+
+    @torch.inference_mode()
+    def logits(self, x: torch.Tensor, logits_rows: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [S, vocab] of rows ``logits_rows`` of ``x`` (``hidden_states``); a split
+        model's whole vocabulary on the driver, none on the other ranks."""
+        tp = self.tensor_parallel
         h = x.index_select(0, logits_rows)
         del x
         logits = self.lm_head(h).float()
