@@ -16,6 +16,7 @@ from pathlib import Path
 from .engine_config import EngineConfig
 from .engine_config import add_flags as add_engine_flags
 from .errors import PagedLLMError
+from .server.reasoning import PARSERS as REASONING_PARSERS
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -125,6 +126,7 @@ def cmd_serve(args) -> int:
         max_body_bytes=args.max_body_bytes,
         max_waiting=args.max_waiting,
         shutdown_timeout=args.shutdown_timeout,
+        reasoning_parser=args.reasoning_parser,
     )
     server = uvicorn.Server(
         uvicorn.Config(
@@ -394,6 +396,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         help="seconds to finish in-flight requests on SIGTERM before aborting them",
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default="auto",
+        help="split a thinking model's <think> block from its answer as message.reasoning_content "
+        "(auto: when the chat template thinks and the tokenizer has <think> and </think> tokens)",
     )
     serve.add_argument(
         "--engine-in-thread",

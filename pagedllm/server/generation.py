@@ -24,6 +24,7 @@ from .errors import APIError, failed, unavailable
 from .mailbox import Mailbox
 from .metrics import Metrics
 from .protocol import SamplingFields
+from .reasoning import Reasoning
 from .responses import DONE, Reply, sse, usage
 from .served import Engine
 from .tool_calls import ToolUse
@@ -40,18 +41,36 @@ async def generate(
     chat: bool,
     constraint: StructuredOutput | None = None,
     tools: ToolUse | None = None,
+    reasoning: Reasoning | None = None,
+    echo: list[str] | None = None,
 ) -> Response | dict:
     """Runs ``prompts`` (each for ``req.n`` samples) and answers: the whole body, an SSE stream,
     or 499 when the client left before the end. ``constraint``: the structured output every
-    prompt is held to; ``tools``: the chat request's tools, whose calls the answer reads."""
+    prompt is held to; ``tools``: the chat request's tools, whose calls the answer reads;
+    ``reasoning``: how a thinking model's answer splits into reasoning and content; ``echo``:
+    each prompt's text, put before its completions (with its tokens' logprobs when ``logprobs``)."""
     state = request.app.state
     engine: Engine = state.engine
     if state.draining:
         raise unavailable("the server is shutting down; retry on another")
     created = int(time.time())
-    base, ids, sink = await submit(engine, req, prompts, max_tokens, logprobs, constraint)
+    # the prompt's own logprobs: vLLM's prompt_logprobs, and as many as echo shows with logprobs
+    wanted = [k for k in (req.prompt_logprobs, logprobs if echo else None) if k is not None]
+    prompt_logprobs = max(wanted) if wanted else None
+    base, ids, sink = await submit(engine, req, prompts, max_tokens, logprobs, constraint, prompt_logprobs)
     token_text = decode_one(state.model.tokenizer)
-    reply = Reply(("chatcmpl-" if chat else "cmpl-") + base, chat, created, state.model_name, token_text, tools)
+    reply = Reply(
+        ("chatcmpl-" if chat else "cmpl-") + base,
+        chat,
+        created,
+        state.model_name,
+        token_text,
+        tools,
+        reasoning,
+        echo=echo,
+        n=req.n,
+        prompt_logprobs=req.prompt_logprobs is not None,
+    )
     outputs = outputs_of(request, engine, state.metrics, ids, req.n, sink)
     num_choices = len(ids) * req.n
     if req.stream:
@@ -76,6 +95,7 @@ def sampling_params(
     logprobs: int | None,
     max_len: int,
     constraint: StructuredOutput | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """The request's sampling fields for one prompt; no ``max_tokens`` means the rest of the context."""
     if max_tokens is None:
@@ -96,6 +116,7 @@ def sampling_params(
             min_tokens=min(req.min_tokens, max_tokens),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             structured_output=constraint,
         )
     except ValueError as e:  # its field checks, the only ValueErrors it raises, on the client's values
@@ -109,17 +130,29 @@ async def submit(
     max_tokens: int | None,
     logprobs: int | None,
     constraint: StructuredOutput | None = None,
+    prompt_logprobs: int | None = None,
 ) -> tuple[str, list[str], Mailbox]:
-    """Validates every prompt first, then queues them all on one shared mailbox. Each is one
-    engine request for ``n`` samples, which share the prompt's KV blocks. A full queue takes
-    back what was queued and answers 429. The constraint's grammar is compiled by the engine
-    (wherever it runs) before anything is queued, so a bad schema is a 400, even when streaming."""
+    """The request's sampling fields for every prompt, queued (``queue_all``). Each is one
+    engine request for ``n`` samples, which share the prompt's KV blocks."""
+    params = [
+        sampling_params(req, len(p), max_tokens, logprobs, engine.max_model_len, constraint, prompt_logprobs)
+        for p in prompts
+    ]
+    return await queue_all(engine, prompts, params, constraint)
+
+
+async def queue_all(
+    engine: Engine, prompts: list[list[int]], params: list[SamplingParams], constraint: StructuredOutput | None = None
+) -> tuple[str, list[str], Mailbox]:
+    """Validates every prompt first, then queues them all on one shared mailbox. A full queue
+    takes back what was queued and answers 429. The constraint's grammar is compiled by the
+    engine (wherever it runs) before anything is queued, so a bad schema is a 400, even when
+    streaming."""
     base = uuid.uuid4().hex[:24]
     jobs = []
-    for i, prompt in enumerate(prompts):
-        params = sampling_params(req, len(prompt), max_tokens, logprobs, engine.max_model_len, constraint)
-        engine.validate(prompt, params)  # RequestRejected: the app answers 400 naming the field
-        jobs.append((f"{base}-{i}", prompt, params))
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.validate(prompt, p)  # RequestRejected: the app answers 400 naming the field
+        jobs.append((f"{base}-{i}", prompt, p))
     try:
         if constraint is not None:
             await engine.compile(constraint)
@@ -128,8 +161,8 @@ async def submit(
     sink = Mailbox()
     ids: list[str] = []
     try:
-        for rid, prompt, params in jobs:
-            engine.add(rid, prompt, params, sink)
+        for rid, prompt, one in jobs:
+            engine.add(rid, prompt, one, sink)
             ids.append(rid)
     except QueueFull as e:
         for rid in ids:
@@ -188,11 +221,16 @@ async def stream(
         yield reply.role_chunk(num_choices)
     sent = [0] * num_choices  # tokens whose logprobs each choice has sent
     sent_chars = [0] * num_choices  # characters of text each choice has sent
+    prompted: set[int] = set()  # choices whose prompt part (echo, prompt logprobs) went out
     completion_tokens = 0
     async for i, out in outputs:
         if out.finish_reason == "error":
             yield sse(failed(out).body())
             break
+        if i not in prompted:
+            prompted.add(i)
+            if (first := reply.prompt_chunk(i, out)) is not None:
+                yield first
         lp = reply.logprobs(out, sent[i], len(out.token_ids))
         sent[i] = len(out.token_ids)
         if out.finished:

@@ -70,6 +70,7 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # vLLM's: the prompt's own
     # structured output (docs/structured-output.md): OpenAI's response_format, or vLLM's fields
     response_format: dict | None = None
     structured_outputs: dict | None = (
@@ -172,10 +173,10 @@ class CompletionRequest(SamplingFields):
                 raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
         return v
 
-    @field_validator("echo", "suffix", "best_of")
+    @field_validator("suffix", "best_of")
     @classmethod
     def _unsupported(cls, v, info):
-        if v is True or v not in (None, False, 1):  # (True == 1: echo=true must not pass)
+        if v not in (None, 1) or v is True:  # (True == 1: best_of=true must not pass)
             raise ValueError(f"{info.field_name} is not supported")
         return v
 
@@ -236,3 +237,25 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's): ``prompt`` text, or chat ``messages`` rendered by the template."""
+
+    model_config = STRICT
+
+    model: str | None = None
+    prompt: str | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt (e.g. a BOS), False for messages
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's): token ids back to text."""
+
+    model_config = STRICT
+
+    model: str | None = None
+    tokens: list[int]
