@@ -17,7 +17,8 @@ from .errors import error_body
 
 
 class Guards:
-    """Rejects requests without the API key (all paths but /health; compared in constant time)
+    """Rejects requests without the API key (all paths but /health; compared in constant time;
+    ``Authorization: Bearer``, or on Anthropic's /v1/messages also ``x-api-key``)
     and bodies larger than ``max_body_bytes`` (by header, and by counting what arrives).
     ``on_error`` is told each status it answers (the metrics count them)."""
 
@@ -31,6 +32,8 @@ class Guards:
         if self.api_key is not None and scope["path"] != "/health":
             given = headers.get("authorization", "")
             token = given[7:] if given.lower().startswith("bearer ") else ""
+            if scope["path"] == "/v1/messages":  # Anthropic's API takes the key as x-api-key
+                token = token or headers.get("x-api-key", "")
             if not hmac.compare_digest(token.encode(), self.api_key.encode()):
                 return await self._reject(
                     scope, receive, send, 401, "missing or wrong API key", "authentication_error", "invalid_api_key"
