@@ -24,10 +24,14 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import RequestRejected
+from . import reasoning
+from .embeddings_api import router as embeddings_router
 from .errors import APIError, error_body, rejected
 from .guards import Guards
+from .messages_api import router as messages_router
 from .metrics import Metrics, ThroughputMeter
 from .openapi import document_responses
+from .responses_api import router as responses_router
 from .routes import router
 from .served import Engine, ServedModel
 
@@ -42,9 +46,11 @@ def create_app(
     max_body_bytes: int = 4 * 1024 * 1024,
     max_waiting: int = 256,
     shutdown_timeout: float = 30.0,
+    reasoning_parser: str = "auto",
 ) -> FastAPI:
     """``model``: an ``LLM`` (its engine steps on a thread of this process) or an
-    ``EngineProcess`` (the engine has a process of its own, as ``pagedllm serve`` runs it)."""
+    ``EngineProcess`` (the engine has a process of its own, as ``pagedllm serve`` runs it).
+    ``reasoning_parser``: "auto", "qwen3", "deepseek_r1" or "none" (``reasoning.py``)."""
     engine = model.async_engine(max_waiting)
     throughput = ThroughputMeter()
     engine.observers.append(throughput.observe)
@@ -60,8 +66,12 @@ def create_app(
     app.state.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-tokenize")
     app.state.shutdown_timeout = shutdown_timeout
     app.state.draining = False  # set by drain(): new generation requests get 503, /health too
+    app.state.reasoning_parser = reasoning.choose(reasoning_parser, model)  # None: chat text as is
     app.add_middleware(Guards, api_key=api_key, max_body_bytes=max_body_bytes, on_error=metrics.count_error)
     app.include_router(router)
+    app.include_router(embeddings_router)
+    app.include_router(messages_router)
+    app.include_router(responses_router)
     return app
 
 
