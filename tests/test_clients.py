@@ -187,6 +187,10 @@ def test_langchain_invoke_stream_and_tools(server, reference):
         """The weather in a city."""
         return "sunny"
 
+    by_function = chat_model(server, max_tokens=160, temperature=0).with_structured_output(
+        City, method="function_calling"
+    )
+    assert isinstance(by_function.invoke("Describe Paris."), City)
     tooled = chat_model(server, max_tokens=64, temperature=0).bind_tools([get_weather], tool_choice="get_weather")
     calls = tooled.invoke("What is the weather in Paris?").tool_calls
     assert calls and calls[0]["name"] == "get_weather" and isinstance(calls[0]["args"]["city"], str)
