@@ -36,6 +36,8 @@ FULL = SamplingParams(
     logprobs=2,
     ignore_eos=True,
 )
+PROMPT_LOGPROBS = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=5, ignore_eos=True)
+EMBEDDING = SamplingParams(max_tokens=1, pooling="mean")
 
 
 @dataclass
@@ -67,6 +69,9 @@ def scenarios(max_len: int):
         ("long context, last chunk", [long], GREEDY, (long - 1) // 128, dict(max_batch_tokens=128)),
         ("mixed decode + prefill", [50] * 10 + [300], GREEDY, 1, dict(max_batch_tokens=600)),
         ("M=32 small steps", [200] * 3, GREEDY, 2, dict(max_batch_tokens=32)),
+        # a logits row per prompt position, up to max_num_seqs a step (what the plan counts)
+        ("prompt logprobs 4x200", [200] * 4, PROMPT_LOGPROBS, 0, dict(max_batch_tokens=1024, max_num_seqs=64)),
+        ("embeddings, mean 4x200", [200] * 4, EMBEDDING, 0, dict(max_batch_tokens=1024)),
     ]
 
 

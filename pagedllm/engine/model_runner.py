@@ -262,10 +262,11 @@ class ModelRunner:
         """This step as the memory planner sees it (checked against measured peaks in tests)."""
         sampled = [seqs[i] for i in out.sampling_rows]
         full, penalized = [], []
-        for r in out.rows:  # prompt logprobs: a log-softmax of SAMPLER_CHUNK_ROWS rows at a time
-            full += [
-                min(SAMPLER_CHUNK_ROWS, r.prompt_logits - c0) for c0 in range(0, r.prompt_logits, SAMPLER_CHUNK_ROWS)
-            ]
+        prompt = [  # prompt logprobs: a log-softmax of SAMPLER_CHUNK_ROWS rows at a time
+            min(SAMPLER_CHUNK_ROWS, r.prompt_logits - c0)
+            for r in out.rows
+            for c0 in range(0, r.prompt_logits, SAMPLER_CHUNK_ROWS)
+        ]
         for c0 in range(0, len(sampled), SAMPLER_CHUNK_ROWS):
             chunk = sampled[c0 : c0 + SAMPLER_CHUNK_ROWS]
             if any(needs_full_path(s) for s in chunk):
@@ -283,6 +284,7 @@ class ModelRunner:
             prefills=[(p.length, p.context_len) for p in layout.prefills],
             full_sampler_rows=full,
             penalized_lengths=penalized,
+            prompt_logprob_rows=prompt,
         )
 
 
@@ -302,10 +304,11 @@ def prompt_logprobs(logits: torch.Tensor, row: ScheduledRow, seq: Sequence) -> l
     for c0 in range(0, logits.shape[0], SAMPLER_CHUNK_ROWS):
         lp = logits[c0 : c0 + SAMPLER_CHUNK_ROWS].log_softmax(dim=-1)
         top_vals, top_ids = lp.topk(max(1, top_n), dim=-1)
+        ids, values = top_ids[:, :top_n].tolist(), top_vals[:, :top_n].tolist()
         for j in range(lp.shape[0]):
             token = seq.prompt_token_ids[first + c0 + j + 1]
-            top = zip(top_ids[j, :top_n].tolist(), top_vals[j, :top_n].tolist())
-            value = lp[j, token]
-            rank = 1 + int((lp[j] > value).sum())  # vLLM's: 1 + the tokens more likely than it
-            out.append({"token": (token, float(value)), "top": list(top), "rank": rank})
+            value = float(lp[j, token])  # (a number: a view would keep the chunk alive)
+            rank = 1 + int(torch.count_nonzero(lp[j] > value))  # vLLM's: 1 + the tokens more likely
+            out.append({"token": (token, value), "top": list(zip(ids[j], values[j])), "rank": rank})
+        del lp, top_vals, top_ids  # before the next chunk's: one alive at a time, as the plan counts
     return out

@@ -157,6 +157,7 @@ class StepShape:
     prefills: list[tuple[int, int]] = field(default_factory=list)  # (query rows, context)
     full_sampler_rows: list[int] = field(default_factory=list)  # rows of chunks on the full path
     penalized_lengths: list[int] = field(default_factory=list)  # token counts of penalized rows
+    prompt_logprob_rows: list[int] = field(default_factory=list)  # rows of prompt-logprob chunks
 
 
 @dataclass(frozen=True)
@@ -425,6 +426,10 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
     sampler = max([r * sv * SAMPLER_BYTES_PER_LOGIT + INDEX * sv for r in shape.full_sampler_rows], default=0)
     penalties = max([40 * length for length in shape.penalized_lengths], default=0)
     phases["sampler"] = logits + sampler + penalties + INDEX * n + SCALAR_SLACK + drafted
+    if shape.prompt_logprob_rows:
+        # a chunk's log-softmax, its top 20 at most (values and ids), one row's "more likely" mask
+        prompt = max(r * sv * 4 + r * 20 * (4 + INDEX) + sv for r in shape.prompt_logprob_rows)
+        phases["prompt logprobs"] = logits + prompt + INDEX * n + SCALAR_SLACK + drafted
     return phases
 
 
