@@ -28,3 +28,11 @@ if [ ! -f "$stamp" ]; then
     .venv/bin/python -m pip install -q --no-deps xgrammar==0.2.9
     touch "$stamp"
 fi
+# The web page's tests drive a real browser: Debian's Chromium and its ChromeDriver (no browser
+# download works here), installed when missing (as root, or with password-less sudo).
+if [ "$extra" = test ] && ! { command -v chromium >/dev/null && command -v chromedriver >/dev/null; }; then
+    sudo=""
+    [ "$(id -u)" = 0 ] || sudo="sudo -n"
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+fi

@@ -34,6 +34,7 @@ from .openapi import document_responses
 from .responses_api import router as responses_router
 from .routes import router
 from .served import Engine, ServedModel
+from .web import router as web_router
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ def create_app(
     app.state.model_name = model_name
     app.state.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-tokenize")
     app.state.shutdown_timeout = shutdown_timeout
+    app.state.api_key_required = api_key is not None  # (the page asks for it)
     app.state.draining = False  # set by drain(): new generation requests get 503, /health too
     app.state.reasoning_parser = reasoning.choose(reasoning_parser, model)  # None: chat text as is
     app.add_middleware(Guards, api_key=api_key, max_body_bytes=max_body_bytes, on_error=metrics.count_error)
@@ -72,6 +74,7 @@ def create_app(
     app.include_router(embeddings_router)
     app.include_router(messages_router)
     app.include_router(responses_router)
+    app.include_router(web_router)
     return app
 
 

@@ -16,8 +16,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .errors import error_body
 
 
+def public(path: str) -> bool:
+    """What needs no key: /health, and the web page and its files (``web.py``: no data in them)."""
+    return path in ("/health", "/") or path.startswith("/web/")
+
+
 class Guards:
-    """Rejects requests without the API key (all paths but /health; compared in constant time;
+    """Rejects requests without the API key (all paths but ``public`` ones; compared in constant time;
     ``Authorization: Bearer``, or on Anthropic's /v1/messages also ``x-api-key``)
     and bodies larger than ``max_body_bytes`` (by header, and by counting what arrives).
     ``on_error`` is told each status it answers (the metrics count them)."""
@@ -29,7 +34,7 @@ class Guards:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode().lower(): v.decode() for k, v in scope.get("headers", [])}
-        if self.api_key is not None and scope["path"] != "/health":
+        if self.api_key is not None and not public(scope["path"]):
             given = headers.get("authorization", "")
             token = given[7:] if given.lower().startswith("bearer ") else ""
             if scope["path"] == "/v1/messages":  # Anthropic's API takes the key as x-api-key
