@@ -197,6 +197,11 @@ def test_markup_in_model_output_renders_as_text(server, browser):
     assert payload in last_answer(browser)  # shown as the text it is
     assert browser.execute_script("return window.pwned") is None
     assert elements(browser, "#messages script, #messages img, #messages b") == []
+    set_field(browser, "#schema", json.dumps({"type": "string", "enum": ["see ```<b>x</b> = 1```"]}))
+    ask(browser, "Show code.")
+    until(lambda: element(browser, "#send").is_enabled() and "see" in last_answer(browser))
+    code = "const c = document.querySelectorAll('#messages pre code'); return c.length ? c[c.length-1].innerText : '';"
+    assert browser.execute_script(code) == "<b>x</b> = 1"  # a code block, its markup as text
     set_field(browser, "#schema", "")
 
 
