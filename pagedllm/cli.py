@@ -96,11 +96,11 @@ def _served_model(args):
 
 
 def _launched_worker_rank() -> bool:
-    """Started by torchrun as a rank other than 0. (Imports the engine, so torch: asked only of a
-    split model, whose API process holds torch anyway; a single-process server's must not.)"""
-    from .engine import ranks
+    """Started by torchrun as a rank other than 0. (Imports torch, through the CPU's cores: asked
+    only of a split model, whose API process holds torch anyway; a single-process server's must not.)"""
+    from .processes.driver_ranks import launched_rank
 
-    launched = ranks.launched_rank()
+    launched = launched_rank()
     return launched is not None and launched.rank != 0
 
 

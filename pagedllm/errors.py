@@ -43,3 +43,7 @@ class QueueFull(PagedLLMError):
 
 class EngineStopped(PagedLLMError):
     """The engine (its thread or its process) has failed: nothing more will run in this server."""
+
+
+class RankLost(PagedLLMError, RuntimeError):
+    """Another rank of the split model died or stopped answering: the engine cannot step."""

@@ -13,6 +13,14 @@ INDEX_BYTES = 8  # int64 index tensors
 # A checkpoint tensor stored in another dtype than the one loaded is converted through a buffer
 # of this many bytes (pagedllm.loading.safetensors_io); the planner counts it in the loading peak.
 CONVERT_CHUNK_BYTES = 8 * 1024 * 1024
+# Structured output: compiled grammars kept for reuse, by their size as xgrammar reports it (a JSON
+# schema: ~30 KB to a few MB; 64 of the benchmark's schemas: 18 MiB), the least recently used
+# going first; xgrammar's own cache of what it builds inside compiles (shares most with ours).
+CACHE_LIMIT_BYTES = 16 * 1024**2
+XGRAMMAR_CACHE_LIMIT_BYTES = 8 * 1024**2
+GRAMMAR_CACHE_BYTES = CACHE_LIMIT_BYTES + XGRAMMAR_CACHE_LIMIT_BYTES  # what the memory plan counts
+# Sampler rows processed at once on the full sampling path (and prompt logprobs' chunks).
+SAMPLER_CHUNK_ROWS = 8
 SHM_SLOT_BYTES = 4 * 1024 * 1024  # tensor parallelism: a rank's slot of the shared-memory all-reduce
 
 # Every accepted spelling -> (canonical name, bytes per element).

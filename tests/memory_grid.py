@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.backends.cpu.onednn_probe import dispatched_gemm_isa
+from pagedllm.backends.cpu.workspace import DEQUANT_CHUNK_ELEMENTS, QUANT_FLOAT_ANY_ROWS, padded_rows, tile_packable
 from pagedllm.engine import LLMEngine
 from pagedllm.layers.linear import Linear
-from pagedllm.layers.onednn_probe import dispatched_gemm_isa
-from pagedllm.layers.workspace import DEQUANT_CHUNK_ELEMENTS, QUANT_FLOAT_ANY_ROWS, padded_rows, tile_packable
 from pagedllm.memory.footprint import SCALAR_SLACK, EngineSettings, step_phases
 from pagedllm.memory.tracker import track_peak
 from pagedllm.sampling_params import SamplingParams

@@ -24,6 +24,7 @@ LEVELS = [
     {"models"},  # decoders built from layers
     {"memory"},  # the planner (pure arithmetic), the budget, the peak tracker
     {"loading"},  # checkpoints and GGUF files into models
+    {"processes"},  # what crosses each process boundary (API <-> engine, driver <-> ranks): data only
     {"engine"},  # scheduler, block manager, runner, the step loop
     {"engine_process"},  # where the engine steps for a server: a thread, or a process of its own
     {"llm"},  # the Python API
@@ -40,7 +41,7 @@ def component(module: str) -> str:
 def imports_of(path: Path) -> set[str]:
     """pagedllm modules imported by ``path`` (relative imports resolved), at any depth."""
     module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    package = module.rpartition(".")[0]  # an __init__'s too: its own package
     found = set()
     tree = ast.parse(path.read_text())
     typing_only = {
@@ -163,3 +164,79 @@ def test_no_cpp_function_is_longer_than_a_screen():
             if lines > MAX_FUNCTION_LINES and "TORCH_LIBRARY" not in where and "namespace" not in where:
                 long.append(f"{path.name}:{where}: {lines} lines")
     assert not long, "\n".join(long)
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Every pagedllm module's imports of other pagedllm modules, at any depth (lazy ones in
+    functions too; ``TYPE_CHECKING`` names not). Importing ``a.b.c`` runs package ``a.b`` first,
+    so it counts as an import of both."""
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if path.name == "__init__.py" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = set()
+        for target in imports_of(path):
+            while target not in modules:  # a name from a module: the module
+                target = target.rpartition(".")[0]
+            while target.count(".") >= 1:
+                targets.add(target)
+                target = target.rpartition(".")[0]
+        graph[name] = targets - {name}
+    return graph
+
+
+def folder(module: str) -> str:
+    return module.rpartition(".")[0]
+
+
+def cycles_within_folders(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected sets of two or more modules of one folder (a package counts in the
+    folder that holds it), by Tarjan's algorithm over the edges that stay inside a folder."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if folder(w) != folder(v):
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle_inside_a_folder():
+    """Two modules of one folder never import each other, directly or round a longer circle
+    (the levels above only order whole components): each piece has one place, and the one it
+    leans on can be read first. A name only for type checking is not an import."""
+    cycles = cycles_within_folders(module_graph())
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_sees_a_circle():
+    """The check above, on a graph with a planted circle (a -> b -> c -> a in one folder) and an
+    edge across folders that closes no circle inside one."""
+    graph = {"p.a": {"p.b"}, "p.b": {"p.c"}, "p.c": {"p.a", "q.x"}, "q.x": {"p.a"}}
+    assert cycles_within_folders(graph) == [["p.a", "p.b", "p.c"]]
+    assert cycles_within_folders({"p.a": {"q.x"}, "q.x": {"p.a"}}) == []

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from pagedllm import LLM, backends
-from pagedllm.backends.cpu_compiled import CPUCompiledBackend
-from pagedllm.backends.cpu_torch import CPUTorchBackend
+from pagedllm.backends.cpu.compiled_backend import CPUCompiledBackend
+from pagedllm.backends.cpu.torch_backend import CPUTorchBackend
 from pagedllm.engine import LLMEngine
 
 

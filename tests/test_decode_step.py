@@ -1,4 +1,4 @@
-"""The compiled decode step (``models.decode_program``) computes what the Python layer loop does.
+"""The compiled decode step (``backends.cpu.decode_program``) computes what the Python layer loop does.
 
 It calls the same kernels in the same order, so a decode step's logits must be bit-identical to
 the loop's, on every architecture (biases, Qwen3's q/k norms, Mistral's sliding window, tied and
@@ -13,8 +13,8 @@ import pytest
 import torch
 from tiny_models import ARCHS
 
-from pagedllm.layers.attention import SequenceSlice, StepLayout
-from pagedllm.layers.kv_cache import KVCache
+from pagedllm.backends.cpu.attention import SequenceSlice, StepLayout
+from pagedllm.backends.cpu.kv_cache import KVCache
 from pagedllm.loading import load
 
 BLOCK = 8
@@ -87,7 +87,7 @@ def test_decode_step_equals_the_layer_loop_on_the_default_gguf_as_stored(dtype, 
 def test_long_prefill_and_mixed_steps_take_the_layer_loop(tiny_checkpoints, ops):
     """The program runs steps whose every row decodes, or small ones (rows with speculative
     guesses); a longer prompt chunk keeps the Python loop."""
-    from pagedllm.models.decode_program import SMALL_STEP_TOKENS
+    from pagedllm.backends.cpu.decode_program import SMALL_STEP_TOKENS
 
     loaded = load(tiny_checkpoints["llama"][0], "float32")
     program = loaded.model.decode_program()

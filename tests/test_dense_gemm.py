@@ -9,7 +9,7 @@ import pytest
 import torch
 from kernel_paths import run_with_amx_capped
 
-from pagedllm.backends.cpu_compiled import CPUCompiledBackend
+from pagedllm.backends.cpu.compiled_backend import CPUCompiledBackend
 
 # (output channels, input columns): the default model's q/k/v, down and a small one
 SHAPES = [(960, 576), (576, 1536), (48, 64)]
@@ -60,7 +60,7 @@ def test_dense_linear_dot_path_without_amx_matches_exact_arithmetic(ops):
     script = (
         "import json, torch\n"
         "from pagedllm.kernels import compiled_ops\n"
-        "from pagedllm.backends.cpu_compiled import CPUCompiledBackend\n"
+        "from pagedllm.backends.cpu.compiled_backend import CPUCompiledBackend\n"
         "from test_dense_gemm import assert_dense_linear_matches\n"
         "ops = compiled_ops()\n"
         "assert not ops.amx_tiles()\n"

@@ -121,8 +121,8 @@ def test_plan_without_an_engine_plans_for_the_backend_named():
     ``auto`` plans for what an engine started here would run."""
     from pathlib import Path
 
+    from pagedllm.backends.cpu.machine import expected_kernels
     from pagedllm.config import ModelConfig
-    from pagedllm.memory.machine import expected_kernels
     from pagedllm.memory.planner import plan_engine
 
     cfg = ModelConfig.from_file(Path(__file__).parent.parent / "benchmarks/configs/llama-3-70b.json")

@@ -109,7 +109,7 @@ def test_the_engine_process_steps_with_the_one_openmp_team_it_built_with(tiny_ch
     (stepping on another thread than the one that loaded the model) makes more OpenMP threads
     than cores, and libgomp then stops spinning between parallel regions (served steps at 1.5
     cores busy instead of 2). The engine's pinned workers show the teams: one per extra core."""
-    from pagedllm.backends.cpu_threads import allowed_cpus, physical_cores
+    from pagedllm.backends.cpu.threads import allowed_cpus, physical_cores
     from pagedllm.kernels import compiled_ops
 
     cores = physical_cores(allowed_cpus())

@@ -15,11 +15,12 @@ import pytest
 import torch
 from memory_grid import check_grids
 
-from pagedllm.backends import PlanFacts
+from pagedllm.backends.cpu import machine
+from pagedllm.backends.facts import PlanFacts
 from pagedllm.config import ModelConfig
 from pagedllm.engine_config import EngineConfig
-from pagedllm.memory import machine
 from pagedllm.memory.footprint import EngineSettings, activation_peak, step_phases, worst_step
+from pagedllm.memory.machine import usable_cpus
 from pagedllm.memory.planner import plan_engine
 
 # The cap that runs each kind on a machine that has a better one (oneDNN's names).
@@ -43,8 +44,8 @@ def child_env(kind: str) -> dict[str, str]:
 
 PROBE = """
 import json, torch
-from pagedllm.memory.machine import gemm_isa
-from pagedllm.layers.onednn_probe import dispatched_gemm_isa
+from pagedllm.backends.cpu.machine import gemm_isa
+from pagedllm.backends.cpu.onednn_probe import dispatched_gemm_isa
 from pagedllm import backends
 from pagedllm.layers import quantized as Q
 g = torch.Generator().manual_seed(0)
@@ -112,7 +113,7 @@ def test_the_planner_reserves_the_scratch_of_the_kind_it_detects(monkeypatch):
                 max_model_len=4096,
                 gemm_isa=kind,
                 kernels="torch",
-                threads=machine.usable_cpus(),
+                threads=usable_cpus(),
                 packed=kind != "avx2",  # oneDNN packs no bf16 weights on AVX2
             )
             assert plan.activation_bytes == activation_peak(
@@ -172,7 +173,7 @@ def test_step_memory_prediction_holds_on_each_kind_of_gemm_kernel(tiny_checkpoin
 
 def test_torch_runs_on_the_kind_this_process_detects():
     """The in-process pair of the child checks above (no cap set by the test)."""
-    from pagedllm.layers.onednn_probe import dispatched_gemm_isa
+    from pagedllm.backends.cpu.onednn_probe import dispatched_gemm_isa
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("torch without oneDNN")
@@ -202,7 +203,7 @@ def test_gemm_scratch_bounds_what_onednn_takes_at_each_thread_count(threads):
     for torch's thread count (more threads than cores take the same memory, so 4 is measurable
     on 2 cores; the grids run 2); on AVX512-BF16 with prepacked weights whose 64-column blocks
     divide among the threads, exactly it."""
-    from pagedllm.memory.footprint import gemm_scratch
+    from pagedllm.backends.cpu.workspace import gemm_scratch
 
     kind, previous = machine.gemm_isa(), torch.get_num_threads()
     g = torch.Generator().manual_seed(0)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedllm.memory.machine import cpu_flags
+from pagedllm.backends.cpu.machine import cpu_flags
 
 TESTS = Path(__file__).parent
 

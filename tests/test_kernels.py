@@ -15,8 +15,8 @@ import pytest
 import torch
 from kernel_paths import compiled_backend, run_with_amx_capped, torch_backend
 
-from pagedllm.layers.attention import SequenceSlice, StepLayout
-from pagedllm.layers.kv_cache import KVCache
+from pagedllm.backends.cpu.attention import SequenceSlice, StepLayout
+from pagedllm.backends.cpu.kv_cache import KVCache
 
 
 def random_cache(kv_heads, num_blocks, block_size, d, dtype, seed):
@@ -241,7 +241,7 @@ def test_pointwise_kernels_match_the_torch_path(ops, dtype):
 def test_bf16_weights_are_packed_once_not_per_call():
     """oneDNN logs every reorder it runs (ONEDNN_VERBOSE): a packed layer runs none per call."""
 
-    from pagedllm.memory.machine import gemm_isa
+    from pagedllm.backends.cpu.machine import gemm_isa
 
     if gemm_isa() == "avx2":
         pytest.skip("oneDNN packs bf16 weights only with avx512bw, avx512vl, avx512dq (or avx_ne_convert)")
@@ -274,7 +274,7 @@ for _ in range(3):
 
 
 def test_linear_falls_back_to_f_linear_without_the_packing_ops(monkeypatch):
-    from pagedllm.backends import cpu_torch
+    from pagedllm.backends.cpu import torch_backend as cpu_torch
     from pagedllm.layers.linear import Linear
 
     def missing(*args, **kwargs):

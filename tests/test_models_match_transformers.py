@@ -8,8 +8,8 @@ from greedy import Precision, assert_greedy_matches, assert_steps_match, hf_gree
 from tiny_models import ARCHS
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.layers.attention import SequenceSlice, StepLayout
-from pagedllm.layers.kv_cache import KVCache
+from pagedllm.backends.cpu.attention import SequenceSlice, StepLayout
+from pagedllm.backends.cpu.kv_cache import KVCache
 from pagedllm.loading import load
 
 PROMPT_LENGTHS = [1, 5, 17, 40, 64, 3, 29]

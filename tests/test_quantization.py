@@ -168,8 +168,8 @@ def converted(tmp_path, monkeypatch):
 
 
 def logits_of(model, ids, dtype=torch.float32):
-    from pagedllm.layers.attention import SequenceSlice, StepLayout
-    from pagedllm.layers.kv_cache import KVCache
+    from pagedllm.backends.cpu.attention import SequenceSlice, StepLayout
+    from pagedllm.backends.cpu.kv_cache import KVCache
 
     cache = KVCache(model.config, num_blocks=4, block_size=16, dtype=dtype)
     layout = StepLayout.from_slices([SequenceSlice(0, len(ids), len(ids), [0, 1, 2, 3][: -(-len(ids) // 16)])], 16, 2)
@@ -241,8 +241,8 @@ def activations_rounded_to_8_bits() -> bool:
     """docs/quantization.md: 4-bit layers round a few bf16 rows of x to 8 bits on AVX512-VNNI:
     with the compiled kernels built for this machine, on a CPU that has it (a build for an older
     target, x86-64-v3 in test_kernel_targets, computes in float)."""
+    from pagedllm.backends.cpu.machine import cpu_flags
     from pagedllm.kernels import build, compiled_ops
-    from pagedllm.memory.machine import cpu_flags
 
     return compiled_ops() is not None and build.build_target() == "native" and "avx512_vnni" in cpu_flags()
 

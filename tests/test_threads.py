@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagedllm import backends
-from pagedllm.backends.cpu_threads import CHECK_INTERVAL_S, allowed_cpus, physical_cores
+from pagedllm.backends.cpu.threads import CHECK_INTERVAL_S, allowed_cpus, physical_cores
 
 
 def test_default_is_one_thread_per_physical_core_and_the_callers_thread_stays_free():
@@ -51,7 +51,7 @@ class InjectedLoad:
 def test_threads_step_down_next_to_busy_processes_and_come_back(monkeypatch):
     """With the host's load injected, and every CPU of the machine taken for a core (a box of one
     core and two hyper-threads runs it too); the thread count and the pinning follow the load."""
-    from pagedllm.backends import cpu_threads
+    from pagedllm.backends.cpu import threads as cpu_threads
 
     cpus = list(range(os.cpu_count() or 1))  # the machine's, not this thread's (an engine pinned it)
     if len(cpus) < 2:
@@ -80,7 +80,7 @@ def step_down_and_back(governor) -> None:
 
 
 def test_the_hosts_cpu_time_is_read_from_proc_stat():
-    from pagedllm.backends.cpu_threads import _proc_stat
+    from pagedllm.backends.cpu.threads import _proc_stat
 
     first = _proc_stat()
     busy = subprocess.Popen([sys.executable, "-c", "import time; t = time.time()\nwhile time.time() < t + 0.5: pass"])
@@ -142,7 +142,7 @@ THREADS_CHILD = r"""
 import json, os, sys
 allowed = sorted(os.sched_getaffinity(0))
 import torch
-from pagedllm.backends import cpu_threads
+from pagedllm.backends.cpu import threads as cpu_threads
 cpu_threads.physical_cores = lambda cpus: list(cpus)
 from pagedllm import LLM, SamplingParams
 llm = LLM(sys.argv[1], backend=sys.argv[2], num_blocks=16, max_model_len=64)
@@ -220,7 +220,7 @@ def test_PAGEDLLM_ADAPT_THREADS_0_keeps_the_count_under_load(monkeypatch):
     """Promise: "PAGEDLLM_ADAPT_THREADS=0 keeps the count fixed". Under an injected load that
     makes a governor with adaptation on step down to one thread (checked first, the same way),
     one built with PAGEDLLM_ADAPT_THREADS=0 keeps every thread, in torch too, step after step."""
-    from pagedllm.backends import cpu_threads
+    from pagedllm.backends.cpu import threads as cpu_threads
 
     cpus = list(range(os.cpu_count() or 1))  # the machine's, each taken for a core
     if len(cpus) < 2:

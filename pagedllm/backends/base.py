@@ -14,30 +14,19 @@ facts the memory planner needs (``plan_facts``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from ..layers.workspace import QUANT_FLOAT_ANY_ROWS
+from .facts import PlanFacts
 
 if TYPE_CHECKING:
     from ..config import ModelConfig
     from ..engine.step import StepInput
-    from ..layers.attention import StepLayout
-    from ..layers.kv_cache import KVCache
     from ..layers.quantized import QuantizedWeight
-
-
-@dataclass(frozen=True)
-class PlanFacts:
-    """What the memory planner must know about the backend (``memory.planner.plan_engine``)."""
-
-    kernels: str  # "compiled" or "torch": the attention and norm workspaces differ
-    gemm_kind: str | None  # what oneDNN's bf16 GEMMs run on (``machine.GEMM_ISAS``); None: the CPU's flags say
-    amx_tiles: bool  # the compiled kernels run bf16 GEMMs on AMX tiles (quantized weights; dense ones packed)
-    device: str = "cpu"
-    quant_float_max_rows: int = QUANT_FLOAT_ANY_ROWS  # the most float32 rows the compiled quantized kernel takes
+    from ..models.decoder import DecoderLM
+    from .cpu.attention import StepLayout
+    from .cpu.kv_cache import KVCache
 
 
 class Attention(Protocol):
@@ -48,8 +37,16 @@ class Attention(Protocol):
     ) -> torch.Tensor: ...
 
 
+class DecodeProgram(Protocol):
+    """A decode step's layers in one compiled call (``backends.cpu.decode_program``)."""
+
+    def takes(self, tokens: int, sequences: int, dtype: torch.dtype) -> bool: ...
+
+    def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Any) -> torch.Tensor: ...
+
+
 class ThreadPolicy(Protocol):
-    """How many threads a step runs on, and where (``backends.cpu_threads.ThreadGovernor`` on CPU)."""
+    """How many threads a step runs on, and where (``backends.cpu.threads.ThreadGovernor`` on CPU)."""
 
     def running(self) -> Any: ...  # a context manager around one step
 
@@ -59,7 +56,7 @@ class ThreadPolicy(Protocol):
 
 
 class Backend:
-    """The interface; ``backends.cpu_torch.CPUTorchBackend`` is the reference implementation."""
+    """The interface; ``backends.cpu.torch_backend.CPUTorchBackend`` is the reference implementation."""
 
     name: str = "abstract"
     device: torch.device = torch.device("cpu")
@@ -145,9 +142,9 @@ class Backend:
     def plan_facts(self, dtype: str) -> PlanFacts:
         raise NotImplementedError
 
-    def decode_step_class(self) -> Any:
-        """The compiled class that runs a decode step's layers in one call
-        (``models.decode_program``), or None: the model's Python layer loop runs every step."""
+    def decode_program(self, model: DecoderLM) -> DecodeProgram | None:
+        """The model's decode step in one compiled call (``backends.cpu.decode_program``), or None:
+        the model's Python layer loop runs every step."""
         return None
 
     def shared_memory_ops(self) -> Any:

@@ -59,7 +59,7 @@ def _rank(rank: int, ranks: int, address: str, iterations: int) -> None:
 
     from .. import backends
     from ..distributed.group import join
-    from ..engine.ranks import rank_cpus
+    from ..processes.driver_ranks import rank_cpus
 
     cpus = rank_cpus(rank, ranks)
     os.sched_setaffinity(0, cpus)

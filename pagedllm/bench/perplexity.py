@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..backends.cpu.attention import SequenceSlice, StepLayout
 from ..engine import LLMEngine
-from ..layers.attention import SequenceSlice, StepLayout
 
 if TYPE_CHECKING:
     from ..llm import LLM

@@ -7,7 +7,6 @@ import dataclasses
 import itertools
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -17,6 +16,7 @@ from ..config import ModelConfig
 from ..engine_config import EngineConfig
 from ..memory.machine import usable_cpus
 from . import limits, workloads
+from .host import machine
 
 PEERS = ("hf-static", "hf-cb", "vllm", "llama.cpp")
 
@@ -213,23 +213,6 @@ def peer_dtypes(args) -> list[str]:
     """The dtypes every peer runs in: ``--peer-dtypes``, else ``--dtype`` (a target against a
     peer's best dtype needs both in one run)."""
     return [d for d in (getattr(args, "peer_dtypes", None) or args.dtype).split(",") if d]
-
-
-def machine() -> str:
-    """The facts a figure depends on: bf16 runs on other kernels with and without AMX."""
-    import torch
-    import transformers
-
-    from ..layers.onednn_probe import dispatched_gemm_isa
-    from ..memory.machine import cpu_flags
-
-    simd = sorted(f for f in cpu_flags() if f.startswith(("avx512_bf16", "avx512_vnni", "amx_", "avx2")))
-    return (
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, Python "
-        f"{platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"{torch.get_num_threads()} torch threads, CPU flags {' '.join(simd) or 'none of avx2/avx512/amx'}, "
-        f"bf16 GEMMs on {dispatched_gemm_isa()}"
-    )
 
 
 def main(args) -> int:

@@ -103,7 +103,7 @@ def table(rows: list[dict]) -> str:
 
 def main(args) -> int:
     from ..llm import LLM
-    from .run import machine
+    from .host import machine
 
     llm = LLM(args.model, dtype=args.dtype, **({"memory": args.memory} if args.memory else {}))
     llm.generate(_prompts(llm, ["warm-up"] * 4), _warmup_params())  # kernels, caches

@@ -24,15 +24,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import PagedLLMError
+from ..errors import RankLost
 from .shm import SharedMemoryAllReduce
 
 DEFAULT_TIMEOUT_S = 300.0  # a collective waits this long for a silent rank (loading a shard included)
 IDLE_TIMEOUT = timedelta(days=365)  # how long a worker waits for the driver's next step
-
-
-class RankLost(PagedLLMError, RuntimeError):
-    """Another rank of the split model died or stopped answering: the engine cannot step."""
 
 
 def timeout() -> timedelta:

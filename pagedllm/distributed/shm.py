@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..errors import RankLost
 from ..sizes import SHM_SLOT_BYTES
 
 SLOT_BYTES = SHM_SLOT_BYTES  # a larger tensor goes through in pieces of this size
@@ -92,8 +93,6 @@ class SharedMemoryAllReduce:
             published = True
             gone = [r for r, pid in enumerate(self.pids) if r != self.rank and not _alive(pid)]
             if gone or time.monotonic() - started > self.timeout_s:
-                from .group import RankLost
-
                 why = f"rank {gone[0]} has exited" if gone else f"no answer in {self.timeout_s:.0f} s"
                 raise RankLost(f"tensor parallelism: {why} (shared-memory all-reduce); the engine cannot go on")
 

@@ -8,7 +8,7 @@ is checked against the budget from config.json alone, then the weights load and 
 from __future__ import annotations
 
 from .. import backends, loading, structured
-from ..backends import Backend
+from ..backends.base import Backend
 from ..config import ModelConfig
 from ..distributed.shards import RankShard, shard_layout
 from ..engine_config import EngineConfig
@@ -20,8 +20,12 @@ from ..memory.machine import (
     resident_bytes,
     return_freed_heap,
 )
+from ..memory.planner import plan_for
+from ..processes.driver_ranks import RankSetup, launched_rank
 from . import rank_worker, ranks
-from .llm_engine import LLMEngine, plan_for, stop_token_ids
+from .drafter import draft_facts
+from .llm_engine import LLMEngine
+from .parts import grammars_possible, stop_token_ids
 
 
 def build_engine(config: EngineConfig, api_process_bytes: int = 0) -> LLMEngine:
@@ -37,7 +41,7 @@ def build_engine(config: EngineConfig, api_process_bytes: int = 0) -> LLMEngine:
         return _build(config, api_process_bytes, backend, None)
     model_dir, _ = loading.resolve_model_dir(config.model)
     shard_layout(ModelConfig.from_file(model_dir), config.tensor_parallel_size)  # one that does not split: now
-    launched = ranks.launched_rank()
+    launched = launched_rank()
     if launched is not None and launched.rank != 0:
         rank_worker.serve_launched(launched, config.backend)
         raise SystemExit(0)
@@ -70,15 +74,16 @@ def _build(config: EngineConfig, api_process_bytes: int, backend: Backend, group
         config,
         model_config,
         name,
-        backend,
-        with_grammars=tokenizer is not None,
+        backend.plan_facts(config.dtype),
+        grammars=grammars_possible(config, tokenizer),
         weights_bytes=weights_bytes,
         quantized_weights=quantized,
         baseline_bytes=resident_bytes()[0],
         api_process_bytes=api_process_bytes,
+        draft=draft_facts(config),
     )
     if group is not None:  # every rank loads its shard at once; the cache is the driver's plan's
-        group.group.broadcast(rank_worker.RankSetup(config, plan.num_blocks, plan.block_size, plan.kv_dtype))
+        group.group.broadcast(RankSetup(config, plan.num_blocks, plan.block_size, plan.kv_dtype))
     try:
         loaded = loading.load_dir(
             model_dir,

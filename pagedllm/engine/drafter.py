@@ -28,10 +28,10 @@ from __future__ import annotations
 import torch
 
 from .. import loading
-from ..backends import Backend
+from ..backends.base import Backend
+from ..backends.cpu.kv_cache import KVCache
 from ..config import ModelConfig
 from ..engine_config import ConfigError, EngineConfig
-from ..layers.kv_cache import KVCache
 from ..layers.sampler import Sampler
 from ..loading import LoadedModel
 from ..models import DecoderLM

@@ -1,5 +1,7 @@
-"""The engine's memory at run time: a new budget (``set_memory``), the machine's budget followed
+"""When an engine's memory moves: a new budget (``set_memory``), the machine's budget followed
 (``memory="follow"``), and an idle engine's cache pages given back (``idle_release_after``).
+The policy only: the moves themselves are ``EngineMemory``'s (``engine.resources``), the one
+owner of the plan, the cache, the blocks and the limits; this module sees nothing else.
 
 Every move happens on the thread that steps, between two steps, so no step ever sees a cache
 changing under it. Shrinking loses no request: the scheduler preempts the newest until what runs
@@ -12,20 +14,16 @@ from __future__ import annotations
 import logging
 import os
 import time
-import weakref
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from ..engine_config import ConfigError
 from ..errors import CacheDoesNotFitError
 from ..memory.budget import resolve_budget, total_memory
 from ..memory.follow import FOLLOW, MachineWatch
-from ..memory.machine import resident_bytes, return_freed_heap
+from ..memory.machine import resident_bytes
 from ..memory.planner import MemoryPlan
 from ..sizes import parse_memory
-
-if TYPE_CHECKING:
-    from .llm_engine import LLMEngine
+from .resources import EngineMemory
 
 log = logging.getLogger(__name__)  # at INFO under `pagedllm serve`: each move is logged
 MiB = 2**20
@@ -36,15 +34,15 @@ GROW_SETTLE_S = float(os.environ.get("PAGEDLLM_GROW_SETTLE_S", 10))
 
 
 class ElasticMemory:
-    """The run-time budget of one engine (``LLMEngine.memory``)."""
+    """The run-time budget of one engine. ``fixed``: why its budget cannot move (a split model, a
+    draft model), or None; ``device``: where its memory is (what ``memory_fraction`` reads)."""
 
-    def __init__(self, engine: LLMEngine):
-        # a weak reference: a cycle would keep a dropped engine (its weights, its cache) alive
-        # until the garbage collector runs, and the next engine would plan around it
-        self.engine: LLMEngine = weakref.proxy(engine)
+    def __init__(self, memory: EngineMemory, device: str, fixed: str | None = None):
+        self.memory = memory
+        self.device, self.fixed = device, fixed
         # memory="follow": the budget moves with the machine (a split model's only at its start, for now)
-        config = engine.config
-        self.following = MachineWatch.from_env() if config.memory == FOLLOW and engine.ranks is None else None
+        follow = memory.config.memory == FOLLOW and fixed is None
+        self.following = MachineWatch.from_env() if follow else None
         self._next_look = 0.0
         self.resizes = 0  # budgets changed at run time, whoever asked (set_memory, follow)
         self.idle_releases = 0
@@ -60,14 +58,12 @@ class ElasticMemory:
         cache shrinks or grows in place. ``memory_fraction``: that fraction of the memory this
         engine could have now (what is free plus what the engine's processes hold). Raises
         CacheDoesNotFitError, changing nothing, when even the smallest cache does not fit."""
-        engine = self.engine
-        if engine.ranks is not None:
-            raise ConfigError("memory", "a split model's budget cannot change at run time yet")
-        if engine.drafter is not None:
-            raise ConfigError("memory", "with a draft model the budget cannot change at run time yet")
+        if self.fixed is not None:
+            raise ConfigError("memory", self.fixed)
         budget = self._budget_bytes(memory, memory_fraction)
-        old = engine.memory_plan
-        kept = engine.config.replace(
+        owner = self.memory
+        old = owner.plan
+        kept = owner.config.replace(
             memory=budget,
             memory_fraction=None,
             num_blocks=None,
@@ -76,12 +72,16 @@ class ElasticMemory:
             max_model_len=old.max_model_len,
         )
         try:
-            plan = engine.replan(kept)
+            plan = owner.replan(kept)
         except CacheDoesNotFitError:
-            plan = engine.replan(kept.replace(max_batch_tokens=None))  # raises if nothing fits
-        if plan.num_blocks > engine.kv_cache.capacity_blocks:
-            plan = replace(plan, num_blocks=engine.kv_cache.capacity_blocks)
-        self._resize(plan)
+            plan = owner.replan(kept.replace(max_batch_tokens=None))  # raises if nothing fits
+        if plan.num_blocks > owner.capacity_blocks:
+            plan = replace(plan, num_blocks=owner.capacity_blocks)
+        grows = plan.num_blocks > old.num_blocks
+        owner.resize(plan, hold_growth=GROW_SETTLE_S > 0)
+        if grows and GROW_SETTLE_S > 0:  # new admissions stay within the old cache until the budget holds
+            self._settled_at = time.monotonic() + GROW_SETTLE_S
+        self.resizes += 1
         log.info(
             "memory budget %.0f -> %.0f MiB: plan %.0f -> %.0f MiB, %d -> %d KV blocks, step budget %d -> %d tokens",
             old.budget_bytes / MiB,
@@ -98,41 +98,17 @@ class ElasticMemory:
     def _budget_bytes(self, memory: str | int | None, memory_fraction: float | None) -> int:
         if (memory is None) == (memory_fraction is None):
             raise ConfigError("memory", "give memory or memory_fraction (one of them)")
-        plan = self.engine.memory_plan
+        plan = self.memory.plan
         if memory_fraction is not None:
             if not 0 < memory_fraction <= 1:
                 raise ConfigError("memory_fraction", f"must be in (0, 1], got {memory_fraction}")
             held = resident_bytes()[0] + plan.api_process_bytes
-            return resolve_budget(None, memory_fraction, str(self.engine.backend.device), already_used=held)[0]
+            return resolve_budget(None, memory_fraction, self.device, already_used=held)[0]
         assert memory is not None
         budget = parse_memory(memory)
         if budget > total_memory():
             raise ConfigError("memory", f"{memory}: more than this machine has ({total_memory() / 2**30:.1f} GiB)")
         return budget
-
-    def _resize(self, plan: MemoryPlan) -> None:
-        """The cache, the block manager and the limits to ``plan``. Shrinking: the newest
-        requests are preempted until what runs fits, the blocks past the new end are moved down
-        (a copy each, 8-bit scales included), then their pages go back to the OS."""
-        engine = self.engine
-        n, old = plan.num_blocks, engine.blocks.num_blocks
-        scheduler = engine.scheduler
-        if n < old:
-            engine.kv_cache.copy_blocks(scheduler.shrink_cache(n))
-            engine.kv_cache.resize(n)
-            return_freed_heap()
-            scheduler.admission_limit = None if scheduler.admission_limit is None else min(n, scheduler.admission_limit)
-        else:
-            engine.kv_cache.resize(n)
-            engine.blocks.resize(n)
-            if GROW_SETTLE_S > 0:  # new admissions stay within the old cache until the budget holds
-                scheduler.admission_limit = min(old, scheduler.admission_limit or old)
-                self._settled_at = time.monotonic() + GROW_SETTLE_S
-        scheduler.max_batch_tokens = plan.max_batch_tokens
-        engine.limits = replace(engine.limits, num_blocks=n)
-        engine.memory_plan = plan
-        engine.config = engine.config.replace(memory=plan.budget_bytes, memory_fraction=None)
-        self.resizes += 1
 
     # ---- the machine's budget ----------------------------------------------------------------
 
@@ -144,7 +120,7 @@ class ElasticMemory:
             return
         self._next_look = time.monotonic() + watch.interval_s
         budget, why = watch.budget(resident_bytes()[0], total_memory())
-        old = self.engine.memory_plan
+        old = self.memory.plan
         if abs(budget - old.budget_bytes) <= max(16 * MiB, old.budget_bytes // 100):
             return
         log.info("memory=follow: %s allows %.0f MiB", why, budget / MiB)
@@ -164,7 +140,7 @@ class ElasticMemory:
     def settle(self) -> None:
         """A grown budget that has held for ``GROW_SETTLE_S``: new admissions may use all of it."""
         if self._settled_at is not None and time.monotonic() >= self._settled_at:
-            self.engine.scheduler.admission_limit = None
+            self.memory.open_admissions()
             self._settled_at = None
 
     def while_idle(self) -> None:
@@ -172,37 +148,27 @@ class ElasticMemory:
         ``idle_release_after`` seconds, gives the cache's free pages back (once per idle spell)."""
         self.settle()
         self.follow_machine()
-        engine = self.engine
-        after = engine.config.idle_release_after
-        steps = engine.scheduler.counters.steps
-        if after is None or engine.has_unfinished() or self._released_at_step == steps:
+        owner = self.memory
+        after = owner.config.idle_release_after
+        steps = owner.steps
+        if after is None or owner.has_unfinished() or self._released_at_step == steps:
             return
         if time.monotonic() - self._last_busy >= after:
-            self.release_idle(engine.config.idle_keep_prefix_cache)
+            self.release_idle(owner.config.idle_keep_prefix_cache)
             self._released_at_step = steps
 
     def release_idle(self, keep_prefix_cache: bool = False) -> int:
-        """With nothing running: gives the pages of every free block back to the OS, and returns
-        the bytes of resident memory that went. The prefix cache's blocks go too unless
-        ``keep_prefix_cache`` (then they are moved to the bottom of the cache, and kept). The
-        blocks stay in the plan: the next request's blocks fault their pages back in as written."""
-        engine = self.engine
-        if engine.has_unfinished():
-            raise RuntimeError("release_idle: requests are running")
+        """``EngineMemory.release_idle``, counted and logged; returns the bytes given back."""
         before = resident_bytes()[0]
-        moves, end = engine.scheduler.compact_idle_cache(keep_prefix_cache)
-        engine.kv_cache.copy_blocks(moves)
-        engine.kv_cache.release_pages(end)
-        return_freed_heap()
-        after = resident_bytes()[0]
+        released, kept = self.memory.release_idle(keep_prefix_cache)
         self.idle_releases += 1
         log.info(
             "idle for %.0f s: the KV cache's free pages given back (%d of %d blocks kept for the prefix cache); "
             "resident %.0f -> %.0f MiB",
             time.monotonic() - self._last_busy,
-            end,
-            engine.blocks.num_blocks,
+            kept,
+            self.memory.blocks.num_blocks,
             before / MiB,
-            after / MiB,
+            (before - released) / MiB,
         )
-        return before - after
+        return released

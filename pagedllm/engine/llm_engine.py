@@ -16,31 +16,23 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .. import prompts, structured
-from ..backends import Backend
-from ..config import ModelConfig
+from .. import prompts
+from ..backends.cpu.kv_cache import KVCache
 from ..engine_config import ConfigError, EngineConfig
 from ..errors import CacheDoesNotFitError, RequestRejected
-from ..layers.sampler import Sampler
 from ..limits import RequestLimits
 from ..loading import LoadedModel
-from ..memory.budget import total_memory
 from ..memory.footprint import StepShape
-from ..memory.machine import resident_bytes
-from ..memory.planner import MemoryPlan, plan_engine
+from ..memory.planner import MemoryPlan
 from ..outputs import RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams, StructuredOutput
 from ..sizes import dtype_name
-from ..structured import GRAMMAR_CACHE_BYTES, Grammars
+from ..structured import Grammars
 from .block_manager import BlockManager
-from .detokenizer import Detokenizer
-from .drafter import DraftModel, draft_facts, load_draft
-from .elastic import ElasticMemory
-from .model_runner import ModelRunner
+from .parts import assemble
 from .ranks import Ranks
-from .scheduler import Scheduler, SchedulerCounters
+from .scheduler import SchedulerCounters
 from .sequence import Sequence
-from .speculative import Speculation
 
 log = logging.getLogger(__name__)
 
@@ -90,90 +82,48 @@ class LLMEngine:
         ``ranks``: the other ranks of a split model (``build_engine`` starts them); this engine is
         their driver, and ``loaded`` its shard. ``draft``: speculative decoding's draft model
         (``speculative_method='draft_model'``), loaded now from ``config.draft_model`` if not given."""
-        cfg = loaded.config
         model_dtype = dtype_name(next(loaded.model.parameters()).dtype)
         config = config or EngineConfig.from_options(**{"dtype": model_dtype, **options})
         if config.dtype != model_dtype:
             raise ConfigError("dtype", f"{config.dtype} asked for, but the loaded model is {model_dtype}")
-        self.config = config
-        self.loaded = loaded
-        self.backend = loaded.model.backend
-        self.tokenizer = loaded.tokenizer
-        if draft is None and config.speculative_method == "draft_model":
-            draft = load_draft(config, loaded, self.backend)
-        plan = plan or self._plan_loaded(draft)
-        self.memory_plan = plan
-        self.max_model_len = plan.max_model_len
-        self.eos_token_ids = stop_token_ids(cfg, self.tokenizer)
-        self.detokenizer = Detokenizer(self.tokenizer, self.eos_token_ids, plan.max_model_len)
-        self.blocks = BlockManager(plan.num_blocks, plan.block_size, config.enable_prefix_caching)
-        self.limits = RequestLimits(
-            cfg.vocab_size, plan.max_num_seqs, plan.max_model_len, plan.num_blocks, plan.block_size
-        )
-        self.drafter = self._drafter(draft, plan) if draft is not None else None
-        self.scheduler = Scheduler(
-            self.blocks,
-            plan.max_batch_tokens,
-            plan.max_num_seqs,
-            self.detokenizer.check_stop,
-            speculation=speculation_of(config),
-            max_model_len=plan.max_model_len,
-            proposer=self.drafter,
-        )
-        self.ranks = ranks
-        if ranks is not None:
-            loaded.model.tensor_parallel = ranks.group
-        self.kv_cache = self.backend.allocate_kv_cache(  # the model's own heads: a rank's, when split
-            loaded.model.config,
-            plan.num_blocks,
-            plan.block_size,
-            plan.kv_dtype,
-            resident=config.budgeted,
-            capacity_blocks=max(plan.num_blocks, total_memory() // plan.kv_bytes_per_block),  # set_memory's room
-        )
+        parts = assemble(loaded, config, plan, grammars, ranks, draft)
+        self.loaded, self.backend, self.tokenizer, self.ranks = loaded, parts.backend, loaded.tokenizer, ranks
+        self.memory, self.elastic, self.threads = parts.memory, parts.elastic, parts.threads
+        self.scheduler, self.runner, self.sampler = parts.scheduler, parts.runner, parts.sampler
+        self.detokenizer, self.drafter, self.eos_token_ids = parts.detokenizer, parts.drafter, parts.eos_token_ids
+        self.max_model_len = parts.memory.plan.max_model_len
         self._grammars = grammars
         self.structured_output = config.structured_output
         self._grammars_lock = threading.Lock()
-        sampler = Sampler(self.eos_token_ids, grammars, self.backend)
-        self.sampler = sampler
-        self.runner = ModelRunner(loaded.model, self.kv_cache, sampler, self.backend)
-        cpus = ranks.cpus if ranks is not None else None
-        self.threads = self.backend.thread_policy(config.threads or (len(cpus) if cpus else None), cpus=cpus)
         # Debug mode (the test suite runs with it): verify every step's bookkeeping.
         self.check_invariants_every_step = os.environ.get("PAGEDLLM_CHECK_INVARIANTS", "") not in ("", "0")
         self.record_step_shapes = False  # the memory tests turn it on to read last_step_shape
         self.last_step_shape: StepShape | None = None
         self._ids = itertools.count()
-        self.elastic = ElasticMemory(self)
         self._refresh_stats(0)
-        log.info("memory plan:\n%s", plan.table())
+        log.info("memory plan:\n%s", self.memory_plan.table())
 
-    def _plan_loaded(self, draft: LoadedModel | None) -> MemoryPlan:
-        """The plan when the model (and draft) are loaded already: the baseline is what the
-        process holds besides them."""
-        weights = self.loaded.model.weight_bytes()
-        held = weights + (draft.model.weight_bytes() if draft is not None else 0)
-        return plan_for(
-            self.config,
-            self.loaded.config,
-            self.loaded.name,
-            self.backend,
-            with_grammars=self.tokenizer is not None,
-            weights_bytes=weights,  # (the draft's: plan_for reads its checkpoint)
-            quantized_weights=self.loaded.model.quantized(),
-            baseline_bytes=max(0, resident_bytes()[0] - held),
-            already_loaded=held,
-        )
+    # ---- what the engine's memory is made of: EngineMemory's, read here ------------------------
 
-    def _drafter(self, draft: LoadedModel, plan: MemoryPlan) -> DraftModel:
-        """The draft model over a cache of its own, as many blocks as the model's (the plan
-        counts one of each)."""
-        cache = self.backend.allocate_kv_cache(
-            draft.model.config, plan.num_blocks, plan.block_size, plan.kv_dtype, resident=self.config.budgeted
-        )
-        return DraftModel(
-            draft.model, cache, self.backend, plan.max_batch_tokens, self.loaded.config.vocab_size, self.eos_token_ids
-        )
+    @property
+    def config(self) -> EngineConfig:
+        return self.memory.config
+
+    @property
+    def memory_plan(self) -> MemoryPlan:
+        return self.memory.plan
+
+    @property
+    def limits(self) -> RequestLimits:
+        return self.memory.limits
+
+    @property
+    def kv_cache(self) -> KVCache:
+        return self.memory.kv_cache
+
+    @property
+    def blocks(self) -> BlockManager:
+        return self.memory.blocks
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -286,22 +236,6 @@ class LLMEngine:
         self._refresh_stats(0)
         return released
 
-    def replan(self, config: EngineConfig) -> MemoryPlan:
-        """The plan for ``config`` with this process's facts as they were at start (its baseline,
-        its weights, the API process beside it)."""
-        old = self.memory_plan
-        return plan_for(
-            config,
-            self.loaded.config,
-            self.loaded.name,
-            self.backend,
-            with_grammars=self.tokenizer is not None,
-            weights_bytes=old.weights_bytes,
-            quantized_weights=self.loaded.model.quantized(),
-            baseline_bytes=old.baseline_bytes - old.api_process_bytes,
-            api_process_bytes=old.api_process_bytes,
-        )
-
     def close(self) -> None:
         """Ends the other ranks of a split model (nothing to do for one process)."""
         if self.ranks is not None:
@@ -398,50 +332,3 @@ class LLMEngine:
             memory_resizes=self.elastic.resizes,
             idle_releases=self.elastic.idle_releases,
         )
-
-
-def speculation_of(config: EngineConfig) -> Speculation | None:
-    if config.speculative_method is None:
-        return None
-    return Speculation(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
-
-
-def stop_token_ids(cfg, tokenizer) -> tuple[int, ...]:
-    """The tokens that end a sequence: the config's EOS ids and the tokenizer's EOS token."""
-    eos = set(cfg.eos_token_ids)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        eos.add(tokenizer.eos_token_id)
-    return tuple(sorted(eos))
-
-
-def plan_for(
-    config: EngineConfig,
-    cfg: ModelConfig,
-    model_name: str,
-    backend: Backend,
-    *,
-    with_grammars: bool,
-    weights_bytes: int | None,
-    quantized_weights: bool | None,
-    baseline_bytes: int,
-    already_loaded: int = 0,
-    api_process_bytes: int = 0,
-) -> MemoryPlan:
-    """The one way an engine is planned (``LLM`` before loading, ``LLMEngine`` after): the
-    config, the backend's facts, the checkpoint's weights, the structured-output caches when
-    they can be used (``with_grammars``: there is a tokenizer), the server's API process when the
-    engine runs in a process of its own (``api_process_bytes``)."""
-    grammar_bytes = GRAMMAR_CACHE_BYTES if config.structured_output and with_grammars and structured.available() else 0
-    return plan_engine(
-        cfg,
-        config,
-        model_name=model_name,
-        backend=backend.plan_facts(config.dtype),
-        baseline_bytes=baseline_bytes,
-        already_loaded=already_loaded,
-        weights_bytes=weights_bytes,
-        quantized_weights=quantized_weights,
-        grammar_cache_bytes=grammar_bytes,
-        api_process_bytes=api_process_bytes,
-        draft=draft_facts(config),
-    )

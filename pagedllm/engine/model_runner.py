@@ -22,13 +22,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..backends import Backend
-from ..layers.attention import StepLayout, block_tables
-from ..layers.kv_cache import KVCache
+from ..backends.base import Backend
+from ..backends.cpu.attention import StepLayout, block_tables
+from ..backends.cpu.kv_cache import KVCache
+from ..backends.cpu.workspace import GATHER_BUDGET, PAIRS_BUDGET
 from ..layers.sampler import Sampler, needs_full_path
-from ..layers.workspace import GATHER_BUDGET, PAIRS_BUDGET, SAMPLER_CHUNK_ROWS
 from ..memory.footprint import StepShape
 from ..models import DecoderLM
+from ..sizes import SAMPLER_CHUNK_ROWS
 from .sequence import Sequence
 from .step import ScheduledRow, SchedulerOutput, StepInput
 

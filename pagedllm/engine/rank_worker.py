@@ -12,36 +12,18 @@ import logging
 import os
 import sys
 import threading
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from .. import backends, loading
 from ..config import ModelConfig
 from ..distributed.group import RankGroup, RankLost, join
 from ..distributed.shards import RankShard
-from ..engine_config import EngineConfig
 from ..loading.checkpoint import load_decoder
 from ..memory.machine import resident_bytes
+from ..processes.driver_ranks import MEMORY, Launched, RankSetup, rank_cpus, watch_parent
 from ..sizes import torch_dtype
 from .model_runner import ModelRunner
 
-if TYPE_CHECKING:
-    from .ranks import Launched
-
 log = logging.getLogger(__name__)
-
-MEMORY = "memory"  # in place of a step: every rank reports (resident before loading, peak resident)
-
-
-@dataclass(frozen=True)
-class RankSetup:
-    """What the driver decided that every rank must share: the engine's config and the cache the
-    driver's plan allows (its plan bounds every rank: the others hold less)."""
-
-    config: EngineConfig
-    num_blocks: int
-    block_size: int
-    kv_dtype: str
 
 
 def serve(group: RankGroup, cpus: list[int]) -> None:
@@ -90,8 +72,6 @@ def serve_launched(launched: Launched, backend: str) -> None:
 
 def main(argv: list[str]) -> int:
     rank, size, address, parent, backend = int(argv[0]), int(argv[1]), argv[2], int(argv[3]), argv[4]
-    from .ranks import rank_cpus, watch_parent
-
     threading.Thread(target=watch_parent, args=(parent,), daemon=True).start()
     logging.basicConfig(level=logging.WARNING, format=f"pagedllm rank {rank}: %(message)s")
     group = join(rank, size, address, backends.get(backend).shared_memory_ops())

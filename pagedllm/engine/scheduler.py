@@ -407,6 +407,14 @@ class Scheduler:
             child.status = Status.RUNNING
         self.running[at:at] = children
 
+    def set_step_budget(self, max_batch_tokens: int) -> None:
+        """A new plan's step budget (``EngineMemory.resize``)."""
+        self.max_batch_tokens = max_batch_tokens
+
+    def limit_admissions(self, blocks: int | None) -> None:
+        """New admissions may fill only the first ``blocks`` blocks (None: all of them)."""
+        self.admission_limit = blocks
+
     def shrink_cache(self, num_blocks: int) -> list[tuple[int, int]]:
         """Fits everything running into the first ``num_blocks`` blocks: preempts the newest
         sequences (recomputed later, as when blocks run out) until the live blocks fit, then has

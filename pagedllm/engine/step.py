@@ -108,7 +108,7 @@ class StepInput:
     copies: torch.Tensor  # [C, 2] int64: (source, destination) blocks, copied before the step
     zeros: torch.Tensor  # [Z] int64: blocks zeroed before the step
     block_size: int
-    pairs_budget: int  # attention's tiles (layers.workspace): part of the step, so a replay is exact
+    pairs_budget: int  # attention's tiles (backends.cpu.workspace): part of the step, so a replay is exact
     gather_budget: int
     # [P, 2] int64: (first, end) rows of the flat batch whose final hidden states are summed
     # (an embedding request's pooled positions; ``ModelRunner.pooled``)

@@ -19,7 +19,7 @@ from multiprocessing.connection import Connection
 
 from ..errors import CacheDoesNotFitError, RequestRejected
 from ..outputs import RequestOutput
-from . import messages as m
+from ..processes import api_engine as m
 
 UNBOUNDED = 1 << 30  # the API process bounds the queue (it answers 429 itself)
 

@@ -36,8 +36,8 @@ from ..errors import CacheDoesNotFitError, EngineStopped, PagedLLMError, QueueFu
 from ..loading import load_tokenizer
 from ..memory.machine import bound_allocator_slack, resident_bytes
 from ..outputs import RequestOutput
+from ..processes import api_engine as m
 from ..sampling_params import SamplingParams, StructuredOutput
-from . import messages as m
 
 # What the API process adds to its resident memory after it has measured itself at start-up:
 # connections, request bodies and SSE buffers, mailboxes, the rebuilt outputs. Measured under

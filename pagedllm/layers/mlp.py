@@ -12,7 +12,7 @@ from ..config import ModelConfig
 from .linear import Linear
 
 if TYPE_CHECKING:
-    from ..backends import Backend
+    from ..backends.base import Backend
 
 
 class MLP(nn.Module):

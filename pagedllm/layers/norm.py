@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from ..backends import Backend
+    from ..backends.base import Backend
 
 
 class RMSNorm(nn.Module):

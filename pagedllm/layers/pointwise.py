@@ -1,5 +1,5 @@
 """The pointwise ops in plain PyTorch, in HF transformers' order of operations and dtypes: the
-reference the compiled kernels are tested against (``backends.cpu_torch`` runs them)."""
+reference the compiled kernels are tested against (``backends.cpu.torch_backend`` runs them)."""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ from torch import nn
 from .linear import StackedRows
 
 if TYPE_CHECKING:
-    from ..backends import Backend
+    from ..backends.base import Backend
 
 SCHEMES = ("int8", "int4")  # how weights are stored
 INT8_COMPUTE = "w8a8"  # int8 weights and int8 activations: stored as "int8", multiplied in integers

@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from ..sampling_params import SamplingParams
-from .workspace import SAMPLER_CHUNK_ROWS as CHUNK_ROWS
+from ..sizes import SAMPLER_CHUNK_ROWS as CHUNK_ROWS
 
 # How many of its most likely tokens a filtered row is drawn from without sorting its vocabulary,
 # tried in turn (``_draw``): a top-k of 32 costs 0.06 ms a row, of 256 0.14 ms, a sort ~1 ms.
 CANDIDATES = (32, 256)
 
 if TYPE_CHECKING:
-    from ..backends import Backend
+    from ..backends.base import Backend
     from ..structured import Grammars
 
 

@@ -21,7 +21,7 @@ from .gguf_cache import converted_dir
 if TYPE_CHECKING:  # torch is imported by the functions that load weights, not by this package:
     import torch  # a server's API process reads tokenizers through it and holds no torch
 
-    from ..backends import Backend
+    from ..backends.base import Backend
     from ..distributed.shards import RankShard
     from ..models import DecoderLM
 

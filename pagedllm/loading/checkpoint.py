@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..backends import Backend
+from ..backends.base import Backend
 from ..config import ModelConfig
 from ..distributed.shards import RankShard, Slice
 from ..errors import ModelLoadError

@@ -22,7 +22,7 @@ With N = KV-cache blocks, M = ``max_batch_tokens``, S = ``max_num_seqs``, L = ``
   layer, the final norm and logits, the sampler), each a sum of tensors whose sizes are products
   of the step's token count with the config's widths. Every phase is linear in M except:
 
-  * attention: the CPU backend (``pagedllm.layers.attention``) scores at most ``pairs_budget`` query ·
+  * attention: the CPU backend (``pagedllm.backends.cpu.attention``) scores at most ``pairs_budget`` query ·
     key pairs per KV head at once, so its scores are bounded by a constant; what remains is the
     gathered K/V of one sequence's context, linear in L;
   * logits and sampler: logits exist only for the S sampled rows (S · vocab · 4 bytes), and the
@@ -33,7 +33,7 @@ With N = KV-cache blocks, M = ``max_batch_tokens``, S = ``max_num_seqs``, L = ``
   which is bilinear in S and L: the one bilinear term, bounded by S · L).
 - On bf16, oneDNN's GEMM kernels take a scratch buffer from torch's allocator, of a size that
   depends on the kind of kernel the CPU runs (AMX, AVX-512 with or without bf16; none on AVX2)
-  and on the threads: ``gemm_scratch``. On fp32 there is none.
+  and on the threads: the device's ``gemm_scratch`` (``backends.cpu.workspace``). On fp32 there is none.
 
 ``step_transient_bytes`` predicts the peak of one concrete step (its shape: tokens, sampled
 rows, decode groups, prefill chunks); ``activation_peak`` is its maximum over every step the
@@ -45,21 +45,22 @@ from __future__ import annotations
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
-from ..config import ModelConfig
-from ..layers.workspace import (
+from .. import backends
+from ..backends.cpu.workspace import (
     DEQUANT_CHUNK_ELEMENTS,
     GATHER_BUDGET,
     PAIRS_BUDGET,
     QUANT_FLOAT_ANY_ROWS,
     QUANT_KERNEL_MAX_ROWS,
-    SAMPLER_CHUNK_ROWS,
     padded_rows,
     tile_packable,
 )
+from ..config import ModelConfig
 from ..sizes import (
     CONVERT_CHUNK_BYTES,
     KV_SCALE_BYTES,
     QUANTIZED,
+    SAMPLER_CHUNK_ROWS,
     SHM_SLOT_BYTES,
     ceil_div,
     dtype_bytes,
@@ -168,6 +169,7 @@ class EngineSettings:
     max_model_len: int | None = None  # default: the model's
     pairs_budget: int = PAIRS_BUDGET
     gather_budget: int = GATHER_BUDGET
+    device: str = "cpu"  # whose workspace terms apply (``backends.workspace``)
     gemm_isa: str = "avx512_bf16"  # what oneDNN's bf16 GEMMs run on (machine.GEMM_ISAS): their scratch
     kernels: str = "compiled"  # "compiled" (pagedllm.kernels) or "torch": the attention and norm workspaces differ
     threads: int = 1  # torch threads: the compiled attention keeps scratch per thread
@@ -197,54 +199,9 @@ class EngineSettings:
         return self.kv_dtype or self.dtype
 
 
-def gemm_scratch(
-    rows: int, k: int, n: int, dtype: str, isa: str = "avx512_bf16", packed: bool = True, threads: int = 1
-) -> int:
-    """oneDNN's GEMM scratch for a [rows, k] x [k, n] product (fp32: 640 bytes a thread on
-    packed weights at every shape measured, none on plain ones, which MKL's sgemm multiplies),
-    as measured on torch 2.13 for each kind of kernel (``machine.GEMM_ISAS``;
-    docs/memory.md has the tables). ``packed``: the weights prepacked for oneDNN
-    (``pagedllm.layers.linear``), else plain (``F.linear``); ``threads``: torch's threads.
-
-    - ``amx``: a bound, not a fit: oneDNN picks among kernels by shape, some of which pack the
-      input (rows x k x 4 bytes, more with more threads) and, on plain weights, the weights
-      (k x n, blocked at 512 x 4096); per thread a few KiB of tiles up to 32 rows, then 128
-      bytes a row (measured on k in [64, 4096], n in [64, 49152], rows in [1, 512], 1-8 threads).
-    - ``avx512_bf16`` (no AMX): each thread accumulates a block of up to 256 rows x 64 columns
-      in fp32; plain weights add each thread's copy of an input block (k up to 512 columns, up to
-      1024 above 1024) (measured on k in [64, 8192], n in [32, 49152], rows in [1, 512], 1-8 threads).
-    - ``avx512`` (no bf16 instructions): the whole output in fp32, whatever the threads (and,
-      for a few rows on plain weights, 256 bytes a thread).
-    - ``avx2``: torch's own bf16 GEMM, no scratch."""
-    if rows == 0:
-        return 0
-    if dtype_bytes(dtype) == 4:  # MKL's sgemm on plain weights; oneDNN's on packed ones: a few KiB
-        return 640 * threads + 256 if packed else 0
-    if isa == "avx2":
-        return 0
-    if isa == "avx512":  # few rows on plain weights: a reduction buffer per thread besides
-        return 4 * rows * n + (128 * (2 * threads - 1) if rows < 16 and not packed else 128)
-    if isa == "avx512_bf16":
-        scratch = threads * (256 * min(rows, 256) + 640) + 384
-        if not packed:
-            scratch += threads * 128 * (min(k, 512) if k <= 1024 or rows == 1 else 1024)
-        return scratch
-    if isa != "amx":
-        raise ValueError(f"gemm isa {isa!r}: choose one of amx, avx512_bf16, avx512, avx2")
-    # AMX: a bound over every kernel oneDNN picked for the measured shapes (1, 2, 4, 8 threads)
-    t = threads
-    if rows <= 32:
-        tiles = 128 * (3 + (21 if rows <= 16 and (packed or rows > 1) else 37) * t)
-    else:
-        tiles = 128 * (4 + 37 * t) + 128 * t * rows
-    packs_input = rows > 32 or t >= 4  # ... sometimes, for these shapes
-    input_copy = 4 * rows * k * ceil_div(t, 4) + (128 * t * rows if t > 4 else 0) if packs_input else 0
-    if packed:
-        return tiles + input_copy
-    weight_copy = (64 if 1 < rows <= 32 else 128) * t * k  # plain weights are packed per call
-    if rows > 32:
-        weight_copy += 4 * min(n, 4096) * min(k, 512) * ceil_div(t, 2)
-    return tiles + input_copy + weight_copy
+def device(s: EngineSettings):
+    """The device's own workspace terms (its GEMMs' and kernels' scratch): ``backends.workspace``."""
+    return backends.workspace(s.device)
 
 
 def _norm_transient(rows: int, width: int, e: int) -> int:
@@ -317,7 +274,7 @@ class _Gemms:
     """What one GEMM of a step holds, by how it runs. oneDNN's prepacked GEMMs run on rows
     padded to a bucket: a padded copy of the input while they run, and a padded output whose first
     rows are the result. With AMX tiles, a layer whose shape the compiled kernels' own packed GEMM
-    takes (backends.cpu_compiled.pack_weight) runs there instead: its output is its only tensor
+    takes (backends.cpu.compiled_backend.pack_weight) runs there instead: its output is its only tensor
     (kernel_scratch_bytes has the rest), on the rows as they are. Quantized weights: their
     kernels' outputs, or a dequantized chunk at a time and a plain GEMM."""
 
@@ -343,7 +300,7 @@ class _Gemms:
         if s.quantization == "w8a8":  # x in int8, the int32 sums, their float result
             if s.kernels == "compiled":  # int8_gemm.cpp: x in int8 is freed before the result is made
                 return max(rows * k + rows * out * 4, rows * out * 8)
-            rounding = 2 * rows * k * 4  # backends.cpu_torch.int8_matmul: x / step and its rounding
+            rounding = 2 * rows * k * 4  # backends.cpu.torch_backend.int8_matmul: x / step and its rounding
             return rows * k + rows * 4 + max(rounding, rows * out * 8)
         if s.quantized_weights:
             tiles = s.amx_tiles and e == 2 and rows > QUANT_KERNEL_MAX_ROWS
@@ -354,9 +311,11 @@ class _Gemms:
                 return rows * out * 4 + (rows * out * e + (0 if tiles else rows * k * 4) if e != 4 else 0)
             chunk = min(out, DEQUANT_CHUNK_ELEMENTS // k)  # one dequantized chunk, a plain GEMM
             slices = rows * out * e + (rows * chunk * e if chunk < out else 0)  # output, a chunk's result
-            return slices + chunk * k * e + gemm_scratch(rows, k, chunk, s.dtype, s.gemm_isa, False, s.threads)
+            return (
+                slices + chunk * k * e + device(s).gemm_scratch(rows, k, chunk, s.dtype, s.gemm_isa, False, s.threads)
+            )
         copy = (2 * padded - rows) * k * e if padded != rows else 0
-        return padded * out * e + copy + gemm_scratch(padded, k, out, s.dtype, s.gemm_isa, packed, s.threads)
+        return padded * out * e + copy + device(s).gemm_scratch(padded, k, out, s.dtype, s.gemm_isa, packed, s.threads)
 
 
 def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[str, int]:
@@ -433,29 +392,6 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
     return phases
 
 
-def kernel_scratch_bytes(cfg: ModelConfig, s: EngineSettings, threads: int, max_model_len: int) -> int:
-    """What the compiled attention keeps per thread, outside torch's allocator, at most: the
-    scores of one tile (``pairs_budget`` pairs, or one decode row's whole context), and its
-    queries and accumulators (32 query rows of a KV head's query heads). A bf16 prefill tile on
-    AMX (``amx_tiles``: the tiles are usable) pads its rows to 16 and its keys to 32, and also
-    holds its queries, probabilities and values in bf16 (kernels/csrc/attention.cpp). Their
-    packed bf16 GEMM on tiles copies a partial last tile of rows, zero-padded (16 x K bf16)."""
-    if s.kernels != "compiled":
-        return 0
-    g, d = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
-    pairs = max(s.pairs_budget, g * max_model_len)
-    per_thread = 4 * pairs + 4 * 2 * 32 * g * d + 4 * 16 * d
-    if s.amx_tiles and s.dtype == "bfloat16" and s.kv == "bfloat16":
-        rows = 32 * g + 15  # a tile's query rows, padded to whole tiles
-        padded = pairs + 31 * rows + 15 * max_model_len  # (rows + 15) x (keys + 31), rows x keys <= pairs
-        per_thread += 4 * (padded - pairs) + 2 * padded  # float scores, bf16 probabilities
-        per_thread += 2 * d * (rows + 16 + max_model_len + 31) + 4 * rows * d  # q, k, v in bf16; accumulators
-    tail = 0
-    if s.amx_tiles and s.dtype == "bfloat16" and s.packed and not s.quantized_weights:  # any layer may be ours
-        tail = 2 * 16 * max(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)
-    return threads * per_thread + tail
-
-
 def step_transient_bytes(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> int:
     """Predicted peak tensor memory of one step above the weights and the cache."""
     return max(step_phases(cfg, s, shape).values())
@@ -506,7 +442,7 @@ def activation_peak(
     worst = step_transient_bytes(cfg, s, worst_step(cfg, s, max_batch_tokens, max_num_seqs, max_model_len))
     return (
         worst
-        + kernel_scratch_bytes(cfg, s, s.threads, max_model_len)
+        + device(s).kernel_scratch_bytes(cfg, s, s.threads, max_model_len)
         + shared_memory_bytes(cfg, s, max_batch_tokens, max_num_seqs)
     )
 

@@ -10,17 +10,18 @@ from dataclasses import asdict, dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, NoReturn
 
+from .. import backends
 from ..config import ModelConfig
 from ..distributed.shards import rank_config, shard_layout
 from ..engine_config import ConfigError, EngineConfig
 from ..errors import CacheDoesNotFitError
-from ..sizes import QUANTIZED, ceil_div, dtype_bytes, gib, kv_element_bytes
+from ..sizes import GRAMMAR_CACHE_BYTES, QUANTIZED, ceil_div, dtype_bytes, gib, kv_element_bytes
 from .budget import resolve_budget
 from .footprint import EngineSettings, activation_peak, kv_bytes_per_block, loader_bytes, weight_bytes
-from .machine import expected_kernels, gemm_isa, kernel_float_max_rows, usable_cpus
+from .machine import usable_cpus
 
 if TYPE_CHECKING:
-    from ..backends import PlanFacts
+    from ..backends.facts import PlanFacts
 
 # What the process holds beyond the tensors the footprint itemises, under load: library code
 # paged in by the first steps, the allocator's kept memory, the capped GEMM kernel caches,
@@ -35,12 +36,6 @@ ESTIMATED_BASELINE_BYTES = 320 * 1024**2
 # CPU throughput vs max_batch_tokens flattens out by 512 tokens per step on this class of
 # machine (docs/memory.md has the sweep); larger steps only cost memory.
 AUTO_MAX_BATCH_TOKENS = 512
-
-
-def packs_weights(isa: str, dtype: str) -> bool:
-    """Whether the backend packs float weights for oneDNN (backends.cpu_torch.pack_weight):
-    bf16 from AVX-512 up, fp32 on any CPU."""
-    return isa != "avx2" or dtype == "float32"
 
 
 def overhead(s: EngineSettings) -> int:
@@ -507,16 +502,16 @@ def plan_engine(
     of the memory free now (host or container), which the baseline has already taken, so the process
     may reach ``baseline + fraction x free``. ``already_loaded``: weights the caller holds already,
     counted as free. ``backend``: the kernels, the bf16 GEMMs' kind and whether quantized rows run
-    on AMX tiles (``Backend.plan_facts``; default: what ``expected_kernels`` and the CPU's flags
-    with ONEDNN_MAX_CPU_ISA say, without torch). ``weights_bytes``: the weights' exact size when the
-    checkpoint is at hand (else computed from the config; with ``tensor_parallel_size`` > 1, one
-    rank's share); ``quantized_weights``: whether they run quantized (default: when
-    ``config.quantization`` says so). With no budget given, a solved cache is capped at what
-    ``max_num_seqs`` requests of ``max_model_len`` tokens can use at once, so a small model does not
-    reserve the whole host. ``grammar_cache_bytes``: the bound of structured output's caches (when
-    it is on), counted in the overhead. ``api_process_bytes``: the peak of the server's API process
-    when the engine runs in its own (``engine_process``): the budget bounds the sum of both
-    processes, so it joins the baseline. ``draft``: a draft model's config and weights' bytes.
+    on AMX tiles (``Backend.plan_facts``; default: ``backends.facts``, the device's own guess
+    without torch). ``weights_bytes``: the weights' exact size when the checkpoint is at hand (else
+    computed from the config; with ``tensor_parallel_size`` > 1, one rank's share);
+    ``quantized_weights``: whether they run quantized (default: when ``config.quantization`` says
+    so). With no budget given, a solved cache is capped at what ``max_num_seqs`` requests of
+    ``max_model_len`` tokens can use at once, so a small model does not reserve the whole host.
+    ``grammar_cache_bytes``: the bound of structured output's caches (when it is on), counted in the
+    overhead. ``api_process_bytes``: the peak of the server's API process when the engine runs in
+    its own (``engine_process``): the budget bounds the sum of both processes, so it joins the
+    baseline. ``draft``: a draft model's config and weights' bytes.
     """
     c = config or EngineConfig()
     cfg, split = _one_rank(cfg, c, weights_bytes, quantized_weights)
@@ -551,6 +546,40 @@ def plan_engine(
     return replace(result, api_process_bytes=api_process_bytes, tensor_parallel_size=c.tensor_parallel_size)
 
 
+def plan_for(
+    config: EngineConfig,
+    cfg: ModelConfig,
+    model_name: str,
+    facts: PlanFacts,
+    *,
+    grammars: bool,
+    weights_bytes: int | None,
+    quantized_weights: bool | None,
+    baseline_bytes: int,
+    already_loaded: int = 0,
+    api_process_bytes: int = 0,
+    draft: tuple[ModelConfig, int] | None = None,
+) -> MemoryPlan:
+    """The one way an engine is planned (``build_engine`` before loading, ``LLMEngine`` after, and
+    again at each new budget): the config, the backend's facts, the checkpoint's weights, the
+    structured-output caches when they can be used (``grammars``: on, with a tokenizer and
+    xgrammar), the server's API process when the engine runs in a process of its own
+    (``api_process_bytes``), a draft model's config and weights (``draft``)."""
+    return plan_engine(
+        cfg,
+        config,
+        model_name=model_name,
+        backend=facts,
+        baseline_bytes=baseline_bytes,
+        already_loaded=already_loaded,
+        weights_bytes=weights_bytes,
+        quantized_weights=quantized_weights,
+        grammar_cache_bytes=GRAMMAR_CACHE_BYTES if grammars else 0,
+        api_process_bytes=api_process_bytes,
+        draft=draft,
+    )
+
+
 def _settings(
     c: EngineConfig,
     backend: PlanFacts | None,
@@ -560,25 +589,24 @@ def _settings(
     split: dict,
 ) -> EngineSettings:
     """What the footprint depends on, from the user's config and this process's facts."""
-    named = {"cpu-compiled": "compiled", "cpu-torch": "torch"}.get(c.backend)  # `pagedllm plan --backend`
-    kernels = backend.kernels if backend is not None else named or expected_kernels()
-    isa = (backend.gemm_kind if backend is not None else None) or gemm_isa()
-    amx_tiles = backend.amx_tiles if backend is not None else kernels == "compiled" and isa == "amx"
-    float_rows = backend.quant_float_max_rows if backend is not None else kernel_float_max_rows()
+    assumed = backends.facts(c.backend, c.dtype)  # `pagedllm plan`: the device's facts, without torch
+    facts = backend or assumed
+    isa = facts.gemm_kind or assumed.gemm_kind or "avx2"
     settings = EngineSettings(
         dtype=c.dtype,
         kv_dtype=c.kv_cache_dtype,
         block_size=c.block_size,
         max_model_len=c.max_model_len,
+        device=facts.device,
         gemm_isa=isa,
-        kernels=kernels,
+        kernels=facts.kernels,
         threads=c.threads or usable_cpus(),
         quantization=c.quantization,
         weights_bytes=weights_bytes,  # one rank's when split (``checkpoint_weights`` with its shard)
         quantized_weights=c.quantization in QUANTIZED if quantized_weights is None else quantized_weights,
-        packed=packs_weights(isa, c.dtype),
-        amx_tiles=amx_tiles,
-        quant_float_max_rows=float_rows,
+        packed=backends.workspace(facts.device).packs_weights(isa, c.dtype),
+        amx_tiles=facts.amx_tiles,
+        quant_float_max_rows=facts.quant_float_max_rows,
         grammar_cache_bytes=grammar_cache_bytes,
         **split,
     )

@@ -32,10 +32,9 @@ from ..layers.mlp import MLP
 from ..layers.norm import RMSNorm, add_rms_norm
 from ..layers.quantized import INT8_COMPUTE, QuantizedEmbedding, QuantizedLinear
 from ..layers.rotary import Rotary
-from . import decode_program
 
 if TYPE_CHECKING:
-    from ..backends import Backend
+    from ..backends.base import Backend, DecodeProgram
     from ..distributed.group import RankGroup
 
 
@@ -109,10 +108,10 @@ class DecoderLM(nn.Module):
         self.tensor_parallel: RankGroup | None = None  # the ranks' collectives, set by a split engine
         self.model = DecoderBody(cfg, backend)
         self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], bias=False, backend=backend)
-        # decode steps' layers in one compiled call (``decode_program``); built on the first decode
+        # decode steps' layers in one compiled call (the backend's ``decode_program``); built on the first decode
         # step, once the weights are packed. False: always the Python layer loop (the reference).
         self.use_decode_program = True
-        self._decode_program: decode_program.DecodeProgram | None = None
+        self._decode_program: DecodeProgram | None = None
         self._decode_program_built = False
         if cfg.tie_word_embeddings:
             self.tie_embeddings()
@@ -255,12 +254,12 @@ class DecoderLM(nn.Module):
             x = add_rms_norm(h, summed(layer.mlp(x)), following)
         return x
 
-    def decode_program(self) -> decode_program.DecodeProgram | None:
+    def decode_program(self) -> DecodeProgram | None:
         """The compiled decode step, built on first use (the weights are packed by then)."""
         if not self.use_decode_program:
             return None
         if not self._decode_program_built:
-            self._decode_program = decode_program.build(self)
+            self._decode_program = self.backend.decode_program(self)
             self._decode_program_built = True
         return self._decode_program
 

@@ -28,18 +28,14 @@ import torch
 
 from ..errors import RequestRejected
 from ..sampling_params import StructuredOutput
+from ..sizes import CACHE_LIMIT_BYTES, XGRAMMAR_CACHE_LIMIT_BYTES
 from .json_bounds import bounded_json_ebnf
 
 if TYPE_CHECKING:
     import xgrammar
 
-    from ..backends import Backend
+    from ..backends.base import Backend
 
-# Compiled grammars kept for reuse, by their size as xgrammar reports it (a JSON schema: ~30 KB
-# to a few MB; 64 of the benchmark's schemas: 18 MiB), the least recently used going first.
-CACHE_LIMIT_BYTES = 16 * 1024**2
-XGRAMMAR_CACHE_LIMIT_BYTES = 8 * 1024**2  # what it builds inside compiles (shares most with ours)
-GRAMMAR_CACHE_BYTES = CACHE_LIMIT_BYTES + XGRAMMAR_CACHE_LIMIT_BYTES  # what the memory plan counts
 INSTALL_HINT = "structured output needs xgrammar: pip install --no-deps xgrammar==0.2.9 apache-tvm-ffi"
 
 

@@ -29,7 +29,7 @@ import mmap
 
 import torch
 
-from ..config import ModelConfig
+from ...config import ModelConfig
 
 # 8-bit cache dtypes: the torch dtype they are stored in, and the largest value a scale maps to.
 EIGHT_BIT = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}

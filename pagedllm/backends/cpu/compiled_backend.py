@@ -5,17 +5,21 @@ arithmetic of ``cpu-torch``, for that call only."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..layers import attention
-from ..layers import quantized as quant
-from ..layers.kv_cache import KVCache
-from ..layers.workspace import QUANT_KERNEL_MAX_ROWS, tile_packable
-from .base import Attention, PlanFacts
-from .cpu_threads import ThreadGovernor
-from .cpu_torch import CPUTorchBackend
+from ...layers import quantized as quant
+from ..base import Attention, PlanFacts
+from . import attention
+from .kv_cache import KVCache
+from .threads import ThreadGovernor
+from .torch_backend import CPUTorchBackend
+from .workspace import QUANT_KERNEL_MAX_ROWS, tile_packable
+
+if TYPE_CHECKING:
+    from ...models.decoder import DecoderLM
+    from ..base import DecodeProgram
 
 
 class CPUCompiledBackend(CPUTorchBackend):
@@ -91,8 +95,10 @@ class CPUCompiledBackend(CPUTorchBackend):
         assume)."""
         return rows <= QUANT_KERNEL_MAX_ROWS or (dtype == torch.float32 and rows <= self.quant_float_max_rows)
 
-    def decode_step_class(self) -> Any:
-        return torch.classes.pagedllm.DecodeStep
+    def decode_program(self, model: DecoderLM) -> DecodeProgram | None:
+        from .decode_program import build
+
+        return build(model, torch.classes.pagedllm.DecodeStep)
 
     def int8_matmul(self, x: torch.Tensor, w: quant.QuantizedWeight) -> torch.Tensor:
         """One op (int8_gemm.cpp): x rounded per row in one pass, oneDNN's int8 GEMM, the sums

@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..layers.linear import Linear
-from ..layers.quantized import QuantizedLinear
+from ...layers.linear import Linear
+from ...layers.quantized import QuantizedLinear
 
 if TYPE_CHECKING:
-    from ..layers.attention import CompiledPagedAttention
-    from .decoder import DecoderLM
+    from ...models.decoder import DecoderLM
+    from .attention import CompiledPagedAttention
 
 # Steps of up to this many tokens run the program whatever their rows are (a decode row with
 # speculative guesses, a short prompt); longer prefills keep the Python loop.
@@ -106,14 +106,12 @@ class DecodeProgram:
         )
 
 
-def build(model: DecoderLM) -> DecodeProgram | None:
-    """The model's compiled decode step, or None where the backend has none (PyTorch kernels),
+def build(model: DecoderLM, step_class: Any) -> DecodeProgram | None:
+    """The model's compiled decode step (``step_class``: the kernels' ``DecodeStep``), or None where
     the model is split over ranks, a layer is one the program does not run, or
     ``PAGEDLLM_DECODE_STEP=0`` asks for the Python layer loop (to compare the two)."""
-    step_class = model.backend.decode_step_class()
     if (
         os.environ.get("PAGEDLLM_DECODE_STEP", "1").strip() == "0"
-        or step_class is None
         or model.tensor_parallel is not None
         or model.shard is not None
     ):

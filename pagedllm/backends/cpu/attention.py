@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..sizes import ceil_div
+from ...sizes import ceil_div
 from .workspace import GATHER_BUDGET, PAIRS_BUDGET
 
 

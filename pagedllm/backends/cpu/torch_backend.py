@@ -9,16 +9,17 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from ..layers import attention, pointwise
-from ..layers import quantized as quant
-from ..layers.kv_cache import KVCache
-from ..layers.workspace import DEQUANT_CHUNK_ELEMENTS, padded_rows
-from .base import Attention, Backend, PlanFacts
-from .cpu_threads import ThreadGovernor
+from ...layers import pointwise
+from ...layers import quantized as quant
+from ..base import Attention, Backend, PlanFacts
+from . import attention
+from .kv_cache import KVCache
+from .threads import ThreadGovernor
+from .workspace import DEQUANT_CHUNK_ELEMENTS, padded_rows
 
 if TYPE_CHECKING:
-    from ..config import ModelConfig
-    from ..engine.step import StepInput
+    from ...config import ModelConfig
+    from ...engine.step import StepInput
 
 
 class CPUTorchBackend(Backend):
@@ -146,7 +147,7 @@ class CPUTorchBackend(Backend):
         return ThreadGovernor(pin=None, max_threads=max_threads, cpus=cpus)
 
     def plan_facts(self, dtype: str) -> PlanFacts:
-        from ..layers.onednn_probe import gemm_kind_to_plan
+        from .onednn_probe import gemm_kind_to_plan
 
         kind = gemm_kind_to_plan(dtype)
         return PlanFacts(kernels=self.kernels, gemm_kind=kind, amx_tiles=False, device=self.device.type)

@@ -1,0 +1,185 @@
+"""The parts of one engine, made from a loaded model, its config and its plan (``assemble``):
+the scheduler over its block manager, the KV cache, the runner and its sampler, the threads, a
+draft model's own cache, and ``EngineMemory``, the owner of the plan, the cache, the blocks and
+the limits, with the policy that moves them (``ElasticMemory``). ``LLMEngine`` drives them;
+``build_engine`` plans and loads before any of this exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .. import structured
+from ..backends.base import Backend, ThreadPolicy
+from ..engine_config import EngineConfig
+from ..layers.sampler import Sampler
+from ..limits import RequestLimits
+from ..loading import LoadedModel
+from ..memory.budget import total_memory
+from ..memory.machine import resident_bytes
+from ..memory.planner import MemoryPlan, plan_for
+from ..structured import Grammars
+from .block_manager import BlockManager
+from .detokenizer import Detokenizer
+from .drafter import DraftModel, draft_facts, load_draft
+from .elastic import ElasticMemory
+from .model_runner import ModelRunner
+from .ranks import Ranks
+from .resources import EngineMemory
+from .scheduler import Scheduler
+from .speculative import Speculation
+
+
+@dataclass
+class EngineParts:
+    backend: Backend
+    memory: EngineMemory
+    elastic: ElasticMemory
+    scheduler: Scheduler
+    runner: ModelRunner
+    sampler: Sampler
+    detokenizer: Detokenizer
+    drafter: DraftModel | None
+    threads: ThreadPolicy
+    eos_token_ids: tuple[int, ...]
+
+
+def assemble(
+    loaded: LoadedModel,
+    config: EngineConfig,
+    plan: MemoryPlan | None,
+    grammars: Grammars | None,
+    ranks: Ranks | None,
+    draft: LoadedModel | None,
+) -> EngineParts:
+    """Every part of an engine for ``loaded`` under ``config``; without a ``plan``, planned now
+    from what the process holds. With a budget the whole KV cache is committed here."""
+    cfg, backend = loaded.config, loaded.model.backend
+    if draft is None and config.speculative_method == "draft_model":
+        draft = load_draft(config, loaded, backend)
+    plan = plan or plan_loaded(loaded, backend, config, draft)
+    eos = stop_token_ids(cfg, loaded.tokenizer)
+    detokenizer = Detokenizer(loaded.tokenizer, eos, plan.max_model_len)
+    blocks = BlockManager(plan.num_blocks, plan.block_size, config.enable_prefix_caching)
+    limits = RequestLimits(cfg.vocab_size, plan.max_num_seqs, plan.max_model_len, plan.num_blocks, plan.block_size)
+    drafter = drafter_of(loaded, backend, draft, plan, config) if draft is not None else None
+    scheduler = Scheduler(
+        blocks,
+        plan.max_batch_tokens,
+        plan.max_num_seqs,
+        detokenizer.check_stop,
+        speculation=speculation_of(config),
+        max_model_len=plan.max_model_len,
+        proposer=drafter,
+    )
+    if ranks is not None:
+        loaded.model.tensor_parallel = ranks.group
+    kv_cache = backend.allocate_kv_cache(  # the model's own heads: a rank's, when split
+        loaded.model.config,
+        plan.num_blocks,
+        plan.block_size,
+        plan.kv_dtype,
+        resident=config.budgeted,
+        capacity_blocks=max(plan.num_blocks, total_memory() // plan.kv_bytes_per_block),  # set_memory's room
+    )
+    memory = EngineMemory(plan, config, kv_cache, blocks, limits, scheduler, replanner(loaded, backend))
+    fixed = None
+    if ranks is not None:
+        fixed = "a split model's budget cannot change at run time yet"
+    elif drafter is not None:
+        fixed = "with a draft model the budget cannot change at run time yet"
+    sampler = Sampler(eos, grammars, backend)
+    cpus = ranks.cpus if ranks is not None else None
+    return EngineParts(
+        backend=backend,
+        memory=memory,
+        elastic=ElasticMemory(memory, str(backend.device), fixed),
+        scheduler=scheduler,
+        runner=ModelRunner(loaded.model, kv_cache, sampler, backend),
+        sampler=sampler,
+        detokenizer=detokenizer,
+        drafter=drafter,
+        threads=backend.thread_policy(config.threads or (len(cpus) if cpus else None), cpus=cpus),
+        eos_token_ids=eos,
+    )
+
+
+def plan_loaded(loaded: LoadedModel, backend: Backend, config: EngineConfig, draft: LoadedModel | None) -> MemoryPlan:
+    """The plan when the model (and draft) are loaded already: the baseline is what the
+    process holds besides them."""
+    weights = loaded.model.weight_bytes()
+    held = weights + (draft.model.weight_bytes() if draft is not None else 0)
+    return plan_for(
+        config,
+        loaded.config,
+        loaded.name,
+        backend.plan_facts(config.dtype),
+        grammars=grammars_possible(config, loaded.tokenizer),
+        weights_bytes=weights,  # (the draft's: draft_facts reads its checkpoint)
+        quantized_weights=loaded.model.quantized(),
+        baseline_bytes=max(0, resident_bytes()[0] - held),
+        already_loaded=held,
+        draft=draft_facts(config),
+    )
+
+
+def drafter_of(
+    loaded: LoadedModel, backend: Backend, draft: LoadedModel, plan: MemoryPlan, config: EngineConfig
+) -> DraftModel:
+    """The draft model over a cache of its own, as many blocks as the model's (the plan
+    counts one of each)."""
+    cache = backend.allocate_kv_cache(
+        draft.model.config, plan.num_blocks, plan.block_size, plan.kv_dtype, resident=config.budgeted
+    )
+    return DraftModel(
+        draft.model,
+        cache,
+        backend,
+        plan.max_batch_tokens,
+        loaded.config.vocab_size,
+        stop_token_ids(loaded.config, loaded.tokenizer),
+    )
+
+
+def speculation_of(config: EngineConfig) -> Speculation | None:
+    if config.speculative_method is None:
+        return None
+    return Speculation(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+
+
+def stop_token_ids(cfg, tokenizer) -> tuple[int, ...]:
+    """The tokens that end a sequence: the config's EOS ids and the tokenizer's EOS token."""
+    eos = set(cfg.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return tuple(sorted(eos))
+
+
+def grammars_possible(config: EngineConfig, tokenizer) -> bool:
+    """Whether structured output can run in this engine (on, a tokenizer, xgrammar installed):
+    its grammar caches are then in the plan."""
+    return config.structured_output and tokenizer is not None and structured.available()
+
+
+def replanner(loaded: LoadedModel, backend: Backend) -> Callable[[EngineConfig, MemoryPlan], MemoryPlan]:
+    """``EngineMemory.replan`` for this model: the plan for a config with the process's facts as
+    they were when the old plan was made (its baseline, its weights, the API process beside it).
+    It holds the model, never the engine: no cycle keeps a dropped engine's cache alive until the
+    garbage collector runs (the next engine would plan around it)."""
+
+    def replan(config: EngineConfig, old: MemoryPlan) -> MemoryPlan:
+        return plan_for(
+            config,
+            loaded.config,
+            loaded.name,
+            backend.plan_facts(config.dtype),
+            grammars=grammars_possible(config, loaded.tokenizer),
+            weights_bytes=old.weights_bytes,
+            quantized_weights=loaded.model.quantized(),
+            baseline_bytes=old.baseline_bytes - old.api_process_bytes,
+            api_process_bytes=old.api_process_bytes,
+            draft=draft_facts(config),
+        )
+
+    return replan
