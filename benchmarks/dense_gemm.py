@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from pagedllm.backends.cpu_compiled import CPUCompiledBackend
-from pagedllm.backends.cpu_torch import CPUTorchBackend
+from pagedllm.backends.cpu.compiled_backend import CPUCompiledBackend
+from pagedllm.backends.cpu.torch_backend import CPUTorchBackend
 from pagedllm.kernels import compiled_ops
 
 SHAPES = {"q/k/v": (960, 576), "o": (576, 576), "gate/up": (3072, 576), "down": (576, 1536)}
