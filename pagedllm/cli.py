@@ -13,6 +13,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from . import env
 from .engine_config import EngineConfig
 from .engine_config import add_flags as add_engine_flags
 from .errors import PagedLLMError
@@ -105,7 +106,6 @@ def _launched_worker_rank() -> bool:
 
 
 def cmd_serve(args) -> int:
-    import os
 
     import uvicorn
 
@@ -117,7 +117,7 @@ def cmd_serve(args) -> int:
         build_engine(EngineConfig.from_args(args))  # a launched worker rank: no server; it serves the driver
         return 0  # (build_engine ends such a rank's process itself)
 
-    api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY")
+    api_key = args.api_key or env.API_KEY.get() or None
     failed: list[BaseException] = []
     app = create_app(
         _served_model(args),

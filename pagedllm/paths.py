@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from . import env
 
 
 def cache_root() -> Path:
     """``$PAGEDLLM_CACHE``, else ``~/.cache/pagedllm``."""
-    return Path(os.environ.get("PAGEDLLM_CACHE") or Path.home() / ".cache" / "pagedllm")
+    return env.CACHE.get()

@@ -14,6 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pagedllm"
 
 # Lowest first. Components on one level do not import each other.
 LEVELS = [
+    {"env"},  # every environment variable, read in one place
     {"errors", "sizes", "paths"},  # facts every stage shares
     {"kernels"},  # compiled CPU kernels: built on first use, or absent
     {"config", "engine_config", "sampling_params", "outputs", "prompts"},  # what a model, an engine, a request are
@@ -240,3 +241,42 @@ def test_the_cycle_check_sees_a_circle():
     graph = {"p.a": {"p.b"}, "p.b": {"p.c"}, "p.c": {"p.a", "q.x"}, "q.x": {"p.a"}}
     assert cycles_within_folders(graph) == [["p.a", "p.b", "p.c"]]
     assert cycles_within_folders({"p.a": {"q.x"}, "q.x": {"p.a"}}) == []
+
+
+def environment_reads(source: str) -> list[int]:
+    """Lines of ``source`` that read a setting from the environment: ``os.environ.get``,
+    ``os.environ[...]`` loaded, ``os.getenv``, ``... in os.environ``. Copies handed to a child
+    process (``dict(os.environ)``, ``{**os.environ}``) and ``setdefault`` (a library's setting
+    made for it) are not reads."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        target = None
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr == "get" or node.func.attr == "getenv":
+                target = node.func.value if node.func.attr == "get" else node.func
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
+            target = node.value
+        elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops):
+            target = node.comparators[0]
+        if target is not None and ast.unparse(target) in ("os.environ", "os.getenv", "environ"):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_only_env_reads_the_environment():
+    """Every environment variable pagedllm reads is named, typed and explained once, in
+    ``pagedllm/env.py``; no other module reads one."""
+    wrong = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}"
+        for path in PACKAGE.rglob("*.py")
+        if path != PACKAGE / "env.py"
+        for line in environment_reads(path.read_text())
+    ]
+    assert not wrong, "environment read outside pagedllm/env.py:\n" + "\n".join(wrong)
+
+
+def test_the_environment_check_sees_each_kind_of_read():
+    planted = "import os\na = os.environ.get('X')\nb = os.environ['Y']\nc = os.getenv('Z')\nd = 'W' in os.environ\n"
+    assert environment_reads(planted) == [2, 3, 4, 5]
+    copies = "import os\nchild = dict(os.environ)\nmore = {**os.environ, 'A': '1'}\nos.environ.setdefault('B', '2')\n"
+    assert environment_reads(copies) == []

@@ -17,6 +17,8 @@ import subprocess
 import sys
 import time
 
+from .. import env
+
 SIZES = (16 * 1024, 256 * 1024, 4 * 1024 * 1024)
 
 
@@ -65,7 +67,7 @@ def _rank(rank: int, ranks: int, address: str, iterations: int) -> None:
     os.sched_setaffinity(0, cpus)
     torch.set_num_threads(len(cpus))
     group = join(rank, ranks, address, backends.get("auto").shared_memory_ops())
-    if os.environ.get("PAGEDLLM_TP_SHM") != "0" and group.shm is None:
+    if env.TP_SHM.get() and group.shm is None:
         group.close()
         return  # no shared memory here (no compiled kernels): nothing to time
     for size in SIZES:

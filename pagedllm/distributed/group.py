@@ -24,15 +24,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import env
 from ..errors import RankLost
 from .shm import SharedMemoryAllReduce
 
-DEFAULT_TIMEOUT_S = 300.0  # a collective waits this long for a silent rank (loading a shard included)
 IDLE_TIMEOUT = timedelta(days=365)  # how long a worker waits for the driver's next step
 
 
 def timeout() -> timedelta:
-    return timedelta(seconds=float(os.environ.get("PAGEDLLM_TP_TIMEOUT", DEFAULT_TIMEOUT_S)))
+    return timedelta(seconds=env.TP_TIMEOUT.get())
 
 
 class RankGroup:
@@ -120,7 +120,7 @@ def join(rank: int, size: int, init_method: str, shm_ops: Any = None) -> RankGro
     rank calls it."""
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size, timeout=timeout())
     group = RankGroup(rank, size)
-    ops = shm_ops if os.environ.get("PAGEDLLM_TP_SHM", "1") != "0" else None
+    ops = shm_ops if env.TP_SHM.get() else None
     where = group.gather_objects((socket.gethostname(), os.getpid(), ops is not None))
     if len({host for host, _, _ in where}) == 1 and all(ok for _, _, ok in where):
         path = group.broadcast(SharedMemoryAllReduce.create(ops, size) if rank == 0 else None)

@@ -12,10 +12,10 @@ OS (``KVCache.resize``). Growing needs no restart: the cache's mapping reserved 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import replace
 
+from .. import env
 from ..engine_config import ConfigError
 from ..errors import CacheDoesNotFitError
 from ..memory.budget import resolve_budget, total_memory
@@ -30,7 +30,7 @@ MiB = 2**20
 # A grown budget's new blocks go to running requests at once, to new admissions only once the
 # budget has held this long: a budget that drops again soon (memory="follow" beside a neighbour
 # that comes and goes) would preempt, and recompute, everything admitted into the extra room.
-GROW_SETTLE_S = float(os.environ.get("PAGEDLLM_GROW_SETTLE_S", 10))
+GROW_SETTLE_S = env.GROW_SETTLE_S.get()
 
 
 class ElasticMemory:

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import threading
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 
-from .. import prompts
+from .. import env, prompts
 from ..backends.cpu.kv_cache import KVCache
 from ..engine_config import ConfigError, EngineConfig
 from ..errors import CacheDoesNotFitError, RequestRejected
@@ -96,7 +95,7 @@ class LLMEngine:
         self.structured_output = config.structured_output
         self._grammars_lock = threading.Lock()
         # Debug mode (the test suite runs with it): verify every step's bookkeeping.
-        self.check_invariants_every_step = os.environ.get("PAGEDLLM_CHECK_INVARIANTS", "") not in ("", "0")
+        self.check_invariants_every_step = env.CHECK_INVARIANTS.get()
         self.record_step_shapes = False  # the memory tests turn it on to read last_step_shape
         self.last_step_shape: StepShape | None = None
         self._ids = itertools.count()

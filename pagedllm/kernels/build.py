@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .. import env
 from ..paths import cache_root
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ def select(mode: str) -> str:
 
 def _mode() -> str:
     if _state["mode"] is None:
-        mode = os.environ.get("PAGEDLLM_KERNELS", "auto").strip().lower() or "auto"
+        mode = env.KERNELS.get()
         if mode not in MODES:
             raise ValueError(f"PAGEDLLM_KERNELS={mode!r}: choose one of {', '.join(MODES)}")
         _state["mode"] = mode
@@ -97,7 +98,7 @@ def build_target() -> str:
     """The CPU the kernels are built for: this one ('native'), or ``PAGEDLLM_KERNEL_TARGET``
     (x86-64-v3: AVX2 without AVX-512), so a machine with AVX-512 can build and test the paths
     other CPUs take."""
-    return os.environ.get("PAGEDLLM_KERNEL_TARGET", "").strip() or "native"
+    return env.KERNEL_TARGET.get()
 
 
 def _capability() -> str:
@@ -147,7 +148,7 @@ def _load():
 def _build(target: Path) -> None:
     """Compiles in a child process: the build machinery (setuptools, the compiler driver's
     imports) never becomes part of the serving process."""
-    compiler = os.environ.get("CXX", "c++")
+    compiler = env.COMPILER.get()
     if shutil.which(compiler) is None:
         raise KernelBuildError(f"no C++ compiler ({compiler!r} not found) to build the CPU kernels")
     if shutil.which("ninja") is None and importlib.util.find_spec("ninja") is None:
@@ -155,11 +156,11 @@ def _build(target: Path) -> None:
     target.mkdir(parents=True, exist_ok=True)
     log.warning("building pagedllm's CPU kernels into %s (first start only, about 15 s)", target)
     start = time.perf_counter()
-    env = dict(os.environ)
+    child_env = dict(os.environ)
     ninja_dir = Path(sys.executable).parent  # pip's ninja puts its binary beside the interpreter
-    env["PATH"] = f"{ninja_dir}{os.pathsep}{env.get('PATH', '')}"
+    child_env["PATH"] = f"{ninja_dir}{os.pathsep}{child_env.get('PATH', '')}"
     done = subprocess.run(
-        [sys.executable, "-m", "pagedllm.kernels.build", str(target)], capture_output=True, text=True, env=env
+        [sys.executable, "-m", "pagedllm.kernels.build", str(target)], capture_output=True, text=True, env=child_env
     )
     if done.returncode != 0 or not (target / f"{_NAME}.so").is_file():
         tail = " ".join((done.stderr or done.stdout).split())[-400:]

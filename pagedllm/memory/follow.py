@@ -15,9 +15,10 @@ a test can write the files.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from .. import env
 
 FOLLOW = "follow"
 PRESSURE_AVG10 = 10.0  # percent: from here on the machine is short of memory
@@ -34,13 +35,7 @@ class MachineWatch:
 
     @classmethod
     def from_env(cls) -> MachineWatch:
-        env = os.environ
-        return cls(
-            Path(env.get("PAGEDLLM_CGROUP_ROOT", "/sys/fs/cgroup")),
-            Path(env.get("PAGEDLLM_PSI_PATH", "/proc/pressure/memory")),
-            float(env.get("PAGEDLLM_FOLLOW_MARGIN", 0.05)),
-            float(env.get("PAGEDLLM_FOLLOW_INTERVAL", 2.0)),
-        )
+        return cls(env.CGROUP_ROOT.get(), env.PSI_PATH.get(), env.FOLLOW_MARGIN.get(), env.FOLLOW_INTERVAL.get())
 
     def limit(self) -> tuple[int, str] | None:
         """The container's memory limit and where it was read, or None without one."""

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import env
 from ..backends.cpu.threads import allowed_cpus, physical_cores
 from ..engine_config import EngineConfig
 
@@ -45,10 +46,10 @@ class Launched:
 
 def launched_rank() -> Launched | None:
     """This process's place when a launcher (torchrun) started it as one rank, else None."""
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
-        rank, size = int(env["RANK"]), int(env["WORLD_SIZE"])
-        return Launched(rank, size, int(env.get("LOCAL_RANK", rank)), int(env.get("LOCAL_WORLD_SIZE", size)))
+    if env.RANK.is_set() and env.WORLD_SIZE.is_set() and env.MASTER_ADDR.is_set():
+        rank, size = env.RANK.get(), env.WORLD_SIZE.get()
+        local_rank = env.LOCAL_RANK.get() if env.LOCAL_RANK.is_set() else rank
+        return Launched(rank, size, local_rank, env.LOCAL_WORLD_SIZE.get() or size)
     return None
 
 

@@ -12,11 +12,11 @@ PyTorch backend and a split model keep the Python layer loop, which stays the re
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ... import env
 from ...layers.linear import Linear
 from ...layers.quantized import QuantizedLinear
 
@@ -110,11 +110,7 @@ def build(model: DecoderLM, step_class: Any) -> DecodeProgram | None:
     """The model's compiled decode step (``step_class``: the kernels' ``DecodeStep``), or None where
     the model is split over ranks, a layer is one the program does not run, or
     ``PAGEDLLM_DECODE_STEP=0`` asks for the Python layer loop (to compare the two)."""
-    if (
-        os.environ.get("PAGEDLLM_DECODE_STEP", "1").strip() == "0"
-        or model.tensor_parallel is not None
-        or model.shard is not None
-    ):
+    if not env.DECODE_STEP.get() or model.tensor_parallel is not None or model.shard is not None:
         return None
     try:
         return DecodeProgram(model, step_class)

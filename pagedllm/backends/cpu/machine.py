@@ -5,9 +5,9 @@ ONEDNN_MAX_CPU_ISA caps it, and which kernels an engine started now would run.""
 from __future__ import annotations
 
 import functools
-import os
 import shutil
 
+from ... import env
 from .workspace import QUANT_FLOAT_ANY_ROWS, QUANT_FLOAT_AVX2_ROWS, QUANT_KERNEL_MAX_ROWS
 
 # What oneDNN's bf16 GEMMs run on, best first; each takes its own scratch (footprint.gemm_scratch).
@@ -61,7 +61,7 @@ def kernel_float_max_rows() -> int:
     path, 64 on AVX2, else as many as bf16 rows), as ``kernels.build`` targets it
     (``PAGEDLLM_KERNEL_TARGET``, else this CPU), for a plan made without loading the kernels
     (``pagedllm plan``); a backend tells it exactly."""
-    target = os.environ.get("PAGEDLLM_KERNEL_TARGET", "").strip()
+    target = env.KERNEL_TARGET.get().replace("native", "")
     flags = cpu_flags()
     if target == "x86-64-v4" or (not target and {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags):
         return QUANT_FLOAT_ANY_ROWS
@@ -75,8 +75,8 @@ def onednn_isa_cap() -> str | None:
     None where it caps nothing. oneDNN reads it once, at its first use; pagedllm's own AMX
     kernels (kernels/csrc/amx.h) obey the same variable, so setting it runs a machine as
     one without AMX."""
-    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
-        value = os.environ.get(name, "").strip().upper()
+    for var in (env.ONEDNN_MAX_CPU_ISA, env.DNNL_MAX_CPU_ISA):
+        value = var.get().upper()
         if value:
             return None if "AMX" in value or value in ("ALL", "DEFAULT") else _ONEDNN_CAPS.get(value)
     return None
@@ -124,6 +124,6 @@ def missing_flags(kind: str) -> list[str]:
 def expected_kernels() -> str:
     """The kernels an engine started now will run, without building or importing them:
     'compiled' where a C++ compiler is present (they build on first use), else 'torch'."""
-    if os.environ.get("PAGEDLLM_KERNELS", "").strip().lower() == "torch":
+    if env.KERNELS.get() == "torch":
         return "torch"
-    return "compiled" if shutil.which(os.environ.get("CXX", "c++")) else "torch"
+    return "compiled" if shutil.which(env.COMPILER.get()) else "torch"

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from ... import env
+
 log = logging.getLogger(__name__)
 
 CHECK_INTERVAL_S = 0.5  # how often the load of other processes is read
@@ -49,11 +51,6 @@ def physical_cores(cpus: list[int]) -> list[int]:
     return chosen
 
 
-def _env_flag(name: str, default: bool) -> bool:
-    value = os.environ.get(name)
-    return default if value is None else value.strip() not in ("0", "false", "no", "")
-
-
 class ThreadGovernor:
     """Sets torch's thread count and affinity at start, then adjusts them between steps.
 
@@ -71,9 +68,9 @@ class ThreadGovernor:
         self._pin = pin
         self.cpus = sorted(cpus) if cpus else allowed_cpus()
         self.cores = physical_cores(self.cpus)
-        self.max_threads = max_threads or int(os.environ.get("PAGEDLLM_THREADS", 0)) or len(self.cores)
-        self.pin = _env_flag("PAGEDLLM_PIN_THREADS", True) and pin is not None
-        self.adapt = not cpus and _env_flag("PAGEDLLM_ADAPT_THREADS", True) and _proc_stat() is not None
+        self.max_threads = max_threads or env.THREADS.get() or len(self.cores)
+        self.pin = env.PIN_THREADS.get() and pin is not None
+        self.adapt = not cpus and env.ADAPT_THREADS.get() and _proc_stat() is not None
         self.threads = 0
         self.pinned = False
         self._pinned_for: int | None = None  # the thread whose worker team the pinning applies to
