@@ -18,7 +18,7 @@ from typing import Any
 from .errors import PagedLLMError
 from .sizes import KV_CACHE_DTYPES, QUANTIZATIONS, SUPPORTED_DTYPES, dtype_name, kv_dtype_name, parse_memory
 
-BACKENDS = ("auto", "cpu-compiled", "cpu-torch")  # pagedllm.backends.NAMES, without importing torch
+BACKENDS = ("auto", "cpu-compiled", "cpu-torch")  # pagedllm.backends.NAMES (a level above: tests/test_backends.py)
 SPECULATIVE_METHODS = ("ngram", "draft_model")  # engine.speculative.NgramProposer, engine.drafter.DraftModel
 # LLM(speculative={...}) takes vLLM's speculative_config keys; each is one field here
 SPECULATIVE_KEYS = {

@@ -90,3 +90,11 @@ def _no_compiler():
     from pagedllm.kernels import KernelBuildError
 
     raise KernelBuildError("no C++ compiler ('c++' not found) to build the CPU kernels")
+
+
+def test_the_config_accepts_exactly_the_registrys_backends():
+    """``EngineConfig`` validates ``backend`` below the registry's level, from its own list: the
+    two lists are one (a new device's names must reach the command line's choices too)."""
+    from pagedllm.engine_config import BACKENDS
+
+    assert BACKENDS == backends.NAMES
