@@ -108,18 +108,32 @@ def assemble(
 def plan_loaded(loaded: LoadedModel, backend: Backend, config: EngineConfig, draft: LoadedModel | None) -> MemoryPlan:
     """The plan when the model (and draft) are loaded already: the baseline is what the
     process holds besides them."""
-    weights = loaded.model.weight_bytes()
+    weights = loaded.model.weight_bytes()  # (the draft's: draft_facts reads its checkpoint)
     held = weights + (draft.model.weight_bytes() if draft is not None else 0)
+    return _plan(loaded, backend, config, weights, max(0, resident_bytes()[0] - held), already_loaded=held)
+
+
+def _plan(
+    loaded: LoadedModel,
+    backend: Backend,
+    config: EngineConfig,
+    weights_bytes: int | None,
+    baseline_bytes: int,
+    already_loaded: int = 0,
+    api_process_bytes: int = 0,
+) -> MemoryPlan:
+    """``plan_for`` with what the loaded model says of itself."""
     return plan_for(
         config,
         loaded.config,
         loaded.name,
         backend.plan_facts(config.dtype),
         grammars=grammars_possible(config, loaded.tokenizer),
-        weights_bytes=weights,  # (the draft's: draft_facts reads its checkpoint)
+        weights_bytes=weights_bytes,
         quantized_weights=loaded.model.quantized(),
-        baseline_bytes=max(0, resident_bytes()[0] - held),
-        already_loaded=held,
+        baseline_bytes=baseline_bytes,
+        already_loaded=already_loaded,
+        api_process_bytes=api_process_bytes,
         draft=draft_facts(config),
     )
 
@@ -169,17 +183,7 @@ def replanner(loaded: LoadedModel, backend: Backend) -> Callable[[EngineConfig, 
     garbage collector runs (the next engine would plan around it)."""
 
     def replan(config: EngineConfig, old: MemoryPlan) -> MemoryPlan:
-        return plan_for(
-            config,
-            loaded.config,
-            loaded.name,
-            backend.plan_facts(config.dtype),
-            grammars=grammars_possible(config, loaded.tokenizer),
-            weights_bytes=old.weights_bytes,
-            quantized_weights=loaded.model.quantized(),
-            baseline_bytes=old.baseline_bytes - old.api_process_bytes,
-            api_process_bytes=old.api_process_bytes,
-            draft=draft_facts(config),
-        )
+        baseline = old.baseline_bytes - old.api_process_bytes
+        return _plan(loaded, backend, config, old.weights_bytes, baseline, api_process_bytes=old.api_process_bytes)
 
     return replan
