@@ -155,3 +155,23 @@ def test_sliding_window_under_chunked_prefill_prefix_hits_and_preemption_equals_
     assert stats.preemptions > 0 and stats.prefix_cache_hit_tokens > 0, stats
     assert max(len(p) for p in prompts) > 2 * 24, "prompts longer than two windows"
     assert_greedy_matches([o.token_ids for o in outs], [hf_greedy(hf, p, 32) for p in prompts])
+
+
+def test_a_dropped_engine_goes_at_once_without_the_garbage_collector(tiny_checkpoints):
+    """Nothing an engine hands its parts refers back to it (the memory's replanning holds the
+    model, the elastic policy holds the memory): the last reference dropped frees its KV cache
+    at once, before any collection, so the next engine's plan does not count the old one.
+    (Planted: a part given the engine, `engine.elastic.engine = engine`, keeps it alive: fails.)"""
+    import gc
+    import weakref
+
+    llm = LLM(tiny_checkpoints["llama"][0], block_size=4, num_blocks=32, max_model_len=128)
+    llm.generate([[1, 2, 3]], GREEDY)
+    gone = weakref.ref(llm.engine)
+    cache = weakref.ref(llm.engine.kv_cache)
+    gc.disable()
+    try:
+        del llm
+        assert gone() is None and cache() is None
+    finally:
+        gc.enable()
