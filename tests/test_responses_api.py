@@ -320,7 +320,7 @@ def test_reasoning_content_becomes_a_reasoning_item_before_the_message_whole_and
     assert reasoning == "The user wants the time."
 
 
-def test_an_error_in_the_chat_stream_ends_the_response_as_failed():
+def test_a_failure_after_the_answer_began_ends_the_response_as_failed():
     frame = Frame.of(ResponsesRequest(input="hi"), MODEL)
     error = Failure(APIError(500, "non-finite logits", "server_error"))
     batches = [[TextDelta(0, "Hel")], [error], [Usage(3, 1)]]
