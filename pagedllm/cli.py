@@ -6,12 +6,9 @@ import argparse
 import contextlib
 import json
 import logging
-import signal
-import socket
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 from . import env
 from .engine_config import EngineConfig
@@ -107,9 +104,8 @@ def _launched_worker_rank() -> bool:
 
 def cmd_serve(args) -> int:
 
-    import uvicorn
-
-    from .server.app import create_app, drain
+    from .server.app import create_app
+    from .server.run import serve
 
     if args.tensor_parallel_size > 1 and _launched_worker_rank():
         from .engine.builder import build_engine
@@ -118,7 +114,6 @@ def cmd_serve(args) -> int:
         return 0  # (build_engine ends such a rank's process itself)
 
     api_key = args.api_key or env.API_KEY.get() or None
-    failed: list[BaseException] = []
     app = create_app(
         _served_model(args),
         served_model_name=args.served_model_name,
@@ -128,54 +123,7 @@ def cmd_serve(args) -> int:
         shutdown_timeout=args.shutdown_timeout,
         reasoning_parser=args.reasoning_parser,
     )
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level="info" if args.verbose else "warning",
-            timeout_graceful_shutdown=int(args.shutdown_timeout),
-        )
-    )
-    # uvicorn re-raises SIGTERM after its graceful shutdown, so the process would die of the
-    # signal; we take SIGTERM/SIGINT ourselves: new requests get 503 while what is in flight
-    # finishes (up to --shutdown-timeout), the rest end with an error, then exit 0. A second
-    # signal stops at once.
-    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
-
-    def on_signal(*_) -> None:
-        if app.state.draining:  # the second: no waiting for open connections or the engine
-            server.should_exit = server.force_exit = True
-        else:
-            drain(app, lambda: setattr(server, "should_exit", True))
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
-
-    def engine_failed(error: BaseException) -> None:
-        """Every request has its error answer; the server shuts down and exits 1, so whatever
-        supervises it (systemd, Kubernetes, a shell loop) starts a new one."""
-        failed.append(error)
-        server.should_exit = True
-
-    app.state.engine.on_failure.append(engine_failed)
-    # The socket is bound here, before serving: with --port 0 the kernel picks a free port, and
-    # whoever started us reads it from --port-file (no pick-a-port-then-bind race).
-    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
-    # IPPROTO_TCP explicitly: asyncio turns Nagle off (TCP_NODELAY) only on sockets that say so;
-    # with proto 0 every small response waited ~40 ms for a delayed ACK
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
-    port = sock.getsockname()[1]
-    if args.port_file:
-        Path(args.port_file).write_text(f"{port}\n")
-    print(f"pagedllm serve: listening on http://{args.host}:{port}", file=sys.stderr, flush=True)
-    server.run(sockets=[sock])
-    if failed:
-        print(f"pagedllm serve: the engine failed ({failed[0]!r}); exiting 1", file=sys.stderr)
-        return 1
-    return 0
+    return serve(app, args.host, args.port, port_file=args.port_file, verbose=args.verbose)
 
 
 def cmd_plan(args) -> int:

@@ -13,8 +13,9 @@ from server_process import ServerProcess
 from tiny_models import COMMON, _byte_level_vocab
 
 from pagedllm.outputs import RequestOutput
+from pagedllm.server.openai.shaping import Shape
+from pagedllm.server.reading import Reader
 from pagedllm.server.reasoning import Reasoning, partial_tag
-from pagedllm.server.responses import Reply
 from pagedllm.server.tool_calls import tool_use
 
 # ---- the splitter, whole ------------------------------------------------------------------------
@@ -57,23 +58,33 @@ def test_a_partial_end_tag_is_what_may_still_become_one():
 # ---- streamed: any chunking adds up to the whole answer ------------------------------------------
 
 
-def reply(reasoning: Reasoning | None, tools=None) -> Reply:
-    return Reply("chatcmpl-x", True, 0, "m", str, tools, reasoning)
+def reply(reasoning: Reasoning | None, tools=None) -> Reader:
+    return Reader(reasoning, tools)
+
+
+def chat_shape(r: Reader) -> Shape:
+    """The chat API's shape of the answers ``r`` reads."""
+    return Shape("chatcmpl-x", True, 0, "m", str, reasoning=r.reasoning is not None)
+
+
+def whole(r: Reader, text: str) -> dict:
+    """The chat API's whole answer's choice for the finished output ``text``."""
+    return chat_shape(r).choice(r.answer(0, output(text, True)))
 
 
 def output(text: str, finished: bool) -> RequestOutput:
     return RequestOutput("r", [1], text, [0] * len(text), finished, "stop" if finished else None)
 
 
-def stream(r: Reply, text: str, cuts: list[int]) -> tuple[str, str, list[dict], list[str]]:
-    """The (reasoning, content, tool calls, kinds of delta in order) a stream of ``text`` sends
-    when the engine hands it over in pieces ending at ``cuts``."""
+def stream(r: Reader, text: str, cuts: list[int]) -> tuple[str, str, list[dict], list[str]]:
+    """The (reasoning, content, tool calls, kinds of delta in order) a chat stream of ``text``
+    sends when the engine hands it over in pieces ending at ``cuts``."""
     sent, reasoning, content, calls, kinds = 0, "", "", [], []
     for end in [*sorted(set(cuts)), len(text)]:
-        choice, sent = r.delta_choice(0, output(text[:end], end == len(text)), None, sent)
-        if choice is None:
+        events, _, sent = r.delta(0, output(text[:end], end == len(text)), sent)
+        if not events:
             continue
-        delta = choice["delta"]
+        delta = chat_shape(r).delta(events)["delta"]
         reasoning += delta.get("reasoning_content", "")
         content += delta.get("content", "")
         calls += delta.get("tool_calls", [])
@@ -81,10 +92,10 @@ def stream(r: Reply, text: str, cuts: list[int]) -> tuple[str, str, list[dict], 
     return reasoning, content, calls, kinds
 
 
-def assert_streams_the_whole(r: Reply, text: str, cuts) -> None:
+def assert_streams_the_whole(r: Reader, text: str, cuts) -> None:
     """Streamed in pieces ending at ``cuts``, ``text`` sends its whole answer's reasoning and
     content, and no reasoning after the content has begun."""
-    message = r.body([output(text, True)], [[1]])["choices"][0]["message"]
+    message = whole(r, text)["message"]
     reasoning, content, _, kinds = stream(r, text, [c for c in cuts if 0 < c < len(text)])
     assert (reasoning, content) == (message.get("reasoning_content") or "", message["content"] or "")
     assert "reasoning_content" not in kinds[kinds.index("content") :] if "content" in kinds else True
@@ -112,7 +123,7 @@ def test_every_chunking_of_a_tricky_text_streams_its_whole_split(reasoning, text
 @given(texts, st.lists(st.integers(0, 60), max_size=8))
 def test_without_a_parser_the_stream_is_the_raw_text(text, cuts):
     r = reply(None)
-    message = r.body([output(text, True)], [[1]])["choices"][0]["message"]
+    message = whole(r, text)["message"]
     assert "reasoning_content" not in message and message["content"] == text
     assert stream(r, text, [c for c in cuts if c < len(text)])[:2] == ("", text)
 
@@ -130,7 +141,7 @@ TOOLS = tool_use([{"type": "function", "function": {"name": "f"}}], "auto", True
 )
 def test_tool_calls_are_read_from_the_content_only(text, reasoning, calls):
     r = reply(OPENED, TOOLS)
-    choice = r.body([output(text, True)], [[1]])["choices"][0]
+    choice = whole(r, text)
     assert choice["message"]["reasoning_content"] == reasoning
     assert [c["function"]["name"] for c in choice["message"].get("tool_calls", [])] == calls
     streamed_reasoning, _, streamed_calls, _ = stream(r, text, list(range(len(text))))

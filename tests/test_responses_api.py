@@ -1,7 +1,7 @@
 """OpenAI's Responses API on `pagedllm serve`: the official client's `responses.create`,
 `responses.stream` and `responses.parse` work against it, every body and event is one the
 client's own types accept, and each answer is the chat API's answer to the same request (the
-endpoint translates to it; greedy is deterministic, so the chat endpoint on the same server is
+endpoint makes the same internal request; greedy is deterministic, so the chat endpoint on the same server is
 the oracle). What it does not implement is a 400 naming the field, and the server keeps serving."""
 
 import asyncio
@@ -15,7 +15,10 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, Field, TypeAdapter
 from server_process import ServerProcess
 
-from pagedllm.server.responses_api import Frame, ResponsesRequest, response_events
+from pagedllm.server.errors import APIError
+from pagedllm.server.events import Answer, Failure, Finish, ReasoningDelta, Result, TextDelta, ToolCalls, Usage
+from pagedllm.server.openai.responses import Frame, ResponsesRequest, response_events
+from pagedllm.server.tool_calls import ToolCall
 
 slow = pytest.mark.slow
 
@@ -263,60 +266,39 @@ def test_what_is_not_implemented_is_a_400_naming_the_field_and_the_server_keeps_
     assert respond(client, 2, input=QUESTION).status in ("completed", "incomplete")
 
 
-# ---- without a model: what a thinking model's chat answer becomes ----------------------------
+# ---- without a model: what a thinking model's answer becomes ---------------------------------
 
 
-def data(payload: dict) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
-
-
-def chunk(delta: dict, finish_reason: str | None = None) -> str:
-    """One chunk of a chat stream, as routes.chat_completions sends it."""
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-    return data({"id": "chatcmpl-1", "object": "chat.completion.chunk", "choices": [choice]})
-
-
-CALL = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
-THINKING_STREAM = [
-    chunk({"role": "assistant", "content": ""}),
-    chunk({"reasoning_content": "The user wants "}),
-    chunk({"reasoning_content": "the time."}),
-    chunk({"content": "Let me check."}),
-    chunk({"tool_calls": [{"index": 0, **CALL}]}, "tool_calls"),
-    data({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}}),
-    "data: [DONE]\n\n",
+CALL = ToolCall("get_time", {}, "call_1")
+THINKING_STREAM = [  # the events a generation yields, one batch per engine output
+    [ReasoningDelta(0, "The user wants ")],
+    [ReasoningDelta(0, "the time.")],
+    [TextDelta(0, "Let me check.")],
+    [ToolCalls(0, (CALL,)), Finish(0, "tool_calls", [1, 2])],
+    [Usage(5, 7)],
 ]
-THINKING_BODY = {
-    "choices": [
-        {
-            "index": 0,
-            "message": {
-                "role": "assistant",
-                "content": "Let me check.",
-                "reasoning_content": "The user wants the time.",
-                "tool_calls": [CALL],
-            },
-            "finish_reason": "tool_calls",
-        }
-    ],
-    "usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12},
-}
+THINKING_RESULT = Result(
+    "1",
+    0,
+    [Answer(0, "Let me check.", "The user wants the time.", (CALL,), "tool_calls", [1, 2], None, None)],
+    Usage(5, 7),
+)
 
 
-def sse_of(frame: Frame, chunks: list[str]) -> str:
-    async def body():
-        for c in chunks:
-            yield c
+def sse_of(frame: Frame, batches: list[list]) -> str:
+    async def events():
+        for batch in batches:
+            yield batch
 
     async def collect():
-        return "".join([event async for event in response_events(frame, body())])
+        return "".join([event async for event in response_events(frame, events())])
 
     return asyncio.run(collect())
 
 
 def test_reasoning_content_becomes_a_reasoning_item_before_the_message_whole_and_streamed():
     frame = Frame.of(ResponsesRequest(input="What time is it?", tools=[TIME]), MODEL)
-    whole = Response.model_validate(frame.from_chat_body(THINKING_BODY))
+    whole = Response.model_validate(frame.from_result(THINKING_RESULT))
     sse = sse_of(frame, THINKING_STREAM)
     events = events_of(sse)
     final = Response.model_validate(events[-1]["response"])
@@ -338,10 +320,10 @@ def test_reasoning_content_becomes_a_reasoning_item_before_the_message_whole_and
     assert reasoning == "The user wants the time."
 
 
-def test_an_error_in_the_chat_stream_ends_the_response_as_failed():
+def test_a_failure_after_the_answer_began_ends_the_response_as_failed():
     frame = Frame.of(ResponsesRequest(input="hi"), MODEL)
-    error = data({"error": {"message": "non-finite logits", "type": "server_error", "param": None, "code": None}})
-    chat_stream = [chunk({"role": "assistant", "content": ""}), chunk({"content": "Hel"}), error, "data: [DONE]\n\n"]
-    events = events_of(sse_of(frame, chat_stream))
+    error = Failure(APIError(500, "non-finite logits", "server_error"))
+    batches = [[TextDelta(0, "Hel")], [error], [Usage(3, 1)]]
+    events = events_of(sse_of(frame, batches))
     assert events[-1]["type"] == "response.failed"
     assert events[-1]["response"]["error"] == {"code": "server_error", "message": "non-finite logits"}

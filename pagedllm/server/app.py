@@ -3,8 +3,10 @@
 Every error is OpenAI's error body with the right status; bad input is a 4xx and never touches
 the engine, so everyone else keeps being served. Whose fault an error is goes by its type:
 ``RequestRejected`` (raised where the request is checked) is the client's 400, any other exception
-is the server's 500, logged with its traceback. The routes are in ``routes.py``, what they
-answer in ``generation.py`` and ``responses.py``, the API key and body limit in ``guards.py``.
+is the server's 500, logged with its traceback. The server's own routes are in ``routes.py``,
+each API's in ``openai/`` and ``anthropic/`` (its request into the internal one, ``generation.Job``,
+and the typed events back into its format), the API key and body limit in ``guards.py``; ``run.py``
+serves the app over HTTP.
 """
 
 from __future__ import annotations
@@ -25,13 +27,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import RequestRejected
 from . import reasoning
-from .embeddings_api import router as embeddings_router
+from .anthropic import messages
 from .errors import APIError, error_body, rejected
 from .guards import Guards
-from .messages_api import router as messages_router
 from .metrics import Metrics, ThroughputMeter
+from .openai import chat, completions, embeddings, responses, tokenize
 from .openapi import document_responses
-from .responses_api import router as responses_router
 from .routes import router
 from .served import Engine, ServedModel
 from .web import router as web_router
@@ -71,9 +72,8 @@ def create_app(
     app.state.reasoning_parser = reasoning.choose(reasoning_parser, model)  # None: chat text as is
     app.add_middleware(Guards, api_key=api_key, max_body_bytes=max_body_bytes, on_error=metrics.count_error)
     app.include_router(router)
-    app.include_router(embeddings_router)
-    app.include_router(messages_router)
-    app.include_router(responses_router)
+    for api in (completions, chat, tokenize, embeddings, messages, responses):
+        app.include_router(api.router)
     app.include_router(web_router)
     return app
 

@@ -1,5 +1,6 @@
-"""One generation request's life: checked and queued on the engine, its outputs read from its
-mailbox, and answered whole or streamed as they come.
+"""One generation request's life, whichever API it came through: the internal request (``Job``)
+checked and queued on the engine, its outputs read from its mailbox as typed events
+(``events.py``) or as the whole answer, which each API formats in its own way.
 
 Every prompt is validated before any is queued, so a request is refused whole or runs whole. A
 client that goes away aborts what it still has running at once, which frees its blocks before
@@ -11,81 +12,133 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
 
 from ..errors import EngineStopped, QueueFull, RequestRejected
 from ..outputs import RequestOutput
-from ..prompts import decode_one
 from ..sampling_params import SamplingParams, StructuredOutput
 from .errors import APIError, failed, unavailable
+from .events import Event, Failure, Finish, Logprobs, Prompt, Result, Usage
 from .mailbox import Mailbox
 from .metrics import Metrics
 from .protocol import SamplingFields
+from .reading import Reader
 from .reasoning import Reasoning
-from .responses import DONE, Reply, sse, usage
 from .served import Engine
 from .tool_calls import ToolUse
 
 DISCONNECT_CHECK_S = 0.5
 
 
-async def generate(
-    request: Request,
-    req: SamplingFields,
-    prompts: list[list[int]],
-    max_tokens: int | None,
-    logprobs: int | None,
-    chat: bool,
-    constraint: StructuredOutput | None = None,
-    tools: ToolUse | None = None,
-    reasoning: Reasoning | None = None,
-    echo: list[str] | None = None,
-) -> Response | dict:
-    """Runs ``prompts`` (each for ``req.n`` samples) and answers: the whole body, an SSE stream,
-    or 499 when the client left before the end. ``constraint``: the structured output every
-    prompt is held to; ``tools``: the chat request's tools, whose calls the answer reads;
-    ``reasoning``: how a thinking model's answer splits into reasoning and content; ``echo``:
-    each prompt's text, put before its completions (with its tokens' logprobs when ``logprobs``)."""
+@dataclass(frozen=True)
+class Job:
+    """One generation request as every API hands it over: ``prompts`` (token ids), each run for
+    ``fields.n`` samples with ``fields``' sampling settings and up to ``max_tokens`` tokens (None:
+    the rest of the context); ``logprobs``: how many top logprobs per token (None: none);
+    ``constraint``: the structured output every prompt is held to; ``tools``: a chat request's
+    tools, whose calls the answer is read for; ``reasoning``: how a thinking model's answer
+    splits; ``echo``: each prompt's text, to put before its completions."""
+
+    prompts: list[list[int]]
+    fields: SamplingFields
+    max_tokens: int | None
+    logprobs: int | None = None
+    constraint: StructuredOutput | None = None
+    tools: ToolUse | None = None
+    reasoning: Reasoning | None = None
+    echo: list[str] | None = None
+
+
+async def start(request: Request, job: Job) -> Generation:
+    """Queues ``job`` (a 400, 429 or 503 is raised here, before any answer is sent)."""
     state = request.app.state
     engine: Engine = state.engine
     if state.draining:
         raise unavailable("the server is shutting down; retry on another")
     created = int(time.time())
     # the prompt's own logprobs: vLLM's prompt_logprobs, and as many as echo shows with logprobs
-    wanted = [k for k in (req.prompt_logprobs, logprobs if echo else None) if k is not None]
+    wanted = [k for k in (job.fields.prompt_logprobs, job.logprobs if job.echo else None) if k is not None]
     prompt_logprobs = max(wanted) if wanted else None
-    base, ids, sink = await submit(engine, req, prompts, max_tokens, logprobs, constraint, prompt_logprobs)
-    token_text = decode_one(state.model.tokenizer)
-    reply = Reply(
-        ("chatcmpl-" if chat else "cmpl-") + base,
-        chat,
-        created,
-        state.model_name,
-        token_text,
-        tools,
-        reasoning,
-        echo=echo,
-        n=req.n,
-        prompt_logprobs=req.prompt_logprobs is not None,
+    base, ids, sink = await submit(
+        engine, job.fields, job.prompts, job.max_tokens, job.logprobs, job.constraint, prompt_logprobs
     )
-    outputs = outputs_of(request, engine, state.metrics, ids, req.n, sink)
-    num_choices = len(ids) * req.n
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        events = stream(reply, outputs, num_choices, prompts, include_usage)
-        return StreamingResponse(events, media_type="text/event-stream")
-    finals: dict[int, RequestOutput] = {}
-    async for i, out in outputs:
-        if out.finish_reason == "error":
-            raise failed(out)
-        if out.finished:
-            finals[i] = out
-    if len(finals) < num_choices:
-        return Response(status_code=499)  # the client went away
-    return reply.body([finals[i] for i in range(num_choices)], prompts)
+    outputs = outputs_of(request, engine, state.metrics, ids, job.fields.n, sink)
+    return Generation(base, created, job, outputs, len(ids) * job.fields.n)
+
+
+@dataclass
+class Generation:
+    """A queued job: its outputs, read once, as events (a stream) or as the whole ``Result``.
+    ``id``: the request's, which each API prefixes; ``num_choices``: prompts times samples."""
+
+    id: str
+    created: int
+    job: Job
+    outputs: AsyncGenerator[tuple[int, RequestOutput], None]
+    num_choices: int
+
+    async def events(self) -> AsyncGenerator[list[Event], None]:
+        """Each engine output's events as one batch, a ``Failure`` (ending the choices) if a
+        request fails, then the ``Usage``. Closing this aborts what still runs."""
+        reader = Reader(self.job.reasoning, self.job.tools)
+        show_prompt = self.job.echo is not None or self.job.fields.prompt_logprobs is not None
+        sent = [0] * self.num_choices  # tokens whose logprobs each choice has sent
+        sent_chars = [0] * self.num_choices  # characters of text each choice has sent
+        prompted: set[int] = set()  # choices whose prompt part went out
+        completion_tokens = 0
+        try:
+            async for i, out in self.outputs:
+                if out.finish_reason == "error":
+                    yield [Failure(failed(out))]
+                    break
+                batch: list[Event] = []
+                if show_prompt and i not in prompted:
+                    prompted.add(i)
+                    batch.append(self.prompt(i, out))
+                if out.finished:
+                    completion_tokens += len(out.token_ids)
+                text, reason, sent_chars[i] = reader.delta(i, out, sent_chars[i])
+                batch += text
+                if out.logprobs is not None:
+                    batch.append(Logprobs(i, out.logprobs[sent[i] : len(out.token_ids)]))
+                sent[i] = len(out.token_ids)
+                if reason is not None:
+                    batch.append(Finish(i, reason, out.token_ids))
+                if batch:
+                    yield batch
+            yield [Usage(self.prompt_tokens, completion_tokens)]
+        finally:
+            await self.outputs.aclose()
+
+    async def result(self) -> Result | None:
+        """The whole answer; None when the client left before the end. A failed request raises
+        its ``APIError``."""
+        finals: dict[int, RequestOutput] = {}
+        try:
+            async for i, out in self.outputs:
+                if out.finish_reason == "error":
+                    raise failed(out)
+                if out.finished:
+                    finals[i] = out
+        finally:
+            await self.outputs.aclose()
+        if len(finals) < self.num_choices:
+            return None
+        reader = Reader(self.job.reasoning, self.job.tools)
+        answers = [reader.answer(i, finals[i], self.prompt(i, finals[i])) for i in range(self.num_choices)]
+        usage = Usage(self.prompt_tokens, sum(len(o.token_ids) for o in finals.values()))
+        return Result(self.id, self.created, answers, usage)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.job.prompts)
+
+    def prompt(self, i: int, out: RequestOutput) -> Prompt:
+        echo = self.job.echo[i // self.job.fields.n] if self.job.echo is not None else None
+        return Prompt(i, echo, out.prompt_token_ids, out.prompt_logprobs)
 
 
 def sampling_params(
@@ -177,7 +230,7 @@ async def queue_all(
 
 async def outputs_of(
     request: Request, engine: Engine, metrics: Metrics, ids: list[str], n: int, sink: Mailbox
-) -> AsyncIterator[tuple[int, RequestOutput]]:
+) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """Yields (choice index, output) until every request finished, observing the latency
     histograms; aborts whatever is unfinished when the client disconnects (or the reader stops)."""
     first_choice = {rid: i * n for i, rid in enumerate(ids)}
@@ -206,38 +259,3 @@ async def outputs_of(
     finally:
         for rid in open_ids:
             engine.abort(rid)
-
-
-async def stream(
-    reply: Reply,
-    outputs: AsyncIterator[tuple[int, RequestOutput]],
-    num_choices: int,
-    prompts: list[list[int]],
-    include_usage: bool,
-) -> AsyncIterator[str]:
-    """The SSE events of a streamed answer: each choice's new text as it comes, an error event
-    if a request fails (the 200 is already sent), the usage if asked, then ``[DONE]``."""
-    if reply.chat:
-        yield reply.role_chunk(num_choices)
-    sent = [0] * num_choices  # tokens whose logprobs each choice has sent
-    sent_chars = [0] * num_choices  # characters of text each choice has sent
-    prompted: set[int] = set()  # choices whose prompt part (echo, prompt logprobs) went out
-    completion_tokens = 0
-    async for i, out in outputs:
-        if out.finish_reason == "error":
-            yield sse(failed(out).body())
-            break
-        if i not in prompted:
-            prompted.add(i)
-            if (first := reply.prompt_chunk(i, out)) is not None:
-                yield first
-        lp = reply.logprobs(out, sent[i], len(out.token_ids))
-        sent[i] = len(out.token_ids)
-        if out.finished:
-            completion_tokens += len(out.token_ids)
-        choice, sent_chars[i] = reply.delta_choice(i, out, lp, sent_chars[i])
-        if choice is not None:
-            yield reply.chunk([choice])
-    if include_usage:
-        yield reply.chunk([], usage=usage(prompts, completion_tokens))
-    yield DONE

@@ -1,12 +1,11 @@
-"""OpenAI's Responses API, ``POST /v1/responses``: stateless, and a translation of the chat API.
+"""OpenAI's Responses API, ``POST /v1/responses``: stateless, a chat under another format.
 
-Why a translation: the chat endpoint already owns everything that makes an answer (the template,
-tools, structured output, sampling, streaming, disconnects, errors), and a second path would drift
-from it. So a Responses request becomes a ``ChatCompletionRequest`` (input items as chat
+A Responses request is a chat: it becomes a ``ChatCompletionRequest`` (input items as chat
 messages, ``instructions`` as the first system message, ``text.format`` as ``response_format``,
-flat function tools as chat tools), ``routes.chat_completions`` answers it, and its body, or its
-SSE chunks as they come, become a Response object or the Responses events. The same request
-through either API gives the same text and the same usage.
+flat function tools as chat tools), which ``prompting.chat_job`` makes the internal request, as
+it does the chat API's; the generation's whole result, or its events as they come, become a
+Response object or the Responses events. The same request through either API gives the same
+text and the same usage.
 
 Stateless: nothing is stored, so ``store`` is accepted, and what needs a stored response
 (``previous_response_id``, ``conversation``, ``prompt``, ``item_reference`` inputs) is a 400 that
@@ -18,10 +17,9 @@ prompt, as chat templates leave out earlier turns' thinking.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,10 +27,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, Field, ValidationError
 
-from ..errors import RequestRejected
-from .openapi import ERROR_BODY
-from .protocol import STRICT, ChatCompletionRequest
-from .routes import chat_completions
+from ...errors import RequestRejected
+from ..errors import APIError
+from ..events import Event, Failure, Finish, ReasoningDelta, Result, TextDelta, ToolCalls, Usage
+from ..generation import start
+from ..openapi import ERROR_BODY
+from ..prompting import chat_job
+from ..protocol import STRICT, ChatCompletionRequest
+from ..sse import STREAM, sse
 
 router = APIRouter()
 
@@ -113,15 +115,16 @@ async def create_response(req: ResponsesRequest, request: Request):
     chat = chat_request(req)
     frame = Frame.of(req, request.app.state.model_name)
     try:
-        answer = await chat_completions(chat, request)
+        generation = await start(request, await chat_job(request, chat))
     except RequestRejected as e:
         e.param = responses_param(e.param)
         raise
-    if isinstance(answer, StreamingResponse):
-        return StreamingResponse(response_events(frame, answer.body_iterator), media_type="text/event-stream")
-    if isinstance(answer, Response):
-        return answer  # 499: the client went away
-    return frame.from_chat_body(answer)
+    if req.stream:
+        return StreamingResponse(response_events(frame, generation.events()), media_type=STREAM)
+    result = await generation.result()
+    if result is None:
+        return Response(status_code=499)  # the client went away
+    return frame.from_result(result)
 
 
 # ---- the request: refusals, then the chat request ------------------------------------------------
@@ -162,7 +165,6 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         "tool_choice": chat_tool_choice(req.tool_choice),
         "parallel_tool_calls": req.parallel_tool_calls,
         "stream": req.stream,
-        "stream_options": {"include_usage": True} if req.stream else None,
     }
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
@@ -355,17 +357,13 @@ def function_call_item(item_id: str, call: dict, arguments: str, status: str) ->
     }
 
 
-def responses_usage(usage: dict | None) -> dict | None:
-    if usage is None:
-        return None
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
+def responses_usage(usage: Usage) -> dict:
     return {
-        "input_tokens": usage["prompt_tokens"],
-        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
-        "output_tokens": usage["completion_tokens"],
-        "output_tokens_details": {"reasoning_tokens": reasoning},
-        "total_tokens": usage["total_tokens"],
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.total_tokens,
     }
 
 
@@ -411,22 +409,22 @@ class Frame:
             **self.echo,
         }
 
-    def from_chat_body(self, body: dict) -> dict:
-        """The whole answer, from the chat API's whole answer."""
-        choice = body["choices"][0]
-        message, status = choice["message"], status_of(choice["finish_reason"])
+    def from_result(self, result: Result) -> dict:
+        """The whole answer (its first, only choice)."""
+        answer = result.answers[0]
+        status = status_of(answer.finish_reason)
         output = []
-        if message.get("reasoning_content"):
-            output.append(reasoning_item(new_id("rs"), message["reasoning_content"], "completed"))
-        calls = message.get("tool_calls") or []
-        if message.get("content") or not calls:
-            output.append(message_item(new_id("msg"), message.get("content") or "", status))
+        if answer.reasoning:
+            output.append(reasoning_item(new_id("rs"), answer.reasoning, "completed"))
+        calls = [c.as_openai() for c in answer.calls]
+        if answer.text or not calls:
+            output.append(message_item(new_id("msg"), answer.text or "", status))
         for call in calls:
             output.append(function_call_item(new_id("fc"), call, call["function"]["arguments"], "completed"))
-        return self.response(status, output, responses_usage(body.get("usage")))
+        return self.response(status, output, responses_usage(result.usage))
 
 
-# ---- the answer streamed: Responses events from chat chunks ---------------------------------------
+# ---- the answer streamed: Responses events from the generation's ---------------------------------------
 
 
 @dataclass
@@ -444,9 +442,9 @@ TEXT_EVENTS = {"message": "response.output_text", "reasoning": "response.reasoni
 
 @dataclass
 class ResponseEvents:
-    """The events of one streamed response, made from the chat chunks as they come: each output
-    item opens (``output_item.added``), grows by deltas, and closes (``output_item.done``) with the
-    item the final response holds. A chat stream sends tool calls whole when it ends, so each
+    """The events of one streamed response, made from the generation's events as they come: each
+    output item opens (``output_item.added``), grows by deltas, and closes (``output_item.done``)
+    with the item the final response holds. Tool calls come whole when the answer ends, so each
     function call is opened, given its arguments and closed at once."""
 
     frame: Frame
@@ -459,7 +457,7 @@ class ResponseEvents:
     def event(self, type_: str, **fields: Any) -> str:
         payload = {"type": type_, "sequence_number": self.sequence, **fields}
         self.sequence += 1
-        return f"event: {type_}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+        return sse(payload, type_)
 
     def opening(self) -> list[str]:
         response = self.frame.response("in_progress", [])
@@ -468,26 +466,27 @@ class ResponseEvents:
             self.event("response.in_progress", response=response),
         ]
 
-    def take(self, chunk: dict) -> list[str]:
-        """The events of one chat chunk (one choice: the request has n = 1)."""
-        if chunk.get("usage"):
-            self.usage = responses_usage(chunk["usage"])
+    def take(self, batch: list[Event]) -> list[str]:
+        """The events of one batch (one choice: the request has n = 1). Its finish reason sets
+        the status first, as the message it closes carries it."""
         events = []
-        for choice in chunk.get("choices") or []:
-            delta, reason = choice.get("delta") or {}, choice.get("finish_reason")
-            if delta.get("reasoning_content"):
-                events += self.grow("reasoning", delta["reasoning_content"])
-            if delta.get("content"):
-                events += self.close("reasoning") + self.grow("message", delta["content"])
-            calls = delta.get("tool_calls") or []
-            if reason is not None:
-                self.status = status_of(reason)
-                if not calls and not any(item["type"] == "message" for item in self.output):
-                    events += self.grow("message", "")  # an empty answer is an empty message
-            if reason is not None or calls:
+        for finish in (e for e in batch if isinstance(e, Finish)):
+            self.status = status_of(finish.reason)
+        for e in batch:
+            if isinstance(e, Usage):
+                self.usage = responses_usage(e)
+            elif isinstance(e, ReasoningDelta):
+                events += self.grow("reasoning", e.text)
+            elif isinstance(e, TextDelta):
+                events += self.close("reasoning") + self.grow("message", e.text)
+            elif isinstance(e, ToolCalls):
                 events += self.close("reasoning") + self.close("message")
-            for call in calls:
-                events += self.function_call(call)
+                for call in e.calls:
+                    events += self.function_call(call.as_openai())
+            elif isinstance(e, Finish):
+                if not any(item["type"] in ("message", "function_call") for item in self.output):
+                    events += self.grow("message", "")  # an empty answer is an empty message
+                events += self.close("reasoning") + self.close("message")
         return events
 
     def closing(self) -> list[str]:
@@ -497,9 +496,9 @@ class ResponseEvents:
         kind = "response.completed" if self.status == "completed" else "response.incomplete"
         return [*events, self.event(kind, response=response)]
 
-    def failed(self, error: dict) -> str:
-        """The chat stream's error event (the 200 was sent) as ``response.failed``."""
-        detail = {"code": "server_error", "message": str(error.get("message") or "the request failed")}
+    def failed(self, error: APIError) -> str:
+        """A failure after the 200 was sent, as ``response.failed``."""
+        detail = {"code": "server_error", "message": str(error.message or "the request failed")}
         return self.event("response.failed", response=self.frame.response("failed", self.output, self.usage, detail))
 
     def add_item(self, item: dict) -> tuple[int, str]:
@@ -552,36 +551,20 @@ class ResponseEvents:
         ]
 
 
-async def response_events(frame: Frame, chunks: AsyncIterable[Any]) -> AsyncIterator[str]:
-    """The SSE of a streamed response (``event: <type>`` and ``data: {...}``), from the chat
-    stream's body; closing it closes the chat stream, which aborts what still runs."""
+async def response_events(frame: Frame, batches: AsyncGenerator[list[Event], None]) -> AsyncIterator[str]:
+    """The SSE of a streamed response (``event: <type>`` and ``data: {...}``), from the
+    generation's events; closing it closes them, which aborts what still runs."""
     events = ResponseEvents(frame)
     for event in events.opening():
         yield event
     try:
-        async for chunk in chat_chunks(chunks):
-            if "error" in chunk:
-                yield events.failed(chunk["error"])
+        async for batch in batches:
+            if isinstance(batch[0], Failure):
+                yield events.failed(batch[0].error)
                 return
-            for event in events.take(chunk):
+            for event in events.take(batch):
                 yield event
         for event in events.closing():
             yield event
     finally:
-        close = getattr(chunks, "aclose", None)
-        if close is not None:
-            await close()
-
-
-async def chat_chunks(body: AsyncIterable[Any]) -> AsyncIterator[dict]:
-    """The JSON of each ``data: {...}`` event of a chat stream, up to ``data: [DONE]``."""
-    buffer = ""
-    async for piece in body:
-        buffer += piece if isinstance(piece, str) else bytes(piece).decode()
-        *events, buffer = buffer.split("\n\n")
-        for event in events:
-            data = event.removeprefix("data: ")
-            if data == "[DONE]":
-                return
-            if data:
-                yield json.loads(data)
+        await batches.aclose()

@@ -1,12 +1,11 @@
-"""Anthropic's Messages API (``POST /v1/messages``) as a translation of the chat endpoint.
+"""Anthropic's Messages API (``POST /v1/messages``): a chat under Anthropic's format.
 
-Why a translation: the chat path already tokenizes, templates, checks, queues, reads tool calls and
-streams; a second copy of that would drift. So a Messages request becomes a
-``ChatCompletionRequest`` (the system prompt a system message, ``tool_use`` blocks an assistant's
-``tool_calls``, ``tool_result`` blocks ``tool`` messages, ``tools`` OpenAI function tools,
-``tool_choice`` any -> "required" and tool -> a named function), ``routes.chat_completions``
-answers it, and its body or its SSE chunks come back as Anthropic's message or Anthropic's typed
-events.
+A Messages request is a chat: it becomes a ``ChatCompletionRequest`` (the system prompt a system
+message, ``tool_use`` blocks an assistant's ``tool_calls``, ``tool_result`` blocks ``tool``
+messages, ``tools`` OpenAI function tools, ``tool_choice`` any -> "required" and tool -> a named
+function), which ``prompting.chat_job`` makes the internal request, as it does the chat API's;
+the generation's whole result, or its events as they come, become Anthropic's message or
+Anthropic's typed events. So a conversation gets the chat API's answer and usage.
 
 What is refused (400), because it would change the answer and cannot be honoured: ``thinking``
 other than ``{"type": "disabled"}``, any field this module does not know (Anthropic's API refuses
@@ -22,8 +21,8 @@ statuses the rest of the server uses; ``error`` also carries the OpenAI body's `
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Coroutine, Iterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
@@ -32,9 +31,14 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
-from ..errors import RequestRejected
-from .protocol import MAX_MESSAGES, ChatCompletionRequest
-from .routes import chat_completions
+from ...errors import RequestRejected
+from ...prompts import decode_one
+from ..events import Event, Failure, Finish, ReasoningDelta, Result, TextDelta, ToolCalls, Usage
+from ..generation import start
+from ..prompting import chat_job
+from ..protocol import MAX_MESSAGES, ChatCompletionRequest
+from ..sse import STREAM, sse
+from ..tool_calls import ToolCall
 
 # ---- the request -------------------------------------------------------------------------------
 
@@ -168,8 +172,7 @@ class MessagesRequest(BaseModel):
 
 
 def chat_request(req: MessagesRequest) -> ChatCompletionRequest:
-    """The chat request that answers ``req``. With stop sequences it asks for logprobs too: the
-    last token tells a stop sequence from the end of the turn (``StopReading``)."""
+    """The chat request that answers ``req``."""
     fields: dict[str, Any] = {
         "model": req.model,
         "messages": chat_messages(req),
@@ -180,10 +183,6 @@ def chat_request(req: MessagesRequest) -> ChatCompletionRequest:
         "stop": req.stop_sequences,
         "stream": req.stream,
     }
-    if req.stream:
-        fields["stream_options"] = {"include_usage": True}
-    if req.stop_sequences:
-        fields.update(logprobs=True, top_logprobs=0)
     if req.tools:
         fields["tools"] = [chat_tool(t) for t in req.tools]
     if req.tool_choice is not None:
@@ -269,28 +268,30 @@ def chat_tool_choice(choice: ToolChoice) -> str | dict:
     return {"any": "required"}.get(choice.type, choice.type)
 
 
-# ---- chat answer -> Messages answer ------------------------------------------------------------
+# ---- the answer -> Messages answer -------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class StopReading:
-    """Why a Messages answer stopped, from the chat answer's finish reason.
+    """Why a Messages answer stopped, from the answer's finish reason and its tokens.
 
-    The chat layer says "stop" both when the model ended its turn (an end token) and when a stop
-    sequence ended the text, and the engine exposes no more. What tells them apart is the last
-    token (the request asks for logprobs when it has stop sequences, which list every token's
-    text): a turn ends on a special token (EOS, or another stop token), whose text decodes to
-    nothing once special tokens are skipped, as the answer's text is decoded; a stop sequence ends
-    on an ordinary token, the one that completed it (a special token adds no text, so it cannot
-    complete one). Which sequence: the one found first in the tokens' text, as the engine cuts
-    the text at the earliest match; if per-token text hides it (a tokenizer that spells a word
+    The engine says "stop" both when the model ended its turn (an end token) and when a stop
+    sequence ended the text, and exposes no more. What tells them apart is the last token (each
+    token's text is ``token_text`` of its id, as the chat API's logprobs list it): a turn ends on
+    a special token (EOS, or another stop token), whose text decodes to nothing once special
+    tokens are skipped, as the answer's text is decoded; a stop sequence ends on an ordinary
+    token, the one that completed it (a special token adds no text, so it cannot complete one).
+    Which sequence: the one found first in the tokens' text, as the engine cuts the text at the
+    earliest match; if per-token text hides it (a tokenizer that spells a word
     differently alone), the first one given."""
 
     stop_sequences: list[str]
     tokenizer: Any
+    token_text: Callable[[int], str]
 
-    def read(self, finish_reason: str | None, token_texts: list[str]) -> tuple[str, str | None]:
+    def read(self, finish_reason: str | None, token_ids: Sequence[int]) -> tuple[str, str | None]:
         """(stop_reason, stop_sequence)."""
+        token_texts = [self.token_text(t) for t in token_ids] if self.stop_sequences else []
         if finish_reason == "length":
             return "max_tokens", None
         if finish_reason == "tool_calls":
@@ -310,65 +311,61 @@ class StopReading:
         return bool(ids) and self.tokenizer.decode(ids, skip_special_tokens=True) == ""
 
 
-def message_id(chat_id: str) -> str:
-    return "msg_" + chat_id.removeprefix("chatcmpl-")
+def anthropic_usage(usage: Usage) -> dict:
+    return {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens}
 
 
-def anthropic_usage(usage: dict) -> dict:
-    return {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]}
+def tool_use_block(call: ToolCall) -> dict:
+    return {"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments}
 
 
-def message_body(chat: dict, stops: StopReading) -> dict:
-    """The chat answer's first (only) choice as Anthropic's message."""
-    choice = chat["choices"][0]
-    message = choice["message"]
+def message_body(message_id: str, model: str, result: Result, stops: StopReading) -> dict:
+    """The answer's first (only) choice as Anthropic's message."""
+    answer = result.answers[0]
     content: list[dict] = []
-    if message.get("reasoning_content"):
-        content.append({"type": "thinking", "thinking": message["reasoning_content"], "signature": ""})
-    if message.get("content"):
-        content.append({"type": "text", "text": message["content"]})
-    for call in message.get("tool_calls") or []:
-        fn = call["function"]
-        content.append({"type": "tool_use", "id": call["id"], "name": fn["name"], "input": json.loads(fn["arguments"])})
-    token_texts = [t["token"] for t in (choice.get("logprobs") or {}).get("content") or []]
-    stop_reason, stop_sequence = stops.read(choice["finish_reason"], token_texts)
+    if answer.reasoning:
+        content.append({"type": "thinking", "thinking": answer.reasoning, "signature": ""})
+    if answer.text:
+        content.append({"type": "text", "text": answer.text})
+    content += [tool_use_block(call) for call in answer.calls]
+    stop_reason, stop_sequence = stops.read(answer.finish_reason, answer.token_ids)
     return {
-        "id": message_id(chat["id"]),
+        "id": message_id,
         "type": "message",
         "role": "assistant",
-        "model": chat["model"],
+        "model": model,
         "content": content,
         "stop_reason": stop_reason,
         "stop_sequence": stop_sequence,
-        "usage": anthropic_usage(chat["usage"]),
+        "usage": anthropic_usage(result.usage),
     }
 
 
 def event(kind: str, payload: dict) -> str:
     """One of Anthropic's typed server-sent events."""
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload})}\n\n"
+    return sse({"type": kind, **payload}, kind)
 
 
 @dataclass
 class EventStream:
-    """Chat SSE chunks in, Anthropic's events out: each run of text, thinking or one tool call
-    becomes a content block (start, deltas, stop). Input tokens are known only with the usage
-    chunk at the end, so ``message_start`` says 0 and ``message_delta`` has both counts (the
-    SDK's accumulated message takes them from there)."""
+    """The generation's events in, Anthropic's events out: each run of text, thinking or one tool
+    call becomes a content block (start, deltas, stop). ``message_start`` says 0 input tokens and
+    ``message_delta`` has both counts, from the usage at the end (the SDK's accumulated message
+    takes them from there)."""
 
     stops: StopReading
     index: int = -1
     open: str | None = None  # the open block: "text", "thinking" or "tool_use:<call index>"
     finish_reason: str | None = None
-    usage: dict = field(default_factory=lambda: {"prompt_tokens": 0, "completion_tokens": 0})
-    token_texts: list[str] = field(default_factory=list)
+    token_ids: Sequence[int] = ()
+    usage: Usage = Usage(0, 0)
 
-    def start(self, chunk: dict) -> str:
-        message = {
-            "id": message_id(chunk["id"]),
+    def start(self, message_id: str, model: str) -> str:
+        message: dict[str, Any] = {
+            "id": message_id,
             "type": "message",
             "role": "assistant",
-            "model": chunk["model"],
+            "model": model,
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
@@ -376,22 +373,23 @@ class EventStream:
         }
         return event("message_start", {"message": message})
 
-    def chunk(self, chunk: dict) -> Iterator[str]:
-        self.usage = chunk.get("usage") or self.usage
-        for choice in chunk.get("choices") or []:
-            self.token_texts += [t["token"] for t in (choice.get("logprobs") or {}).get("content") or []]
-            delta = choice.get("delta") or {}
-            if delta.get("reasoning_content"):
-                yield from self._text("thinking", delta["reasoning_content"])
-            if delta.get("content"):
-                yield from self._text("text", delta["content"])
-            for call in delta.get("tool_calls") or []:
-                yield from self._tool_call(call)
-            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+    def take(self, batch: list[Event]) -> Iterator[str]:
+        for e in batch:
+            if isinstance(e, ReasoningDelta):
+                yield from self._text("thinking", e.text)
+            elif isinstance(e, TextDelta):
+                yield from self._text("text", e.text)
+            elif isinstance(e, ToolCalls):
+                for k, call in enumerate(e.calls):
+                    yield from self._tool_call(k, call)
+            elif isinstance(e, Finish):
+                self.finish_reason, self.token_ids = e.reason, e.token_ids
+            elif isinstance(e, Usage):
+                self.usage = e
 
     def end(self) -> Iterator[str]:
         yield from self._close()
-        stop_reason, stop_sequence = self.stops.read(self.finish_reason, self.token_texts)
+        stop_reason, stop_sequence = self.stops.read(self.finish_reason, self.token_ids)
         delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
         yield event("message_delta", {"delta": delta, "usage": anthropic_usage(self.usage)})
         yield event("message_stop", {})
@@ -413,46 +411,35 @@ class EventStream:
         delta = {"type": f"{kind}_delta", kind: text}
         yield event("content_block_delta", {"index": self.index, "delta": delta})
 
-    def _tool_call(self, call: dict) -> Iterator[str]:
-        """A call's first delta has its id and name; any delta may add to its arguments."""
-        fn = call.get("function") or {}
-        block: dict[str, Any] = {"type": "tool_use", "id": call.get("id"), "name": fn.get("name"), "input": {}}
-        yield from self._open(f"tool_use:{call.get('index', 0)}", block)
-        if fn.get("arguments"):
-            delta = {"type": "input_json_delta", "partial_json": fn["arguments"]}
+    def _tool_call(self, k: int, call: ToolCall) -> Iterator[str]:
+        """A call's block opens with its id and name; its input follows as one JSON delta."""
+        yield from self._open(f"tool_use:{k}", {**tool_use_block(call), "input": {}})
+        arguments = call.as_openai()["function"]["arguments"]
+        if arguments:
+            delta = {"type": "input_json_delta", "partial_json": arguments}
             yield event("content_block_delta", {"index": self.index, "delta": delta})
 
 
-async def anthropic_events(chunks: AsyncIterable[str | bytes | memoryview], events: EventStream) -> AsyncIterator[str]:
-    """Re-emits the chat stream (one ``data:`` event per item, as ``generation.stream`` yields
-    them) as Anthropic's events. An error event inside the chat stream (the 200 was sent) becomes
-    Anthropic's ``error`` event, which ends the stream. Closing this closes the chat stream, so a
+async def anthropic_events(
+    message_id: str, model: str, batches: AsyncGenerator[list[Event], None], events: EventStream
+) -> AsyncIterator[str]:
+    """The generation's events as Anthropic's. A failure (the 200 was sent) becomes Anthropic's
+    ``error`` event, which ends the stream. Closing this closes the generation's events, so a
     client that leaves aborts its request at once."""
-    started = failed = False
+    yield events.start(message_id, model)
     try:
-        async for item in chunks:
-            data = (item if isinstance(item, str) else bytes(item).decode()).strip().removeprefix("data: ")
-            if failed:
-                continue  # (the chat stream's usage and [DONE] after its error)
-            if data == "[DONE]":
-                for out in events.end():
-                    yield out
-                continue
-            chunk = json.loads(data)
-            if "error" in chunk:  # (refused by the engine: the client's fault; else the server's)
-                failed = True
-                status = 400 if chunk["error"].get("type") == "invalid_request_error" else 500
-                yield event("error", {"error": anthropic_error_fields(status, chunk["error"])})
-                continue
-            if not started:
-                started = True
-                yield events.start(chunk)
-            for out in events.chunk(chunk):
+        async for batch in batches:
+            if isinstance(batch[0], Failure):  # (refused by the engine: the client's fault; else the server's)
+                error = batch[0].error.body()["error"]
+                status = 400 if error["type"] == "invalid_request_error" else 500
+                yield event("error", {"error": anthropic_error_fields(status, error)})
+                return
+            for out in events.take(batch):
                 yield out
+        for out in events.end():
+            yield out
     finally:
-        close = getattr(chunks, "aclose", None)
-        if close is not None:
-            await close()
+        await batches.aclose()
 
 
 # ---- errors ------------------------------------------------------------------------------------
@@ -550,12 +537,15 @@ router = APIRouter(route_class=AnthropicErrors)
     },
 )
 async def messages(req: MessagesRequest, request: Request):
-    """Anthropic's Messages API, answered by the chat endpoint (see the module's docstring)."""
-    answer = await chat_completions(chat_request(req), request)
-    stops = StopReading(req.stop_sequences or [], request.app.state.model.tokenizer)
-    if isinstance(answer, StreamingResponse):
-        events = anthropic_events(answer.body_iterator, EventStream(stops))
-        return StreamingResponse(events, media_type="text/event-stream")
-    if isinstance(answer, Response):
-        return answer  # (499: the client left)
-    return message_body(answer, stops)
+    """Anthropic's Messages API (see the module's docstring)."""
+    generation = await start(request, await chat_job(request, chat_request(req)))
+    tokenizer, model = request.app.state.model.tokenizer, request.app.state.model_name
+    stops = StopReading(req.stop_sequences or [], tokenizer, decode_one(tokenizer))
+    message_id = "msg_" + generation.id
+    if req.stream:
+        events = anthropic_events(message_id, model, generation.events(), EventStream(stops))
+        return StreamingResponse(events, media_type=STREAM)
+    result = await generation.result()
+    if result is None:
+        return Response(status_code=499)  # the client left
+    return message_body(message_id, model, result, stops)

@@ -18,14 +18,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
-from ..errors import RequestRejected
-from ..outputs import RequestOutput
-from ..sampling_params import SamplingParams
-from .errors import failed, unavailable
-from .generation import outputs_of, queue_all
-from .openapi import ERROR_BODY
-from .protocol import MAX_PROMPTS, STRICT
-from .routes import check_model, off_loop
+from ...errors import RequestRejected
+from ...outputs import RequestOutput
+from ...sampling_params import SamplingParams
+from ..errors import failed, unavailable
+from ..generation import outputs_of, queue_all
+from ..openapi import ERROR_BODY
+from ..protocol import MAX_PROMPTS, STRICT
+from ..routes import check_model, off_loop
 
 router = APIRouter()
 ERRORS: dict[int | str, dict[str, Any]] = {
