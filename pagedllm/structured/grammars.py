@@ -40,7 +40,10 @@ if TYPE_CHECKING:
 CACHE_LIMIT_BYTES = 16 * 1024**2
 XGRAMMAR_CACHE_LIMIT_BYTES = 8 * 1024**2  # what it builds inside compiles (shares most with ours)
 GRAMMAR_CACHE_BYTES = CACHE_LIMIT_BYTES + XGRAMMAR_CACHE_LIMIT_BYTES  # what the memory plan counts
-INSTALL_HINT = "structured output needs xgrammar: pip install --no-deps xgrammar==0.2.9 apache-tvm-ffi"
+INSTALL_HINT = (  # the extra as pyproject.toml names it; --no-deps skips the GPU compiler xgrammar asks for
+    "structured output needs xgrammar: pip install 'pagedllm[structured]' (or, without triton: "
+    "pip install --no-deps xgrammar==0.2.9 'apache-tvm-ffi>=0.1.11,<0.2')"
+)
 
 
 class Matcher(Protocol):
