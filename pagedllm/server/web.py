@@ -21,7 +21,7 @@ PUBLIC_PREFIX = "/web/"  # with "/" and /health, what the guards let through wit
 
 
 def _read(name: str) -> bytes:
-    return resources.files(__package__).joinpath("web", name).read_bytes()
+    return (resources.files(__package__) / "web" / name).read_bytes()  # joinpath(a, b) is 3.11+
 
 
 @router.get("/")

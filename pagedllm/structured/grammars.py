@@ -36,7 +36,10 @@ if TYPE_CHECKING:
 
     from ..backends.base import Backend
 
-INSTALL_HINT = "structured output needs xgrammar: pip install --no-deps xgrammar==0.2.9 apache-tvm-ffi"
+INSTALL_HINT = (  # the extra as pyproject.toml names it; --no-deps skips the GPU compiler xgrammar asks for
+    "structured output needs xgrammar: pip install 'pagedllm[structured]' (or, without triton: "
+    "pip install --no-deps xgrammar==0.2.9 'apache-tvm-ffi>=0.1.11,<0.2')"
+)
 
 
 class Matcher(Protocol):
