@@ -158,6 +158,7 @@ check_grids({grids!r})
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # measured peaks, torch's thread count in the GEMM scratch: alone
 @pytest.mark.parametrize("kind", machine.GEMM_ISAS)
 def test_step_memory_prediction_holds_on_each_kind_of_gemm_kernel(tiny_checkpoints, kind):
     runnable(kind)
@@ -196,6 +197,7 @@ def scratch_taken(x: torch.Tensor, weight: torch.Tensor, packed: bool) -> int:
     return m.peak_bytes - x.shape[0] * weight.shape[0] * 2
 
 
+@pytest.mark.serial  # measured scratch
 @pytest.mark.parametrize("threads", [1, 4])
 def test_gemm_scratch_bounds_what_onednn_takes_at_each_thread_count(threads):
     """One bf16 GEMM at a time on this process's kind of kernel: never above ``gemm_scratch``
