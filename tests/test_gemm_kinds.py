@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from memory_grid import check_grids
 
 from pagedllm.backends import PlanFacts
 from pagedllm.config import ModelConfig
@@ -164,8 +163,10 @@ def test_step_memory_prediction_holds_on_each_kind_of_gemm_kernel(tiny_checkpoin
     runnable(kind)
     grids = [(str(tiny_checkpoints[arch][0]), q, kv) for arch, q, kv in GRIDS]
     if kind == machine.gemm_isa():  # this process's own kind
-        check_grids(grids)
-        return
+        pytest.skip(
+            "this process's own kind: test_memory_planner.py runs these two grids here "
+            "(on_tiny_models[llama3-rope-tied-bfloat16], covers_quantized_weights_and_kv_cache[int4-int8-bfloat16])"
+        )
     code = CHILD.format(tests=str(TESTS), grids=grids)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=child_env(kind))
     assert out.returncode == 0, (out.stdout + out.stderr)[-6000:]
