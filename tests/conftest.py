@@ -88,7 +88,30 @@ def pytest_unconfigure(config):
         shutil.rmtree(cache, ignore_errors=True)
 
 
+# The longest files (minutes on the 2-core AVX2 box), handed to the workers first: a worker
+# never starts one of them when the other is nearly done (xdist hands out whole files, in order).
+LONGEST_FIRST = [
+    "test_bench.py",
+    "test_lm_eval.py",
+    "test_hostile_input.py",
+    "test_tensor_parallel.py",
+    "test_quality.py",
+    "test_server.py",
+    "test_web_page.py",
+    "test_structured_server.py",
+    "test_loading_errors.py",
+    "test_clients.py",
+    "test_structured_output.py",
+    "test_responses_api.py",
+    "test_default_model.py",
+    "test_messages_api.py",
+]
+
+
 def pytest_collection_modifyitems(config, items):
+    if _worker(config) is not None:
+        rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
     serial = config.getoption("serial")
     if serial == "run":
         if _worker(config) is not None:
