@@ -4,6 +4,7 @@ keep, and the reference they are judged against: transformers' float32 reading o
 
 from __future__ import annotations
 
+import functools
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -72,8 +73,10 @@ FORMAT_RULES: dict[str, FormatRule] = {
 }
 
 
+@functools.cache
 def hf_model():
-    """transformers' float32 model of the embedded GGUF."""
+    """transformers' float32 model of the embedded GGUF, read once per process (reading the GGUF
+    takes transformers 10-20 s on 2 cores); its callers only run it, never change it."""
     from transformers import AutoModelForCausalLM
 
     gguf = default_gguf_path()

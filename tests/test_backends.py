@@ -62,6 +62,7 @@ class _Counting:
         return getattr(self._ops, name)
 
 
+@pytest.mark.serial  # torch's thread count: a worker's share of the cores would hide it
 def test_threads_come_from_the_config(default_llm):
     engine = LLMEngine(default_llm.loaded, default_llm.config.replace(threads=1, num_blocks=8, max_model_len=128))
     try:

@@ -8,7 +8,6 @@ import pytest
 from greedy import assert_greedy_matches, hf_greedy
 
 from pagedllm import SamplingParams
-from pagedllm.loading.default_model import default_gguf_path
 
 pytestmark = pytest.mark.slow
 
@@ -20,10 +19,9 @@ CHATS = [
 
 
 def test_default_chat_answers_equal_transformers_on_the_same_gguf(default_llm):
-    from transformers import AutoModelForCausalLM
+    from formats import hf_model
 
-    gguf = default_gguf_path()
-    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name).eval()
+    hf = hf_model()  # transformers' own reading of the same GGUF file
     prompts = [default_llm.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS]
     outs = default_llm.generate(prompts, SamplingParams(max_tokens=48, temperature=0))
     eos = list(default_llm.engine.eos_token_ids)

@@ -79,6 +79,7 @@ def test_dense_linear_dot_path_without_amx_matches_exact_arithmetic(ops):
     assert ran == len(SHAPES) * 5 * 2
 
 
+@pytest.mark.serial  # measured peak
 def test_dense_linear_takes_only_its_output_from_torch(ops):
     """What memory.footprint counts for these GEMMs: the output tensor; the padded copy of a
     partial row tile is the kernels' own (kernel_scratch_bytes)."""

@@ -22,6 +22,8 @@ from pagedllm.errors import CacheDoesNotFitError
 
 MiB = 1024**2
 
+pytestmark = pytest.mark.serial  # resident memory given back, budgets over this process and the free memory
+
 
 def test_shrinking_the_block_manager_moves_live_blocks_with_their_sharers_and_registrations():
     bm = BlockManager(16, 4)

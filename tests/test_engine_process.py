@@ -104,6 +104,7 @@ def test_llm_with_its_engine_in_a_process_generates_as_in_this_one(tiny_checkpoi
         llm.close()
 
 
+@pytest.mark.serial  # counts pinned threads: needs the machine's cores
 def test_the_engine_process_steps_with_the_one_openmp_team_it_built_with(tiny_checkpoints, monkeypatch):
     """OpenMP gives every thread that starts parallel work a team of its own; a second team
     (stepping on another thread than the one that loaded the model) makes more OpenMP threads

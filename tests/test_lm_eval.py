@@ -50,10 +50,11 @@ def server():
 def hf_and_tokenizer(tmp_path_factory):
     """transformers' model and tokenizer of the default GGUF; the tokenizer saved where lm-eval
     can load it (its huggingface tokenizer backend)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from formats import hf_model
+    from transformers import AutoTokenizer
 
     gguf = default_gguf_path()
-    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name).eval()
+    hf = hf_model()  # transformers' own reading of the same GGUF file
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     directory = tmp_path_factory.mktemp("tokenizer")
     tokenizer.save_pretrained(directory)

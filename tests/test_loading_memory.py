@@ -9,6 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+pytestmark = pytest.mark.serial  # the loading peak (VmHWM): measured alone
+
 MEASURE = r"""
 import sys, torch
 from pagedllm.loading.checkpoint import load_decoder

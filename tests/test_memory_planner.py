@@ -23,6 +23,7 @@ from pagedllm.memory.tracker import track_peak
 GiB = 1024**3
 
 
+@pytest.mark.serial  # measured peaks, torch's thread count in the GEMM scratch: alone
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral", "llama3-rope-tied"])
 def test_step_memory_prediction_matches_measured_peak_on_tiny_models(tiny_checkpoints, arch, dtype):
@@ -30,12 +31,14 @@ def test_step_memory_prediction_matches_measured_peak_on_tiny_models(tiny_checkp
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_step_memory_prediction_matches_measured_peak_on_the_default_model(dtype):
     """As it ships: its Q4_1 / Q8_0 tensors run quantized."""
     check_grid(loading.load(None, dtype), dtype)
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize(
     "quantization, kv_dtype, dtype",
     [
@@ -49,6 +52,7 @@ def test_step_memory_prediction_covers_quantized_weights_and_kv_cache(tiny_check
     check_grid(loading.load(tiny_checkpoints["qwen3"][0], dtype, quantization=quantization), dtype, kv_dtype)
 
 
+@pytest.mark.serial
 def test_activation_peak_bounds_the_heaviest_steps(tiny_checkpoints):
     """What the planner reserves for activations covers the worst steps the limits allow."""
     llm = LLM(tiny_checkpoints["qwen3"][0], max_batch_tokens=256, max_num_seqs=32, max_model_len=256, num_blocks=600)

@@ -21,6 +21,8 @@ from pagedllm.structured import GRAMMAR_CACHE_BYTES
 
 MiB = 1024**2
 
+pytestmark = pytest.mark.serial  # peak resident memory against the budget: measured alone
+
 # One engine in a fresh process: a batch of prompts long enough to fill the cache, then the peak.
 LIBRARY_RUN = r"""
 import json, sys

@@ -6,7 +6,7 @@ memory is flat after warm-up, and every KV block is free at the end (tests/soak.
 import pytest
 import soak
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # a timed load; resident memory flat and under the budget
 
 
 def test_a_mixed_load_is_answered_correctly_and_leaves_the_server_idle(tmp_path):

@@ -15,6 +15,8 @@ import torch
 from pagedllm import backends
 from pagedllm.backends.cpu.threads import CHECK_INTERVAL_S, allowed_cpus, physical_cores
 
+pytestmark = pytest.mark.serial  # threads, pinning and load: the machine's cores, alone
+
 
 def test_default_is_one_thread_per_physical_core_and_the_callers_thread_stays_free():
     backend = backends.get()
