@@ -222,7 +222,7 @@ def test_a_cut_inside_a_quantization_group_is_refused_naming_the_tensor(checkpoi
 
 
 def test_each_rank_gets_its_own_cores_within_one_numa_node_where_the_counts_allow():
-    from pagedllm.engine.ranks import split_cores
+    from pagedllm.processes.driver_ranks import split_cores
 
     one_node = dict.fromkeys(range(8), 0)
     assert [split_cores(list(range(8)), one_node, r, 2) for r in (0, 1)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
