@@ -27,9 +27,13 @@ quantization = sys.argv[3] if len(sys.argv) > 3 else None
 # per-process cost that has nothing to do with the size of the weights.
 with torch.device("meta"):
     torch.nn.Embedding(2, 2)
+# The backend (its compiled kernels, the modules it imports) comes first, as in build_engine: it
+# belongs to the process's baseline, measured before loading, not to loading's peak.
+from pagedllm import backends
+backend = backends.get()
 before = rss("VmRSS:")
 open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the current RSS
-model = load_decoder(Path(sys.argv[1]), dtype, quantization)
+model = load_decoder(Path(sys.argv[1]), dtype, quantization, backend)
 weights = model.weight_bytes()
 print(rss("VmHWM:") - before, weights)
 """
