@@ -10,12 +10,28 @@ from gguf.quants import quantize as gguf_quantize
 from pagedllm.loading.gguf_quants import SUPPORTED, QuantizedTensor, dequantize, permute_rows, unpack
 
 # Byte offsets of each type's f16 fields (d, and dmin or m) inside its block.
-_F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+_F16_FIELDS = {
+    "Q4_0": [0],
+    "Q4_1": [0, 2],
+    "Q8_0": [0],
+    "Q5_0": [0],
+    "Q5_1": [0, 2],
+    "MXFP4": [],
+    "Q4_K": [0, 2],
+    "Q5_K": [0, 2],
+    "Q6_K": [208],
+}
+# MXFP4's scale byte e (2^(e-127)) at the ends of its range, where gguf's scale is subnormal
+# (0, 1), overflows a product to inf (253..255) or reads 255 as a number, and around 1.
+_E8M0_EDGES = np.array([0, 1, 2, 126, 127, 128, 252, 253, 254, 255], dtype=np.uint8)
 # bits, group, qweight dtype, qweight columns per weight column, has a zero
 _FORMAT = {
     "Q4_0": (4, 32, np.uint8, 0.5, True),
     "Q4_1": (4, 32, np.uint8, 0.5, True),
     "Q8_0": (8, 32, np.int8, 1, False),
+    "Q5_0": (8, 32, np.int8, 1, False),
+    "Q5_1": (8, 32, np.int8, 1, True),
+    "MXFP4": (8, 32, np.int8, 1, False),
     "Q4_K": (4, 32, np.uint8, 0.5, True),
     "Q5_K": (8, 32, np.int8, 1, True),
     "Q6_K": (8, 16, np.int8, 1, False),
@@ -23,16 +39,18 @@ _FORMAT = {
 
 
 def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """Every bit pattern of the quantized fields, with finite f16 scales (signs, zeros and
-    subnormals included)."""
+    """Every bit pattern of the quantized fields, with finite f16 scales (signs, zeros,
+    subnormals and the largest magnitude included) and MXFP4's scale byte at its edges."""
     rng = np.random.default_rng(seed)
     block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
     raw = rng.integers(0, 256, (rows, cols // block * type_size), dtype=np.uint8)
     blocks = raw.reshape(rows, cols // block, type_size)
     for offset in _F16_FIELDS[type_name]:
         d = (rng.standard_normal(blocks.shape[:2]) * 10.0 ** rng.integers(-7, 1, blocks.shape[:2])).astype(np.float16)
-        d[0, 0] = 0.0
+        d[0, 0], d[-1, -1] = 0.0, -65504.0
         blocks[..., offset : offset + 2] = d[..., None].view(np.uint8)
+    if type_name == "MXFP4":
+        blocks[..., 0].flat[: len(_E8M0_EDGES)] = _E8M0_EDGES
     return raw
 
 
@@ -49,7 +67,8 @@ def test_every_supported_type_unpacks_to_gguf_values_bit_for_bit(type_name):
     rows, cols = 5, 512
     raw = random_blocks(type_name, rows, cols)
     qt = unpack(type_name, raw, rows, cols)
-    assert_exact(type_name, dequantize(qt), raw)
+    with np.errstate(over="ignore"):  # MXFP4's largest scales times 12: inf, as gguf has it
+        assert_exact(type_name, dequantize(qt), raw)
 
     bits, group, dtype, per_col, has_zero = _FORMAT[type_name]
     assert (qt.bits, qt.group, qt.shape) == (bits, group, (rows, cols))
@@ -69,6 +88,9 @@ def test_q_stays_in_its_range(type_name):
         "Q4_1": (0, 15),
         "Q4_K": (0, 15),
         "Q8_0": (-128, 127),
+        "Q5_0": (-16, 15),
+        "Q5_1": (0, 31),
+        "MXFP4": (-12, 12),
         "Q5_K": (0, 31),
         "Q6_K": (-32, 31),
     }[type_name]
@@ -78,7 +100,19 @@ def test_q_stays_in_its_range(type_name):
     assert q.min() == lo and q.max() == hi
 
 
-@pytest.mark.parametrize("type_name", sorted(SUPPORTED & {"Q4_0", "Q4_1", "Q8_0"}))
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1"])
+def test_q5_types_match_gguf_for_non_finite_scales_too(type_name):
+    # Unlike Q4_0 (module docstring), these form gguf's own product even for inf and NaN d or m.
+    raw = random_blocks(type_name, 2, 256)
+    blocks = raw.reshape(2, 8, -1)
+    special = np.array([np.inf, -np.inf, np.nan, 1.0], dtype=np.float16)[:, None].view(np.uint8)
+    for offset, first in zip(_F16_FIELDS[type_name], [0, 2]):  # d in blocks 0-3, m in 2-5
+        blocks[0, first : first + 4, offset : offset + 2] = special
+    with np.errstate(invalid="ignore"):  # inf * 0
+        assert_exact(type_name, dequantize(unpack(type_name, raw, 2, 256)), raw)
+
+
+@pytest.mark.parametrize("type_name", sorted(SUPPORTED & {"Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "MXFP4"}))
 def test_weights_quantized_by_gguf_unpack_exactly(type_name):
     weights = np.random.default_rng(1).standard_normal((4, 96)).astype(np.float32)
     raw = gguf_quantize(weights, GGMLQuantizationType[type_name])
@@ -109,6 +143,17 @@ def test_q4_k_is_repacked_into_the_q4_0_nibble_order():
     assert_exact("Q4_K", dequantize(qt), raw)
 
 
+def test_mxfp4_reads_e2m1_codes_scaled_by_2_to_the_e_minus_127():
+    # e = 127 is a scale of 1: the values are the OCP spec's e2m1 table itself (code 8, -0, reads
+    # as +0 as in gguf). Byte j holds code j in its low nibble (element j), 15 - j in its high one.
+    e2m1 = [0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6]
+    codes = np.array([j | ((15 - j) << 4) for j in range(16)], dtype=np.uint8)
+    for e, scale in [(127, 1.0), (130, 8.0), (1, 2.0**-126)]:
+        qt = unpack("MXFP4", np.concatenate([[e], codes]).astype(np.uint8)[None, :], 1, 32)
+        expected = np.array(e2m1 + e2m1[::-1], dtype=np.float32) * np.float32(scale)
+        np.testing.assert_array_equal(dequantize(qt)[0].view(np.uint32), expected.view(np.uint32))
+
+
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
 def test_permute_rows_moves_every_array_with_its_row(type_name):
     rows, cols = 6, 64
@@ -121,7 +166,7 @@ def test_permute_rows_moves_every_array_with_its_row(type_name):
         permute_rows(qt, np.array([0, 0, 1, 2, 3, 4]))
 
 
-@pytest.mark.parametrize("type_name", ["Q2_K", "IQ4_NL", "F16", "Q5_0"])
+@pytest.mark.parametrize("type_name", ["Q2_K", "IQ4_NL", "F16", "Q3_K"])
 def test_an_unsupported_type_is_refused_by_name(type_name):
     with pytest.raises(ValueError, match=type_name):
         unpack(type_name, np.zeros((1, 256), dtype=np.uint8), 1, 256)

@@ -132,8 +132,18 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
 # Suffixes of a quantized weight's tensors in the converted checkpoint (layers/quantized.py reads them).
 QWEIGHT, SCALE, ZERO = ".qweight", ".scale", ".zero"
 _FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
-_QUANT_FORMATS = {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q4_K": (4, 32), "Q8_0": (8, 32), "Q5_K": (8, 32), "Q6_K": (8, 16)}
-_NO_ZERO = frozenset({"Q8_0", "Q6_K"})
+_QUANT_FORMATS = {
+    "Q4_0": (4, 32),
+    "Q4_1": (4, 32),
+    "Q4_K": (4, 32),
+    "Q8_0": (8, 32),
+    "Q5_0": (8, 32),
+    "Q5_1": (8, 32),
+    "MXFP4": (8, 32),
+    "Q5_K": (8, 32),
+    "Q6_K": (8, 16),
+}
+_NO_ZERO = frozenset({"Q8_0", "Q5_0", "MXFP4", "Q6_K"})
 
 
 def _metadata(reader) -> dict:

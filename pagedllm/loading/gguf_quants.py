@@ -12,20 +12,36 @@ type is affine per group of ``group`` elements:
             nibble (the order Q4_0 and Q4_1 blocks already use); q is unsigned 0..15.
     bits=8  qweight int8 [rows, cols].
 
-    type  block bytes                          bits group  q            scale    zero
-    Q4_0  d f16, qs[16]                          4    32   0..15        d        -8 * d
-    Q4_1  d f16, m f16, qs[16]                   4    32   0..15        d        m
-    Q8_0  d f16, qs int8[32]                     8    32   -128..127    d        None
-    Q4_K  d, dmin f16, 6-bit sc/m[12], qs[128]   4    32   0..15        d * sc   -(dmin * m)
-    Q5_K  as Q4_K, then qh[32] before qs         8    32   0..31        d * sc   -(dmin * m)
-    Q6_K  ql[128], qh[64], sc int8[16], d f16    8    16   -32..31      d * sc   None
+    type   block bytes                          bits group   q            scale      zero
+    Q4_0   d f16, qs[16]                           4    32   0..15        d          -8 * d
+    Q4_1   d f16, m f16, qs[16]                    4    32   0..15        d          m
+    Q8_0   d f16, qs int8[32]                      8    32   -128..127    d          None
+    Q5_0   d f16, qh[4], qs[16]                    8    32   -16..15      d          None
+    Q5_1   d f16, m f16, qh[4], qs[16]             8    32   0..31        d          m
+    MXFP4  e uint8, qs[16]                         8    32   -12..12      2^(e-128)  None
+    Q4_K   d, dmin f16, 6-bit sc/m[12], qs[128]    4    32   0..15        d * sc     -(dmin * m)
+    Q5_K   as Q4_K, then qh[32] before qs          8    32   0..31        d * sc     -(dmin * m)
+    Q6_K   ql[128], qh[64], sc int8[16], d f16     8    16   -32..31      d * sc     None
+
+Q5_0 and Q5_1 keep their low four bits in qs in Q4_0's order and element j's fifth bit in bit j
+of qh read as a little-endian uint32; Q5_0's q is q5 - 16. MXFP4 (OCP microscaling FP4) stores
+a power-of-two scale byte e and 32 FP4 e2m1 codes in Q4_0's nibble order; an e2m1 value doubled
+is one of 0, 1, 2, 3, 4, 6, 8, 12 with a sign, so q is that doubled value and the scale is half
+of 2^(e-127). As in gguf (ggml's ggml_e8m0_to_fp32_half), e = 255 is a number (scale 2^127),
+not the NaN the OCP spec makes it, and e = 0 and 1 give subnormal scales.
+
+Widened on loading: Q5_0, Q5_1, Q5_K and Q6_K take one byte per value. MXFP4 is widened to 8
+bits per value today, not kept at the 4.25 bits per value it is stored in: with its float32 scale
+per 32 values it takes 9 bits a value, about twice its size in the file. Keeping it at its size
+would need a third layout (4-bit codes looked up in the e2m1 table) and kernels that read it.
 
 Exactness: scale and zero are the float32 products gguf's ``dequantize`` forms, and q * scale is
 exact or is gguf's own product, so ``dequantize(unpack(...))`` equals ``gguf.quants.dequantize``
 bit for bit, with one exception: a Q4_0 value that is zero may be +0 where gguf has -0 (gguf
 computes d * (q - 8), which is -0 for q = 8 when d < 0 and for q < 8 when d = +0; q * d - 8 * d is
 +0). The two are equal as numbers and in every sum. (Non-finite f16 d aside: Q4_0 then gives NaN
-where gguf gives an infinity.)
+where gguf gives an infinity.) Q5_0, Q5_1 and MXFP4 form gguf's very product, q * d (+ m), so they
+match it in every case: -0, non-finite d, and MXFP4's largest scales overflowing to inf.
 """
 
 from __future__ import annotations
@@ -36,7 +52,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-SUPPORTED = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_K", "Q6_K"})
+SUPPORTED = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q5_1", "MXFP4", "Q5_K", "Q6_K"})
 
 
 @dataclass
@@ -145,6 +161,22 @@ def _k_nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([chunks & 0x0F, chunks >> 4], axis=3).reshape(rows, n_blocks, 8, 32)
 
 
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """16 bytes per block -> uint8 [..., 32] in element order: byte j holds element j in its low
+    nibble and j + 16 in its high one (Q4_0's order)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _five_bits(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1's 4 qh and 16 qs bytes per block -> uint8 [..., 32] of 0..31: bit j of qh as a
+    little-endian uint32 (bit j % 8 of byte j // 8) is element j's fifth bit."""
+    return _nibbles(qs) | (np.unpackbits(qh, axis=-1, bitorder="little") << 4)
+
+
+# FP4 e2m1 codes 0..15 (sign bit 8) -> twice their value, as ggml's kvalues_mxfp4.
+_E2M1_DOUBLED = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)
+
+
 # --- one unpacker per type: uint8 [rows, n_blocks, type_size] -> QuantizedTensor --------------
 
 
@@ -163,6 +195,25 @@ def _q8_0(b: np.ndarray) -> QuantizedTensor:
     rows = b.shape[0]
     q = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(rows, -1)
     return QuantizedTensor(8, 32, q, _f16(b, 0), None)
+
+
+def _q5_0(b: np.ndarray) -> QuantizedTensor:
+    rows = b.shape[0]
+    q = _five_bits(b[..., 2:6], b[..., 6:22]).astype(np.int8) - np.int8(16)
+    return QuantizedTensor(8, 32, q.reshape(rows, -1), _f16(b, 0), None)
+
+
+def _q5_1(b: np.ndarray) -> QuantizedTensor:
+    rows = b.shape[0]
+    q = _five_bits(b[..., 4:8], b[..., 8:24]).astype(np.int8)
+    return QuantizedTensor(8, 32, q.reshape(rows, -1), _f16(b, 0), _f16(b, 2))
+
+
+def _mxfp4(b: np.ndarray) -> QuantizedTensor:
+    rows = b.shape[0]
+    q = _E2M1_DOUBLED[_nibbles(b[..., 1:17])]
+    scale = np.ldexp(np.float32(1), b[..., 0].astype(np.int32) - 128)  # 2^(e-127) / 2, exact
+    return QuantizedTensor(8, 32, q.reshape(rows, -1), scale.astype(np.float32), None)
 
 
 def _q4_k(b: np.ndarray) -> QuantizedTensor:
@@ -201,6 +252,9 @@ _UNPACKERS: dict[str, Callable[[np.ndarray], QuantizedTensor]] = {
     "Q4_0": _q4_0,
     "Q4_1": _q4_1,
     "Q8_0": _q8_0,
+    "Q5_0": _q5_0,
+    "Q5_1": _q5_1,
+    "MXFP4": _mxfp4,
     "Q4_K": _q4_k,
     "Q5_K": _q5_k,
     "Q6_K": _q6_k,
