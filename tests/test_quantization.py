@@ -38,7 +38,8 @@ def test_quantize_keeps_every_weight_within_half_a_step(scheme):
     assert qw.nbytes() < w.numel() * (1.26 if scheme == "int8" else 0.76)
 
 
-# (bits, group, with offsets): our int8/int4 and the layouts GGUF types unpack to (Q8_0, Q6_K, Q5_K)
+# (bits, group, with offsets): our int8/int4 and the layouts GGUF types unpack to (Q8_0, Q5_0 and
+# MXFP4; Q6_K; Q5_K and Q5_1)
 FORMATS = [(8, 256, False), (4, 32, True), (8, 32, False), (8, 16, False), (8, 32, True)]
 
 
@@ -99,22 +100,50 @@ TYPES = {
     "token_embd": "Q8_0",
     "output": "F32",
 }
+# The types read since, in a second file of the same shape: q/k/v of Q5_0, Q5_1 and MXFP4 (three
+# 8-bit segments, the middle one with offsets), MXFP4 in a row-parallel layer, and float
+# tensors stored in 16 bits.
+LATER_TYPES = {
+    **TYPES,
+    "attn_q": "Q5_0",
+    "attn_k": "Q5_1",
+    "attn_v": "MXFP4",
+    "ffn_down": "MXFP4",
+    "token_embd": "BF16",
+    "output": "F16",
+}
 
 
 def gguf_blocks(type_name, rows, cols, rng):
     """Random blocks of ``type_name`` with small finite scales, as a trained model has."""
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
-    fields = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+    fields = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2]}
+    fields.update(Q5_K=[0, 2], Q6_K=[208])
     for offset in fields.get(type_name, []):  # a type we do not load: any bytes will do
         d = (rng.random(raw.shape[:2]) * 0.004 + 0.001).astype(np.float16)
         raw[..., offset : offset + 2] = d[..., None].view(np.uint8)
+    if type_name == "MXFP4":  # its scale byte e: 2^(e - 127) of 1/512 to 1/128
+        raw[..., 0] = rng.integers(118, 121, raw.shape[:2])
     return raw.reshape(rows, -1)
+
+
+def float_tensor(kind, rows, cols, rng):
+    """Random weights stored as ``kind`` (F32, F16 or BF16): the array to write (BF16 as its
+    bytes) and the float32 values it holds, rounded by numpy or torch, not by gguf."""
+    values = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
+    if kind == "F16":
+        return values.astype(np.float16), values.astype(np.float16).astype(np.float32)
+    if kind == "BF16":
+        bf16 = torch.from_numpy(values).bfloat16()
+        return bf16.view(torch.int16).numpy().view(np.uint8), bf16.float().numpy()
+    return values, values
 
 
 def write_llama_gguf(path, types, rng, metadata=None, dequantized=False):
     """``dequantized``: the same tensors (the same draws of ``rng``), each quantized one written
-    as the float32 values the ``gguf`` package dequantizes it to."""
+    as the float32 values the ``gguf`` package dequantizes it to, each float one as float32.
+    Returns the float32 values of the float tensors written, by GGUF name."""
     writer = gguf.GGUFWriter(str(path), "llama")
     for key, value in (metadata or {}).items():
         (writer.add_int32 if isinstance(value, int) else writer.add_float32)(key, value)
@@ -128,9 +157,15 @@ def write_llama_gguf(path, types, rng, metadata=None, dequantized=False):
     shapes = {"attn_q": (H, H), "attn_k": (H // 2, H), "attn_v": (H // 2, H), "attn_output": (H, H)}
     shapes.update(ffn_gate=(FF, H), ffn_up=(FF, H), ffn_down=(H, FF))
 
+    written = {}
+
     def add(name, kind, rows, cols):
-        if kind == "F32":
-            writer.add_tensor(name, (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32))
+        if kind in ("F32", "F16", "BF16"):
+            stored, written[name] = float_tensor(kind, rows, cols, rng)
+            if dequantized:
+                writer.add_tensor(name, written[name])
+            else:
+                writer.add_tensor(name, stored, raw_dtype=GGMLQuantizationType.BF16 if kind == "BF16" else None)
         elif dequantized:
             values = gguf.quants.dequantize(gguf_blocks(kind, rows, cols, rng), GGMLQuantizationType[kind])
             writer.add_tensor(name, values.astype(np.float32))
@@ -149,6 +184,7 @@ def write_llama_gguf(path, types, rng, metadata=None, dequantized=False):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return written
 
 
 @pytest.fixture
@@ -177,18 +213,28 @@ def logits_of(model, ids, dtype=torch.float32):
     return model(torch.tensor(ids), rows, model.backend.attention(cache, layout), rows)
 
 
-def test_every_supported_gguf_type_runs_quantized_as_the_gguf_package_dequantizes_it(converted, kernels):
-    """One file with all six types (q/k/v of three types stacked), kept quantized: its logits
-    equal those of the same model written as the float32 values the ``gguf`` package dequantizes
-    each tensor to, on both kernel paths, for rows that take the kernel (1) and the dequantize +
-    GEMM path (20); and dequantized at load, the same."""
-    model_dir = converted(TYPES)
+@pytest.mark.parametrize(
+    "types, qkv_formats",
+    [
+        (TYPES, [(4, 32, True), (8, 32, False), (8, 16, False)]),
+        (LATER_TYPES, [(8, 32, False), (8, 32, True), (8, 32, False)]),
+    ],
+    ids=["first-six", "q5-mxfp4-f16"],
+)
+def test_every_supported_gguf_type_runs_quantized_as_the_gguf_package_dequantizes_it(
+    converted, kernels, types, qkv_formats
+):
+    """Two files that hold every supported type between them (q/k/v of three types stacked),
+    kept quantized: their logits equal those of the same model written as the float32 values the
+    ``gguf`` package dequantizes each tensor to, on both kernel paths, for rows that take the
+    kernel (1) and the dequantize + GEMM path (20); and dequantized at load, the same."""
+    model_dir = converted(types)
     quantized = load_decoder(model_dir, torch.float32, None)
     ours_dequantized = load_decoder(model_dir, torch.float32, "none")
-    oracle = load_decoder(converted(TYPES, dequantized=True), torch.float32, None)
+    oracle = load_decoder(converted(types, dequantized=True), torch.float32, None)
     assert quantized.quantized() and not ours_dequantized.quantized() and not oracle.quantized()
     qkv = quantized.model.layers[0].self_attn.qkv_proj
-    assert [s.format for s in qkv.segments] == [(4, 32, True), (8, 32, False), (8, 16, False)]
+    assert [s.format for s in qkv.segments] == qkv_formats
     ids = list(range(3, 23))
     for n in (1, len(ids)):
         expected = logits_of(oracle, ids[:n])
@@ -197,6 +243,23 @@ def test_every_supported_gguf_type_runs_quantized_as_the_gguf_package_dequantize
     # the planner's figure from the header is what the loaded model holds
     assert checkpoint_weights(model_dir, "float32", None) == (quantized.weight_bytes(), True)
     assert quantized.weight_bytes() < ours_dequantized.weight_bytes() / 3
+
+
+def test_f16_and_bf16_tensors_load_as_the_values_written(tmp_path, monkeypatch):
+    """A GGUF's 16-bit float tensors (the embedding in BF16, lm_head in F16) reach the loaded
+    model as exactly the values written."""
+    monkeypatch.setattr(gguf_convert, "_save_tokenizer", lambda *a: None)
+    path, out = tmp_path / "floats.gguf", tmp_path / "converted"
+    written = write_llama_gguf(path, LATER_TYPES, np.random.default_rng(0))
+    stored = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors if t.name in written}
+    assert stored == {"token_embd.weight": "BF16", "output.weight": "F16"}
+    out.mkdir()
+    gguf_convert.convert(path, out)
+    model = load_decoder(out, torch.float32, None)
+    embedding = model.model.embed_tokens(torch.arange(VOCAB))
+    assert torch.equal(embedding, torch.from_numpy(written["token_embd.weight"]))
+    lm_head = model.lm_head(torch.eye(H)).T  # the rows, however the layer packed them
+    assert torch.equal(lm_head, torch.from_numpy(written["output.weight"]))
 
 
 @pytest.mark.parametrize("kind", ["Q2_K", "IQ4_NL", "Q3_K"])
