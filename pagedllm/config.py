@@ -18,7 +18,13 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    # mixtures of experts (layers/moe.py)
+    "MixtralForCausalLM",
+    "OlmoeForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -31,6 +37,20 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A sparse MLP: each token's ``top_k`` experts of ``num_experts`` (by the router's softmax),
+    their outputs summed with the router's probabilities (renormalised over the chosen when
+    ``normalize``); Qwen2-MoE adds a dense shared expert gated by a sigmoid."""
+
+    num_experts: int
+    top_k: int
+    expert_size: int  # each expert's intermediate width
+    normalize: bool
+    layers: tuple[bool, ...]  # per layer: sparse (True) or the dense MLP of ``intermediate_size``
+    shared_expert_size: int = 0  # Qwen2-MoE's shared expert's width; 0: none
 
 
 @dataclass(frozen=True)
@@ -51,10 +71,17 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    # "head": q and k normed per head (Qwen3); "all": over the whole projection (OLMoE)
+    qk_norm_scope: str = "head"
+    qkv_clip: float | None = None  # OLMoE's clip_qkv: q, k, v clamped to +-this after the norms
     # per layer: None for full attention, else the window size in tokens
     sliding_windows: tuple[int | None, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoeConfig | None = None  # a mixture of experts' routing and sizes; None: every layer dense
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and self.moe.layers[layer]
 
     @classmethod
     def from_hf_dict(cls, d: dict, source: str = "config") -> ModelConfig:
@@ -82,13 +109,16 @@ class ModelConfig:
                 max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
                 rope=_rope_from_hf(d, source),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                qkv_bias=arch == "Qwen2ForCausalLM" or bool(d.get("attention_bias")),
-                o_bias=arch != "Qwen2ForCausalLM" and bool(d.get("attention_bias")),
+                qkv_bias=arch in _QKV_BIAS or bool(d.get("attention_bias")),
+                o_bias=arch not in _QKV_BIAS and bool(d.get("attention_bias")),
                 mlp_bias=bool(d.get("mlp_bias")),
-                qk_norm=arch == "Qwen3ForCausalLM",
+                qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"),
+                qk_norm_scope="all" if arch == "OlmoeForCausalLM" else "head",
+                qkv_clip=float(d["clip_qkv"]) if d.get("clip_qkv") is not None else None,
                 sliding_windows=_sliding_windows_from_hf(d, arch, layers),
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_ids=_as_tuple(d.get("eos_token_id")),
+                moe=_moe_from_hf(d, arch, layers),
             )
         except KeyError as e:
             raise ModelLoadError(f"{source}: required field {e.args[0]!r} is missing") from None
@@ -118,7 +148,40 @@ _ARCH_BY_MODEL_TYPE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
+_QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")  # q/k/v biased, o not, whatever attention_bias says
+
+
+def _moe_from_hf(d: dict, arch: str, layers: int) -> MoeConfig | None:
+    """The experts' routing from an HF config. Mixtral and OLMoE: every layer sparse, the
+    experts ``intermediate_size`` wide (Mixtral always renormalises the chosen probabilities);
+    Qwen2/3-MoE: sparse every ``decoder_sparse_step``-th layer but ``mlp_only_layers``, experts
+    ``moe_intermediate_size`` wide, the dense layers ``intermediate_size``."""
+    if arch not in MOE_ARCHITECTURES:
+        return None
+    experts = int(d.get("num_local_experts") or d.get("num_experts") or 0)
+    top_k = int(d.get("num_experts_per_tok") or 0)
+    if experts < 1 or not 1 <= top_k <= experts:
+        raise ModelLoadError(f"{arch}: {experts} experts and {top_k} per token do not make a mixture of experts")
+    if arch in ("MixtralForCausalLM", "OlmoeForCausalLM"):
+        sparse = (True,) * layers
+        size = int(d["intermediate_size"])
+    else:
+        step, dense = int(d.get("decoder_sparse_step") or 1), set(d.get("mlp_only_layers") or [])
+        sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
+        size = int(d["moe_intermediate_size"])
+    return MoeConfig(
+        num_experts=experts,
+        top_k=top_k,
+        expert_size=size,
+        normalize=arch == "MixtralForCausalLM" or bool(d.get("norm_topk_prob", False)),
+        layers=sparse,
+        shared_expert_size=int(d.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0,
+    )
 
 
 def _as_tuple(v) -> tuple[int, ...]:
@@ -152,7 +215,7 @@ def _rope_from_hf(d: dict, source: str) -> RopeConfig:
 
 def _sliding_windows_from_hf(d: dict, arch: str, layers: int) -> tuple[int | None, ...]:
     window = d.get("sliding_window")
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         return (int(window) if window else None,) * layers
     types = d.get("layer_types")
     if types and window and d.get("use_sliding_window", True):

@@ -5,7 +5,12 @@ import copy
 import pytest
 import torch
 from greedy import Precision, assert_greedy_matches, assert_steps_match, hf_greedy, reference_step_logits
-from tiny_models import ARCHS
+from tiny_models import ARCHS, MOE_ARCHS
+
+# The lower-precision rules below judge logits position by position, which a routing flip at a
+# near-tie breaks in a mixture of experts (see assert_as_close_as_transformers_bf16): those run on
+# the dense models; the experts' arithmetic is pinned in fp32 and bf16 on every architecture.
+DENSE_ARCHS = [a for a in ARCHS if a not in MOE_ARCHS]
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.backends.cpu.attention import SequenceSlice, StepLayout
@@ -61,6 +66,10 @@ def test_logits_equal_transformers_in_fp32(tiny_checkpoints, arch, kernels):
 # same-context comparison: bf16 97.8-99.1%, KV bf16 and int8 98.2-99.1%, fp8 89.3-93.8% (fp8
 # keeps 3 bits of mantissa).
 BF16_WEIGHTS = Precision(logit_tolerance=0.05, min_exact_steps=0.95)
+# A mixture of experts in bf16 (assert_as_close_as_transformers_bf16): positions within the bf16
+# tolerance of fp32; measured 92.5-100% for ours (both kernel paths, bf16 and fp32 caches),
+# 97.5-100% for transformers' own bf16 run, on these models.
+MOE_BF16_WITHIN = 0.9
 KV_PRECISION = {
     "bfloat16": Precision(logit_tolerance=0.03, min_exact_steps=0.95),
     "int8": Precision(logit_tolerance=0.05, min_exact_steps=0.95),
@@ -78,16 +87,29 @@ def test_bf16_logits_are_as_close_to_fp32_as_transformers_bf16(tiny_checkpoints,
 
 
 def assert_as_close_as_transformers_bf16(hf, batch, ours) -> None:
-    """No further from transformers' fp32 logits than 1.5x its own bf16 run, and within the bf16
-    logit tolerance of that run."""
+    """A dense model: no further from transformers' fp32 logits than 1.5x its own bf16 run, and
+    within the bf16 logit tolerance of that run. A mixture of experts: within the bf16 tolerance
+    of the fp32 logits at ``MOE_BF16_WITHIN`` of the positions. (bf16 moves a token whose top
+    experts nearly tie to another expert, in any implementation, and every later position of
+    its prompt moves with it: which positions do depends on each one's roundings, so two bf16
+    runs are compared by how much of the text they keep, not position by position.)"""
     truth = hf_logits(hf, batch)
+    if is_moe(hf):
+        within = (ours - truth).abs().amax(dim=-1) <= BF16_WEIGHTS.logit_tolerance * truth.abs().max()
+        print(f"within bf16 tolerance of fp32 at {float(within.float().mean()):.1%} of positions")
+        assert float(within.float().mean()) >= MOE_BF16_WITHIN
+        return
     theirs = hf_logits(copy.deepcopy(hf).to(torch.bfloat16), batch)
     assert (ours - truth).abs().max() <= 1.5 * (theirs - truth).abs().max()
     assert (ours - theirs).abs().max() <= BF16_WEIGHTS.logit_tolerance * theirs.abs().max()
 
 
+def is_moe(hf) -> bool:
+    return any(hasattr(hf.config, key) for key in ("num_experts", "num_local_experts"))
+
+
 @pytest.mark.parametrize("kv_dtype", sorted(KV_PRECISION))
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", DENSE_ARCHS)
 def test_a_kv_cache_in_another_dtype_stays_close_to_transformers_fp32(tiny_checkpoints, arch, kv_dtype, kernels):
     directory, hf = tiny_checkpoints[arch]
     batch, ours = our_logits(directory, "float32", kv_dtype)
@@ -111,7 +133,7 @@ LOWER_PRECISIONS = {
 
 
 @pytest.mark.parametrize("precision", LOWER_PRECISIONS)
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", DENSE_ARCHS)
 def test_greedy_at_a_lower_precision_agrees_with_transformers_at_every_step(tiny_checkpoints, arch, precision, kernels):
     """The engine generates greedily in bf16 (or over a lower-precision KV cache); transformers then
     reads each whole sequence and every step is judged in the same context (greedy.compare_steps),

@@ -44,6 +44,45 @@ ARCHS = {
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=False, attention_bias=False)),
 }
+# Each expert is a shared matrix plus its own N(0, EXPERT_SPREAD) part: every expert differs from
+# every other by far more than fp32 rounding (a wrong expert or a dropped router weight moves
+# the logits by 1000x the fp32 tolerance), yet a token whose top experts nearly tie (bf16 rounds
+# the hidden states, then the router picks the other) changes its output by about as little as
+# bf16 rounding does in a dense layer.
+EXPERT_SPREAD = 0.05
+# Mixtures of experts: more experts than a step's tokens choose, so some go unused; a dense layer
+# among the sparse ones (Qwen3-MoE's mlp_only_layers, Qwen2-MoE's decoder_sparse_step).
+MOE_ARCHS = {
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        dict(
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+            tie_word_embeddings=False,
+        ),
+    ),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=6, num_experts_per_tok=2, intermediate_size=96)),
+    "olmoe": (
+        "OlmoeConfig",
+        dict(num_experts=8, num_experts_per_tok=3, intermediate_size=48, norm_topk_prob=False, clip_qkv=None),
+    ),
+    "qwen2-moe": (
+        "Qwen2MoeConfig",
+        dict(
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            shared_expert_intermediate_size=80,
+            decoder_sparse_step=2,
+            norm_topk_prob=False,
+        ),
+    ),
+}
+ARCHS.update(MOE_ARCHS)
 
 
 def build_hf_model(name: str, seed: int = 0, **overrides):
@@ -57,7 +96,11 @@ def build_hf_model(name: str, seed: int = 0, **overrides):
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     with torch.no_grad():
         for p_name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p_name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+                p.normal_(0.0, 0.35)  # a router: wide margins between experts, so rounding picks the same
+            elif p.dim() == 3:  # experts stacked: one shared matrix and each expert's own part
+                p.copy_(torch.randn(p.shape[1:]) * 0.15 + torch.randn(p.shape) * EXPERT_SPREAD)
+            elif p.dim() == 2:
                 p.normal_(0.0, 0.15)
             elif "bias" in p_name:
                 p.normal_(0.0, 0.1)

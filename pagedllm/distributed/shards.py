@@ -71,6 +71,11 @@ def shard_layout(cfg: ModelConfig, tp: int) -> ShardLayout:
     """The split of ``cfg`` over ``tp`` ranks, or TensorParallelError naming what does not divide."""
     if tp < 1:
         raise TensorParallelError(f"tensor_parallel_size must be 1 or more, got {tp}")
+    if tp > 1 and cfg.moe is not None:
+        raise TensorParallelError(
+            f"tensor_parallel_size={tp}: {cfg.architecture} is a mixture of experts, which pagedllm does not "
+            "split over ranks yet; run it with tensor_parallel_size=1"
+        )
     problems = []
     if cfg.num_heads % tp:
         problems.append(f"its {cfg.num_heads} attention heads")

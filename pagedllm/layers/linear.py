@@ -40,6 +40,9 @@ class StackedRows(nn.Module):
 
 
 class Linear(StackedRows):
+    # a layer no quantization or packing touches: a router, whose float32 logits choose the experts
+    keep_float = False
+
     def __init__(self, in_features: int, parts: list[int], bias: bool, backend: Backend):
         super().__init__(in_features, parts)
         rows = sum(parts)
@@ -65,7 +68,7 @@ class Linear(StackedRows):
 
     def pack(self) -> None:
         """Re-lays the weights out for the backend, once (a no-op where it keeps them as they are)."""
-        if self.packed:
+        if self.packed or self.keep_float:
             return
         packed = self.backend.pack_weight(self.weight.data, None if self.bias is None else self.bias.data)
         if packed is not None:

@@ -16,9 +16,11 @@ if TYPE_CHECKING:
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: Backend):
+    """``width``: the intermediate width (default the config's; an expert's is its own)."""
+
+    def __init__(self, cfg: ModelConfig, backend: Backend, width: int | None = None):
         super().__init__()
-        h, i, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        h, i, b = cfg.hidden_size, width or cfg.intermediate_size, cfg.mlp_bias
         self.gate_up_proj = Linear(h, [i, i], bias=b, backend=backend)
         self.down_proj = Linear(i, [h], bias=b, backend=backend)
         self.backend = backend

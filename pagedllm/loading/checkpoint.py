@@ -227,8 +227,8 @@ def _choose_quantized(model: DecoderLM, stored: dict[str, set[str]], quantizatio
         if leaf == "weight":
             by_module.setdefault(modules[id(module)], []).append(hf.removesuffix(".weight"))
     schemes: dict[str, str | None] = {}
-    for name in model.linear_layers():
-        if name == "lm_head" and model.config.tie_word_embeddings:
+    for name, module in model.linear_layers().items():
+        if (name == "lm_head" and model.config.tie_word_embeddings) or getattr(module, "keep_float", False):
             continue
         parts = by_module.get(name, [])
         if quantization is not None:

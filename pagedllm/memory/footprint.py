@@ -82,22 +82,60 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_dtype) -> int:
 
 
 def parameter_count(cfg: ModelConfig) -> int:
-    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    h, d = cfg.hidden_size, cfg.head_dim
     dq, dk = cfg.num_heads * d, cfg.num_kv_heads * d
-    per_layer = h * dq + 2 * h * dk + dq * h + 3 * h * i + 2 * h
-    per_layer += (dq + 2 * dk) * cfg.qkv_bias + h * cfg.o_bias + (2 * i + h) * cfg.mlp_bias
-    per_layer += 2 * d * cfg.qk_norm
+    attention = h * dq + 2 * h * dk + dq * h + 2 * h
+    attention += (dq + 2 * dk) * cfg.qkv_bias + h * cfg.o_bias
+    attention += ((dq + dk) if cfg.qk_norm_scope == "all" else 2 * d) * cfg.qk_norm
+    mlps = sum(
+        _mlp_weights(cfg, layer) + _mlp_biases(cfg, layer) + _router_weights(cfg, layer)
+        for layer in range(cfg.num_layers)
+    )
     embeddings = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
-    return embeddings + cfg.num_layers * per_layer + h
+    return embeddings + cfg.num_layers * attention + mlps + h
+
+
+def _mlp_widths(cfg: ModelConfig, layer: int) -> list[int]:
+    """The intermediate width of each SwiGLU MLP of a layer: its dense one, or every expert's
+    (and a shared expert's)."""
+    moe = cfg.moe
+    if moe is None or not moe.layers[layer]:
+        return [cfg.intermediate_size]
+    return [moe.expert_size] * moe.num_experts + ([moe.shared_expert_size] if moe.shared_expert_size else [])
+
+
+def _mlp_weights(cfg: ModelConfig, layer: int) -> int:
+    return sum(3 * cfg.hidden_size * i for i in _mlp_widths(cfg, layer))
+
+
+def _mlp_biases(cfg: ModelConfig, layer: int) -> int:
+    return sum(2 * i + cfg.hidden_size for i in _mlp_widths(cfg, layer)) * cfg.mlp_bias
+
+
+def _router_weights(cfg: ModelConfig, layer: int) -> int:
+    """A sparse layer's router (and shared expert's gate): float whatever the experts' format."""
+    moe = cfg.moe
+    if moe is None or not moe.layers[layer]:
+        return 0
+    return cfg.hidden_size * (moe.num_experts + (1 if moe.shared_expert_size else 0))
 
 
 def linear_shapes(cfg: ModelConfig) -> tuple[int, int]:
-    """(weights, rows) of every decoder layer's linear layers together (embeddings, lm_head aside)."""
-    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    """(weights, rows) of every decoder layer's linear layers together that quantization
+    touches (embeddings, lm_head and routers aside)."""
+    h, d = cfg.hidden_size, cfg.head_dim
     dq, dk = cfg.num_heads * d, cfg.num_kv_heads * d
-    per_layer = h * (dq + 2 * dk) + dq * h + 3 * h * i
-    rows = (dq + 2 * dk) + h + 2 * i + h
-    return cfg.num_layers * per_layer, cfg.num_layers * rows
+    weights = cfg.num_layers * (h * (dq + 2 * dk) + dq * h)
+    rows = cfg.num_layers * ((dq + 2 * dk) + h)
+    for layer in range(cfg.num_layers):
+        widths = _mlp_widths(cfg, layer)
+        weights += _mlp_weights(cfg, layer)
+        rows += sum(2 * i + h for i in widths)
+    return weights, rows
+
+
+def largest_mlp_width(cfg: ModelConfig) -> int:
+    return max(max(_mlp_widths(cfg, layer)) for layer in range(cfg.num_layers))
 
 
 def weight_bytes(cfg: ModelConfig, dtype, quantization: str | None = None) -> int:
@@ -106,6 +144,7 @@ def weight_bytes(cfg: ModelConfig, dtype, quantization: str | None = None) -> in
     linear, rows = linear_shapes(cfg)
     tables = 1 if cfg.tie_word_embeddings else 2
     embeddings = tables * cfg.vocab_size * (cfg.hidden_size + 4)  # int8, a float32 scale per row
+    # norms, biases and routers stay in dtype
     rest = (parameter_count(cfg) - linear - tables * cfg.vocab_size * cfg.hidden_size) * dtype_bytes(dtype)
     if quantization in ("int8", "w8a8"):  # w8a8 stores int8 too (its lm_head as well)
         return linear + 4 * rows + embeddings + rest
@@ -136,10 +175,10 @@ def loader_bytes(cfg: ModelConfig, s: EngineSettings) -> int:
             return BUILD_BYTES + CONVERT_CHUNK_BYTES
         lm_head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
         largest_packed = max(
-            lm_head, 2 * cfg.intermediate_size * h, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * h
+            lm_head, 2 * largest_mlp_width(cfg) * h, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * h
         )
         return BUILD_BYTES + CONVERT_CHUNK_BYTES + dtype_bytes(s.dtype) * largest_packed
-    largest = max(cfg.vocab_size * h, cfg.intermediate_size * h, cfg.num_heads * cfg.head_dim * h)
+    largest = max(cfg.vocab_size * h, largest_mlp_width(cfg) * h, cfg.num_heads * cfg.head_dim * h)
     # w8a8 quantizes a tensor stored quantized again from its float32 values
     value_bytes = 4 if s.quantization == "w8a8" else dtype_bytes(s.dtype)
     return BUILD_BYTES + CONVERT_CHUNK_BYTES + largest * value_bytes + QUANTIZE_BYTES_PER_CHUNK
@@ -328,7 +367,7 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
     e = dtype_bytes(s.dtype)
     compiled = s.kernels == "compiled"
     t, n = shape.tokens, shape.sampled
-    h, i, v, d = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
+    h, i, v, d = cfg.hidden_size, largest_mlp_width(cfg), cfg.vocab_size, cfg.head_dim
     dq, dk = cfg.num_heads * d, cfg.num_kv_heads * d
     window_sizes = {w for w in cfg.sliding_windows if w is not None}
     # a draft model's distributions at the guesses it drew (one per guessed logits row at most),
@@ -363,6 +402,8 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
         "mlp down": base + xn + t * i * e + gemm(t, i, h) + allreduce,
         "lm head": base + n * h * e + gemm(n, h, v, head_packed),
     }
+    if cfg.moe is not None:
+        phases.update(_sparse_mlp_phases(cfg, t, e, base + xn, g))
     head_out = rows_of(n, h, v, head_packed) * v * e
     sv = s.gathered_vocab or v  # the logits the sampler sees
     if s.gathered_vocab:  # every rank's logits, side by side, on the driver
@@ -389,6 +430,29 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
         # a chunk's log-softmax, its top 20 at most (values and ids), one row's "more likely" mask
         prompt = max(r * sv * 4 + r * 20 * (4 + INDEX) + sv for r in shape.prompt_logprob_rows)
         phases["prompt logprobs"] = logits + prompt + INDEX * n + SCALAR_SLACK + drafted
+    return phases
+
+
+def _sparse_mlp_phases(cfg: ModelConfig, t: int, e: int, live: int, g: _Gemms) -> dict[str, int]:
+    """A sparse layer as ``layers.moe.SparseMoE`` runs it, above ``live`` (buffers, residual,
+    normed x): the router's float32 inputs, logits and softmax; then the output accumulator
+    and the routing (weights, experts, their order, tokens, sorted weights) held while one
+    expert at a time runs on its gathered rows, as many as every token (one expert may take
+    them all), and its output before it is added."""
+    moe = cfg.moe
+    assert moe is not None
+    h, k, experts, c = cfg.hidden_size, moe.top_k, moe.num_experts, t
+    # x and the router's weights in float32 (copies unless float32 already), logits, softmax
+    logits = (t * h + experts * h) * 4 * (e != 4) + t * experts * (4 + 4)
+    routing = t * k * (e + INDEX) + 3 * t * k * INDEX + t * k * e
+    held = live + t * h * e + routing + c * h * e  # the accumulator, the routing, the expert's rows
+    widest = max(moe.expert_size, moe.shared_expert_size)
+    phases = {
+        "moe router": live + logits + t * k * (4 + INDEX),
+        "moe expert gate/up": held + g.bytes(c, h, 2 * widest),
+        "moe expert silu * up": held + g.rows_of(c, h, 2 * widest) * 2 * widest * e + c * widest * e,
+        "moe expert down": held + c * widest * e + g.bytes(c, widest, h) + c * h * e,
+    }
     return phases
 
 

@@ -29,6 +29,7 @@ from ..config import ModelConfig
 from ..distributed.shards import RankShard
 from ..layers.linear import Linear
 from ..layers.mlp import MLP
+from ..layers.moe import SparseMoE
 from ..layers.norm import RMSNorm, add_rms_norm
 from ..layers.quantized import INT8_COMPUTE, QuantizedEmbedding, QuantizedLinear
 from ..layers.rotary import Rotary
@@ -50,8 +51,11 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
         self.qkv_proj = Linear(h, [self.q_size, self.kv_size, self.kv_size], bias=cfg.qkv_bias, backend=backend)
         self.o_proj = Linear(self.q_size, [h], bias=cfg.o_bias, backend=backend)
-        self.q_norm: RMSNorm | None = RMSNorm(d, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
-        self.k_norm: RMSNorm | None = RMSNorm(d, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
+        # per head (Qwen3), or over the whole projection (OLMoE)
+        q_width, k_width = (self.q_size, self.kv_size) if cfg.qk_norm_scope == "all" else (d, d)
+        self.q_norm: RMSNorm | None = RMSNorm(q_width, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
+        self.k_norm: RMSNorm | None = RMSNorm(k_width, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
+        self.norm_whole, self.clip = cfg.qk_norm_scope == "all", cfg.qkv_clip
 
     def forward(self, x, cos, sin, attn):
         t, dq, dk = x.shape[0], self.q_size, self.kv_size
@@ -60,7 +64,13 @@ class Attention(nn.Module):
         k = qkv[:, dq : dq + dk].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, dq + dk :].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            if self.norm_whole:
+                q = self.q_norm(q.reshape(t, dq)).view(t, self.num_heads, self.head_dim)
+                k = self.k_norm(k.reshape(t, dk)).view(t, self.num_kv_heads, self.head_dim)
+            else:
+                q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip is not None:
+            q, k, v = (y.clamp(-self.clip, self.clip) for y in (q, k, v))
         self.backend.rotary_(q, k, cos, sin)
         out = attn.attend(self.layer, q, k, v, self.scale, self.window)
         del q, k, v, qkv
@@ -71,7 +81,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, backend: Backend):
         super().__init__()
         self.self_attn = Attention(cfg, layer, backend)
-        self.mlp = MLP(cfg, backend)
+        self.mlp: MLP | SparseMoE = SparseMoE(cfg, backend) if cfg.is_moe_layer(layer) else MLP(cfg, backend)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
 
@@ -182,9 +192,16 @@ class DecoderLM(nn.Module):
             stacked = {
                 layer.self_attn.qkv_proj: ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                 layer.self_attn.o_proj: ("self_attn.o_proj",),
-                layer.mlp.gate_up_proj: ("mlp.gate_proj", "mlp.up_proj"),
-                layer.mlp.down_proj: ("mlp.down_proj",),
             }
+            if isinstance(layer.mlp, SparseMoE):
+                stacked.update(_expert_names(layer.mlp, self.config.architecture))
+            else:
+                stacked.update(
+                    {
+                        layer.mlp.gate_up_proj: ("mlp.gate_proj", "mlp.up_proj"),
+                        layer.mlp.down_proj: ("mlp.down_proj",),
+                    }
+                )
             for linear, names in stacked.items():
                 for part, hf in enumerate(names):
                     slots[f"{p}{hf}.weight"] = (linear, "weight", part)
@@ -287,6 +304,29 @@ class DecoderLM(nn.Module):
         h = embed_tokens(local.masked_fill(elsewhere, 0))
         h.masked_fill_(elsewhere[:, None], 0)
         return self.tensor_parallel.all_reduce_(h)
+
+
+def _expert_names(moe: SparseMoE, architecture: str) -> dict[Linear, tuple[str, ...]]:
+    """A sparse layer's linear layers -> their checkpoint names under ``model.layers.N.``:
+    Mixtral's ``block_sparse_moe.experts.E.w1/w3/w2`` (gate, up, down), the others'
+    ``mlp.experts.E.gate_proj/up_proj/down_proj``; the router is ``gate``."""
+    names: dict[Linear, tuple[str, ...]] = {}
+    if architecture == "MixtralForCausalLM":
+        names[moe.router] = ("block_sparse_moe.gate",)
+        for e, expert in enumerate(moe.expert_mlps()):
+            ex = f"block_sparse_moe.experts.{e}."
+            names[expert.gate_up_proj] = (ex + "w1", ex + "w3")
+            names[expert.down_proj] = (ex + "w2",)
+        return names
+    names[moe.router] = ("mlp.gate",)
+    experts = [(f"mlp.experts.{e}.", expert) for e, expert in enumerate(moe.expert_mlps())]
+    if moe.shared_expert is not None and moe.shared_expert_gate is not None:
+        experts.append(("mlp.shared_expert.", moe.shared_expert))
+        names[moe.shared_expert_gate] = ("mlp.shared_expert_gate",)
+    for ex, expert in experts:
+        names[expert.gate_up_proj] = (ex + "gate_proj", ex + "up_proj")
+        names[expert.down_proj] = (ex + "down_proj",)
+    return names
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

@@ -61,6 +61,8 @@ class DecodeProgram:
 
     def __init__(self, model: DecoderLM, step_class: Any):
         cfg = model.config
+        if cfg.moe is not None or cfg.qk_norm_scope != "head" or cfg.qkv_clip is not None:
+            raise NotProgrammable("sparse MLPs and OLMoE's attention run in the Python layer loop")
         layers = model.model.decoder_layers()
         attn0 = layers[0].self_attn
         self.step = step_class(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, attn0.scale)
@@ -72,7 +74,8 @@ class DecodeProgram:
             norms = [layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data]
             norms += [n.weight.data if n is not None else none for n in (a.q_norm, a.k_norm)]
             self.step.add_layer(norms, a.window or 0)
-            for which, linear in enumerate((a.qkv_proj, a.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)):
+            mlp: Any = layer.mlp  # dense: a sparse one raised NotProgrammable above
+            for which, linear in enumerate((a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)):
                 kind, tensors, ints, bias = _linear_args(linear)
                 self.packed_quantized |= kind == QUANT
                 self.step.add_linear(which, kind, tensors, ints, bias)

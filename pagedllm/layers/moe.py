@@ -1,0 +1,77 @@
+"""A mixture of experts' sparse MLP (Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE): a router picks each
+token's ``top_k`` experts, each a SwiGLU ``MLP`` of its own, and the token's output is their
+outputs weighted by the router's probabilities.
+
+Computed as a memory-bound CPU wants it: the step's (token, expert) pairs are sorted by expert,
+so each chosen expert multiplies all of its tokens in one GEMM and its weights are read once per
+step; an expert no token chose is never read (a decode step of one token reads ``top_k`` of
+them). The router computes in float32 whatever the experts' format (``keep_float``), as
+llama.cpp's does: logits rounded to bf16 or int8 would choose other experts than float32 does
+wherever two are close, and a token sent to another expert is a different answer.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, cast
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from .linear import Linear
+from .mlp import MLP
+
+if TYPE_CHECKING:
+    from ..backends.base import Backend
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: Backend):
+        super().__init__()
+        moe = cfg.moe
+        assert moe is not None
+        self.top_k, self.normalize = moe.top_k, moe.normalize
+        self.router = Linear(cfg.hidden_size, [moe.num_experts], bias=False, backend=backend)
+        self.router.keep_float = True
+        self.experts = nn.ModuleList(MLP(cfg, backend, moe.expert_size) for _ in range(moe.num_experts))
+        self.shared_expert: MLP | None = None
+        self.shared_expert_gate: Linear | None = None
+        if moe.shared_expert_size:
+            self.shared_expert = MLP(cfg, backend, moe.shared_expert_size)
+            self.shared_expert_gate = Linear(cfg.hidden_size, [1], bias=False, backend=backend)
+            self.shared_expert_gate.keep_float = True
+
+    def expert_mlps(self) -> list[MLP]:
+        return cast(list[MLP], list(self.experts))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, top_k] in x's dtype, experts [T, top_k]): the top_k of the softmax of the
+        router's float32 logits, renormalised over the chosen where the model does (transformers' order of
+        operations, so that ties and roundings fall the same way)."""
+        router = self.router.weight
+        logits = torch.nn.functional.linear(x.float(), router if router.dtype == torch.float32 else router.float())
+        probs = torch.softmax(logits, dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.route(x)
+        out = torch.zeros_like(x)
+        chosen = experts.flatten()
+        order = torch.argsort(chosen, stable=True)  # the (token, expert) pairs grouped by expert
+        counts = torch.bincount(chosen, minlength=len(self.experts)).tolist()
+        tokens, pair_weights = order // self.top_k, weights.flatten()[order]
+        start = 0
+        for expert, count in zip(self.experts, counts):
+            if count:
+                rows = tokens[start : start + count]
+                y = expert(x.index_select(0, rows))
+                y *= pair_weights[start : start + count, None]
+                out.index_add_(0, rows, y)
+                start += count
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            gate = torch.sigmoid(self.shared_expert_gate(x))
+            out += gate * self.shared_expert(x)
+        return out
