@@ -59,7 +59,7 @@ MOE_ARCHS = {
             head_dim=32,
             num_experts=8,
             num_experts_per_tok=2,
-            moe_intermediate_size=48,
+            moe_intermediate_size=64,
             norm_topk_prob=True,
             mlp_only_layers=[1],
             tie_word_embeddings=False,
@@ -68,15 +68,15 @@ MOE_ARCHS = {
     "mixtral": ("MixtralConfig", dict(num_local_experts=6, num_experts_per_tok=2, intermediate_size=96)),
     "olmoe": (
         "OlmoeConfig",
-        dict(num_experts=8, num_experts_per_tok=3, intermediate_size=48, norm_topk_prob=False, clip_qkv=None),
+        dict(num_experts=8, num_experts_per_tok=3, intermediate_size=64, norm_topk_prob=False, clip_qkv=None),
     ),
     "qwen2-moe": (
         "Qwen2MoeConfig",
         dict(
             num_experts=6,
             num_experts_per_tok=2,
-            moe_intermediate_size=48,
-            shared_expert_intermediate_size=80,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=96,
             decoder_sparse_step=2,
             norm_topk_prob=False,
         ),

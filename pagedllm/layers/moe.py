@@ -67,9 +67,8 @@ class SparseMoE(nn.Module):
         for expert, count in zip(self.experts, counts):
             if count:
                 rows = tokens[start : start + count]
-                y = expert(x.index_select(0, rows))
-                y *= pair_weights[start : start + count, None]
-                out.index_add_(0, rows, y)
+                # unnamed: no expert's output outlives its add (the planner counts one at a time)
+                out.index_add_(0, rows, expert(x.index_select(0, rows)).mul_(pair_weights[start : start + count, None]))
                 start += count
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             gate = torch.sigmoid(self.shared_expert_gate(x))

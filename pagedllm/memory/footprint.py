@@ -436,24 +436,42 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
 def _sparse_mlp_phases(cfg: ModelConfig, t: int, e: int, live: int, g: _Gemms) -> dict[str, int]:
     """A sparse layer as ``layers.moe.SparseMoE`` runs it, above ``live`` (buffers, residual,
     normed x): the router's float32 inputs, logits and softmax; then the output accumulator
-    and the routing (weights, experts, their order, tokens, sorted weights) held while one
-    expert at a time runs on its gathered rows, as many as every token (one expert may take
-    them all), and its output before it is added."""
+    and the routing (weights, experts, their order, tokens, sorted weights, the counts) held
+    while one expert at a time runs on its gathered rows and its output is added. An expert
+    may take from one row to every token: the phases are the worst of every token (the most
+    rows) and of the fewest rows that pad to the same GEMM bucket (the most padding)."""
     moe = cfg.moe
     assert moe is not None
-    h, k, experts, c = cfg.hidden_size, moe.top_k, moe.num_experts, t
-    # x and the router's weights in float32 (copies unless float32 already), logits, softmax
+    h, k, experts = cfg.hidden_size, moe.top_k, moe.num_experts
     logits = (t * h + experts * h) * 4 * (e != 4) + t * experts * (4 + 4)
-    routing = t * k * (e + INDEX) + 3 * t * k * INDEX + t * k * e
-    held = live + t * h * e + routing + c * h * e  # the accumulator, the routing, the expert's rows
-    widest = max(moe.expert_size, moe.shared_expert_size)
-    phases = {
-        "moe router": live + logits + t * k * (4 + INDEX),
-        "moe expert gate/up": held + g.bytes(c, h, 2 * widest),
-        "moe expert silu * up": held + g.rows_of(c, h, 2 * widest) * 2 * widest * e + c * widest * e,
-        "moe expert down": held + c * widest * e + g.bytes(c, widest, h) + c * h * e,
-    }
+    routing = t * k * (e + INDEX) + 3 * t * k * INDEX + t * k * e + experts * INDEX
+    held = live + t * h * e + routing  # the accumulator and the routing
+    phases = {"moe router": live + logits + t * k * (4 + INDEX)}
+    # each routed expert on c of the tokens' rows (gathered); the shared one on every row, as is
+    mlps = [(c, moe.expert_size, c * h * e) for c in {t, _fewest_rows_padded_alike(t)}]
+    if moe.shared_expert_size:  # its sigmoid gate [t, 1] and that gate's product with its output
+        mlps.append((t, moe.shared_expert_size, 2 * t * e + 64))
+    for c, width, rows in mlps:
+        base = held + rows
+        up = g.rows_of(c, h, 2 * width) * 2 * width * e
+        candidates = {
+            "moe expert gate/up": base + g.bytes(c, h, 2 * width),
+            "moe expert silu * up": base + up + c * width * e,
+            "moe expert down": base + c * width * e + g.bytes(c, width, h) + c * h * e,
+        }
+        for name, value in candidates.items():
+            phases[name] = max(phases.get(name, 0), value)
+    if moe.shared_expert_size:
+        phases["moe shared expert gated"] = held + 2 * t * e + 64 + 2 * t * h * e  # its output, gate * it
     return phases
+
+
+def _fewest_rows_padded_alike(rows: int) -> int:
+    """The fewest rows whose GEMM pads to the same bucket as ``rows`` (``padded_rows``)."""
+    if rows <= 4:
+        return rows
+    step = 16 if rows <= 512 else 64
+    return max(5 if step == 16 else 513, (rows - 1) // step * step + 1)
 
 
 def step_transient_bytes(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> int:
