@@ -7,15 +7,15 @@ import torch
 from greedy import Precision, assert_greedy_matches, assert_steps_match, hf_greedy, reference_step_logits
 from tiny_models import ARCHS, MOE_ARCHS
 
-# The lower-precision rules below judge logits position by position, which a routing flip at a
-# near-tie breaks in a mixture of experts (see assert_as_close_as_transformers_bf16): those run on
-# the dense models; the experts' arithmetic is pinned in fp32 and bf16 on every architecture.
-DENSE_ARCHS = [a for a in ARCHS if a not in MOE_ARCHS]
-
 from pagedllm import LLM, SamplingParams
 from pagedllm.backends.cpu.attention import SequenceSlice, StepLayout
 from pagedllm.backends.cpu.kv_cache import KVCache
 from pagedllm.loading import load
+
+# The lower-precision rules below judge logits position by position, which a routing flip at a
+# near-tie breaks in a mixture of experts (see assert_as_close_as_transformers_bf16): those run on
+# the dense models; the experts' arithmetic is pinned in fp32 and bf16 on every architecture.
+DENSE_ARCHS = [a for a in ARCHS if a not in MOE_ARCHS]
 
 PROMPT_LENGTHS = [1, 5, 17, 40, 64, 3, 29]
 
