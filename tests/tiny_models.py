@@ -136,17 +136,39 @@ def _byte_level_vocab(size: int) -> tuple[list[str], list[str]]:
     return tokens, merges
 
 
-def save_tiny_gguf(name: str, path: Path, seed: int = 0):
-    """A tiny model of ``name`` ("qwen2" or "qwen3") as a float32 GGUF file, named and laid out
-    the way llama.cpp's converter writes these architectures (the gguf package's own tensor name
-    map, no rope permutation), with a byte-level BPE tokenizer; returns the transformers model."""
-    import gguf
-    import torch
+# GGUF architecture of each tiny model save_tiny_gguf writes (Mixtral is llama.cpp's "llama").
+GGUF_ARCHS = {
+    "qwen2": "QWEN2",
+    "qwen3": "QWEN3",
+    "qwen2-moe": "QWEN2MOE",
+    "qwen3-moe": "QWEN3MOE",
+    "olmoe": "OLMOE",
+    "mixtral": "LLAMA",
+}
 
-    model = build_hf_model(name, seed)
+
+def save_tiny_gguf(name: str, path: Path, seed: int = 0, experts: str = "F32", **overrides):
+    """A tiny model of ``name`` (a key of GGUF_ARCHS) as a GGUF file, named and laid out the way
+    llama.cpp's converter writes that architecture, with a byte-level BPE tokenizer; returns the
+    transformers model, holding the values the file does.
+
+    The gguf package's tensor name map names each tensor; llama-arch q/k rows are permuted as
+    llama.cpp's converter permutes them (its rope pairs interleaved per head). A mixture of
+    experts' stacked experts are its 3-D ffn_{gate,up,down}_exps tensors (transformers' fused
+    gate_up_proj split in two), quantized to ``experts`` ("Q8_0": with ``gguf.quants.quantize``;
+    the transformers model then holds the values ``gguf.quants.dequantize`` gives back), its
+    router float32 as llama.cpp keeps it, and its keys llama.cpp's: expert_count,
+    expert_used_count, expert_feed_forward_length and expert_shared_feed_forward_length (Qwen).
+    Two liberties: a dense layer of a Qwen mixture (mlp_only_layers) is written under the dense
+    names (ffn_gate/up/down), which llama.cpp's qwen2moe/qwen3moe maps lack (its converter
+    refuses such a model); OLMoE's eps is the model's, where llama.cpp writes 1e-5."""
+    import gguf
+
+    model = build_hf_model(name, seed, **overrides)
     cfg = model.config
-    arch = {"qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}[name]
+    arch = getattr(gguf.MODEL_ARCH, GGUF_ARCHS[name])
     names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+    dense_names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -159,9 +181,17 @@ def save_tiny_gguf(name: str, path: Path, seed: int = 0):
     writer.add_value_length(head_dim)
     writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    moe = name in MOE_ARCHS
+    if moe:
+        writer.add_expert_count(getattr(cfg, "num_local_experts", None) or cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        if getattr(cfg, "moe_intermediate_size", None):
+            writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if getattr(cfg, "shared_expert_intermediate_size", None):
+            writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     tokens, merges = _byte_level_vocab(cfg.vocab_size)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(name)
+    writer.add_tokenizer_pre(name if not moe else "qwen2")
     writer.add_token_list(tokens)
     writer.add_token_types([1] * len(tokens))
     writer.add_token_merges(merges)
@@ -171,9 +201,41 @@ def save_tiny_gguf(name: str, path: Path, seed: int = 0):
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         base, _, suffix = hf_name.rpartition(".")
-        writer.add_tensor(f"{names.get_name(base)}.{suffix}", tensor.to(torch.float32).numpy())
+        if suffix in ("gate_up_proj", "down_proj") and base.endswith("mlp.experts"):
+            layer = int(hf_name.split(".")[2])
+            width = tensor.shape[1] // 2
+            parts = (
+                {"FFN_GATE_EXP": tensor[:, :width], "FFN_UP_EXP": tensor[:, width:]}
+                if suffix == "gate_up_proj"
+                else {"FFN_DOWN_EXP": tensor}
+            )
+            for kind, stacked in parts.items():
+                gguf_name = gguf.TENSOR_NAMES[getattr(gguf.MODEL_TENSOR, kind)].format(bid=layer) + ".weight"
+                values = stacked.to(torch.float32).numpy()
+                if experts != "F32":
+                    quant = gguf.GGMLQuantizationType[experts]
+                    blocks = gguf.quants.quantize(values, quant)
+                    writer.add_tensor(gguf_name, blocks, raw_dtype=quant)
+                    with torch.no_grad():  # transformers runs on what the file holds
+                        stacked.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, quant)))
+                else:
+                    writer.add_tensor(gguf_name, values)
+            continue
+        gguf_base = names.get_name(base) or dense_names.get_name(base)
+        values = tensor.to(torch.float32).numpy()
+        if arch == gguf.MODEL_ARCH.LLAMA and base.endswith(("q_proj", "k_proj")):
+            heads = cfg.num_attention_heads if base.endswith("q_proj") else cfg.num_key_value_heads
+            values = _llama_cpp_rope_rows(values, heads)
+        writer.add_tensor(f"{gguf_base}.{suffix}", values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return model
+
+
+def _llama_cpp_rope_rows(w, heads: int):
+    """q/k rows in the order llama.cpp's converter writes them for llama: within each head, the
+    first and second halves (HF's rotary pairs) interleaved."""
+    rows = w.shape[0]
+    return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

@@ -8,6 +8,11 @@ into ``<name>.qweight`` / ``<name>.scale`` / ``<name>.zero``, the layout the CPU
 (``layers/quantized.py``); the loader decides whether to run them so or dequantize them. A type
 not supported fails the conversion with an error naming it.
 
+Mixtures of experts are read as llama.cpp's ``convert_hf_to_gguf.py`` writes them: a layer's
+experts stacked in one 3-D tensor per projection (``blk.N.ffn_gate_exps.weight``, [experts,
+rows, cols] once GGUF's reversed shape is turned round), split here into one 2-D tensor per
+expert under the checkpoint's names, each expert's rows of a quantized tensor kept as stored.
+
 Run as ``python -m pagedllm.loading.gguf_convert GGUF OUT`` by ``gguf_cache.converted_dir``,
 which decides where the result lives and when to convert.
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -30,7 +36,32 @@ from .safetensors_io import write_streaming
 
 log = logging.getLogger(__name__)
 
-_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHS = {
+    "llama": "LlamaForCausalLM",  # MixtralForCausalLM when it has experts (llama.expert_count > 0)
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+}
+_MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
+}
+# Whether the chosen experts' router weights are renormalised to sum to 1: llama.cpp fixes it per
+# architecture (the norm_w argument of build_moe_ffn in src/models/<arch>.cpp) and reads no key
+# for these four; a file that carries {arch}.expert_weights_norm is taken at its word.
+_RENORMALISED = {
+    "MixtralForCausalLM": True,
+    "Qwen3MoeForCausalLM": True,
+    "Qwen2MoeForCausalLM": False,
+    "OlmoeForCausalLM": False,
+}
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -46,6 +77,25 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+}
+# A sparse layer's tensors -> the checkpoint's names under model.layers.N. (models/decoder.py
+# _expert_names): stacked experts take one name per expert ({e}); Qwen2-MoE's shared expert and
+# its gate are plain 2-D tensors.
+_EXPERT_NAMES = {
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.{e}.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.{e}.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+}
+_MIXTRAL_EXPERT_NAMES = {
+    "ffn_gate_inp.weight": "block_sparse_moe.gate.weight",
+    "ffn_gate_exps.weight": "block_sparse_moe.experts.{e}.w1.weight",
+    "ffn_up_exps.weight": "block_sparse_moe.experts.{e}.w3.weight",
+    "ffn_down_exps.weight": "block_sparse_moe.experts.{e}.w2.weight",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -83,31 +133,16 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
         raise UnsupportedModelError(f"{gguf_path}: GGUF rope scaling is not supported; load the HF checkpoint instead")
     if "token_embd.weight" not in tensors:
         raise ModelLoadError(f"{gguf_path}: GGUF file has no token_embd.weight tensor")
-    config = _hf_config(meta, arch, tie="output.weight" not in tensors, path=gguf_path)
+    config = _hf_config(meta, arch, tensors, path=gguf_path)
     config["vocab_size"] = int(tensors["token_embd.weight"].shape[1])
+    names = _MIXTRAL_EXPERT_NAMES if config["architectures"] == ["MixtralForCausalLM"] else _EXPERT_NAMES
     specs: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
-    sources = {}
+    sources: dict[str, tuple[object, int | None, tuple[int, ...]]] = {}  # (GGUF tensor, expert, shape)
     for name, t in tensors.items():
-        hf = _hf_name(name)
-        if hf is None:
-            raise UnsupportedModelError(f"{gguf_path}: unexpected tensor {name!r} for {arch}")
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        kind = t.tensor_type.name
-        if kind in _FLOAT_TYPES:
-            specs.append((hf, torch.float32, shape))
-        elif kind in gguf_quants.SUPPORTED and len(shape) == 2:
-            rows, cols = shape
-            bits, group = _QUANT_FORMATS[kind]
-            specs.append((f"{hf}{QWEIGHT}", torch.uint8 if bits == 4 else torch.int8, (rows, cols * bits // 8)))
-            specs.append((f"{hf}{SCALE}", torch.float32, (rows, cols // group)))
-            if kind not in _NO_ZERO:
-                specs.append((f"{hf}{ZERO}", torch.float32, (rows, cols // group)))
-        else:
-            raise UnsupportedModelError(
-                f"{gguf_path}: tensor {name!r} is of GGUF type {kind}, which pagedllm does not load; supported: "
-                f"{', '.join(sorted(_FLOAT_TYPES | gguf_quants.SUPPORTED))}"
-            )
-        sources[hf] = t
+        for hf, expert, part_shape in _hf_parts(name, shape, arch, names, config, gguf_path):
+            _add_specs(specs, hf, t.tensor_type.name, part_shape, name, gguf_path)
+            sources[hf] = (t, expert, part_shape)
     permute = arch == "llama"  # llama.cpp's converter permutes q/k rows for its rope layout
     unpacked: dict[str, gguf_quants.QuantizedTensor] = {}  # the one quantized tensor being written
 
@@ -117,16 +152,16 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
                 hf_name = spec_name.removesuffix(suffix)
                 if hf_name not in unpacked:
                     unpacked.clear()
-                    unpacked[hf_name] = _unpack(sources[hf_name], hf_name, config, permute, gguf_path)
+                    unpacked[hf_name] = _unpack(*sources[hf_name], hf_name, config, permute, gguf_path)
                 return torch.from_numpy(np.ascontiguousarray(getattr(unpacked[hf_name], field)))
-        return _dequantize(sources[spec_name], spec_name, config, permute, gguf_path)
+        return _dequantize(*sources[spec_name], spec_name, config, permute)
 
     write_streaming(out_dir / "model.safetensors", specs, produce, {"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     sampling = {hf: meta[key] for key, hf in GGUF_SAMPLING_KEYS.items() if isinstance(meta.get(key), (int, float))}
     if sampling:  # the file's own sampling defaults, read back by generation_config.py
         (out_dir / "generation_config.json").write_text(json.dumps(sampling, indent=2))
-    _save_tokenizer(gguf_path, out_dir)
+    _save_tokenizer(gguf_path, out_dir, arch)
 
 
 # Suffixes of a quantized weight's tensors in the converted checkpoint (layers/quantized.py reads them).
@@ -158,7 +193,7 @@ def _metadata(reader) -> dict:
     return out
 
 
-def _hf_config(meta: dict, arch: str, tie: bool, path: Path) -> dict:
+def _hf_config(meta: dict, arch: str, tensors: dict, path: Path) -> dict:
     def get(name, default=None):
         v = meta.get(f"{arch}.{name}", default)
         if v is None:
@@ -167,9 +202,12 @@ def _hf_config(meta: dict, arch: str, tie: bool, path: Path) -> dict:
 
     heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
+    hf_arch = _ARCHS[arch]
+    if arch == "llama" and int(get("expert_count", 0)) > 0:
+        hf_arch = "MixtralForCausalLM"
     cfg = {
-        "architectures": [_ARCHS[arch]],
-        "model_type": arch,
+        "architectures": [hf_arch],
+        "model_type": _MODEL_TYPES[hf_arch],
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length")),
         "num_hidden_layers": int(get("block_count")),
@@ -179,13 +217,60 @@ def _hf_config(meta: dict, arch: str, tie: bool, path: Path) -> dict:
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
         "max_position_embeddings": int(get("context_length")),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
-        "tie_word_embeddings": tie,
+        "tie_word_embeddings": "output.weight" not in tensors,
         "torch_dtype": "float32",
     }
+    if hf_arch in _RENORMALISED:
+        cfg.update(_moe_config(get, hf_arch, int(get("block_count")), tensors, path, arch))
     for key, hf in (("tokenizer.ggml.bos_token_id", "bos_token_id"), ("tokenizer.ggml.eos_token_id", "eos_token_id")):
         if key in meta:
             cfg[hf] = int(meta[key])
     return cfg
+
+
+def _moe_config(get, hf_arch: str, layers: int, tensors: dict, path: Path, arch: str) -> dict[str, object]:
+    """The HF config fields ``config._moe_from_hf`` reads, from the GGUF keys llama.cpp's
+    converter writes and the tensors themselves: a layer with a router (ffn_gate_inp) is sparse,
+    one without is a dense MLP of feed_forward_length (Qwen-MoE's mlp_only_layers)."""
+    experts, used = int(get("expert_count")), int(get("expert_used_count"))
+    gating = get("expert_gating_func", 1)  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+    scale = float(get("expert_weights_scale", 1.0))
+    if gating != 1 or scale not in (0.0, 1.0):
+        raise UnsupportedModelError(
+            f"{path}: {arch} GGUF routes its experts by gating function {gating} scaled by {scale}; "
+            "pagedllm reads softmax routing, unscaled"
+        )
+    sparse = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in tensors]
+    dense = [i for i in range(layers) if i not in sparse]
+    if not sparse or (dense and hf_arch in ("MixtralForCausalLM", "OlmoeForCausalLM")):
+        raise UnsupportedModelError(
+            f"{path}: {arch} GGUF with {experts} experts has no router (ffn_gate_inp) in layer(s) "
+            f"{', '.join(map(str, dense))}; {hf_arch} has one in every layer"
+        )
+    normalize = bool(get("expert_weights_norm", _RENORMALISED[hf_arch]))
+    if hf_arch == "MixtralForCausalLM":
+        if not normalize:
+            raise UnsupportedModelError(f"{path}: a Mixtral GGUF whose expert weights are not renormalised")
+        return {"num_local_experts": experts, "num_experts_per_tok": used}
+    out: dict[str, object] = {"num_experts": experts, "num_experts_per_tok": used, "norm_topk_prob": normalize}
+    if hf_arch == "OlmoeForCausalLM":
+        return out
+
+    def width(key: str, tensor: str) -> int:
+        """A key's value, else the tensor's rows (llama.cpp's converter writes the key)."""
+        value = get(key, -1)
+        if isinstance(value, list):
+            raise UnsupportedModelError(f"{path}: {arch}.{key} differs by layer, which pagedllm does not read")
+        if value != -1:
+            return int(value)
+        t = tensors.get(f"blk.{sparse[0]}.{tensor}")
+        return int(t.shape[1]) if t is not None else 0
+
+    out["moe_intermediate_size"] = width("expert_feed_forward_length", "ffn_gate_exps.weight")
+    out["decoder_sparse_step"], out["mlp_only_layers"] = 1, dense
+    if hf_arch == "Qwen2MoeForCausalLM":
+        out["shared_expert_intermediate_size"] = width("expert_shared_feed_forward_length", "ffn_gate_shexp.weight")
+    return out
 
 
 def _hf_name(name: str) -> str | None:
@@ -198,21 +283,74 @@ def _hf_name(name: str) -> str | None:
     return None
 
 
-def _dequantize(t, hf_name: str, config: dict, permute: bool, path: Path) -> torch.Tensor:
-    """A float GGUF tensor as float32, in HF's row order."""
+def _hf_parts(
+    name: str, shape: tuple[int, ...], arch: str, expert_names: dict, config: dict, path: Path
+) -> list[tuple[str, int | None, tuple[int, ...]]]:
+    """The checkpoint tensors one GGUF tensor becomes: (name, the expert it is of a stacked
+    tensor or None, shape). A stacked [experts, rows, cols] tensor becomes one [rows, cols]
+    tensor per expert, in the order llama.cpp stacked them (expert 0 first)."""
+    hf = _hf_name(name)
+    if hf is not None:
+        return [(hf, None, shape)]
+    experts = config.get("num_local_experts") or config.get("num_experts") or 0
+    layer, _, rest = name.removeprefix("blk.").partition(".")
+    if experts and name.startswith("blk.") and rest in expert_names:
+        hf = f"model.layers.{int(layer)}.{expert_names[rest]}"
+        if "{e}" not in hf:
+            # Qwen2-MoE's shared expert gate: [1, hidden] in the checkpoint, [hidden] in llama.cpp
+            return [(hf, None, (1, *shape) if len(shape) == 1 else shape)]
+        if len(shape) != 3 or shape[0] != experts:
+            raise ModelLoadError(
+                f"{path}: tensor {name!r} has shape {list(shape)}, not [{experts} experts, rows, cols]"
+            )
+        return [(hf.format(e=e), e, shape[1:]) for e in range(experts)]
+    if re.fullmatch(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight", name):
+        raise UnsupportedModelError(
+            f"{path}: {arch} GGUF keeps each expert in a tensor of its own ({name!r}), the layout llama.cpp "
+            "wrote before it stacked them; pagedllm reads stacked experts (ffn_gate_exps): convert it again"
+        )
+    raise UnsupportedModelError(f"{path}: unexpected tensor {name!r} for {arch}")
+
+
+def _add_specs(specs: list, hf: str, kind: str, shape: tuple[int, ...], gguf_name: str, path: Path) -> None:
+    """The checkpoint tensors (name, dtype, shape) ``hf`` is written as: one float32 tensor, or a
+    quantized one's qweight, scale and (for types with offsets) zero."""
+    if kind in _FLOAT_TYPES:
+        specs.append((hf, torch.float32, shape))
+    elif kind in gguf_quants.SUPPORTED and len(shape) == 2:
+        rows, cols = shape
+        bits, group = _QUANT_FORMATS[kind]
+        specs.append((f"{hf}{QWEIGHT}", torch.uint8 if bits == 4 else torch.int8, (rows, cols * bits // 8)))
+        specs.append((f"{hf}{SCALE}", torch.float32, (rows, cols // group)))
+        if kind not in _NO_ZERO:
+            specs.append((f"{hf}{ZERO}", torch.float32, (rows, cols // group)))
+    else:
+        raise UnsupportedModelError(
+            f"{path}: tensor {gguf_name!r} is of GGUF type {kind}, which pagedllm does not load; supported: "
+            f"{', '.join(sorted(_FLOAT_TYPES | gguf_quants.SUPPORTED))}"
+        )
+
+
+def _dequantize(t, expert: int | None, shape: tuple[int, ...], hf_name: str, config: dict, permute: bool):
+    """A float GGUF tensor (or one expert of a stacked one) as float32, in HF's row order."""
     from gguf import quants
 
-    w = torch.from_numpy(np.array(quants.dequantize(t.data, t.tensor_type), dtype=np.float32))  # a writable copy
-    w = w.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
+    data = t.data if expert is None else t.data[expert]  # a view of the memory-mapped file
+    w = torch.from_numpy(np.array(quants.dequantize(data, t.tensor_type), dtype=np.float32))  # a writable copy
+    w = w.reshape(shape)
     order = _rope_row_order(hf_name, w.shape[0], config, permute)
     return w if order is None else w[torch.from_numpy(order)]
 
 
-def _unpack(t, hf_name: str, config: dict, permute: bool, path: Path) -> gguf_quants.QuantizedTensor:
-    """A quantized GGUF tensor in the kernels' layout, every value kept, in HF's row order."""
-    rows, cols = (int(d) for d in reversed(t.shape.tolist()))
+def _unpack(
+    t, expert: int | None, shape: tuple[int, ...], hf_name: str, config: dict, permute: bool, path: Path
+) -> gguf_quants.QuantizedTensor:
+    """A quantized GGUF tensor (or one expert's rows of a stacked one) in the kernels' layout,
+    every value kept, in HF's row order."""
+    rows, cols = shape
+    data = t.data if expert is None else t.data[expert]  # the expert's blocks, as stored
     try:
-        qt = gguf_quants.unpack(t.tensor_type.name, t.data, rows, cols)
+        qt = gguf_quants.unpack(t.tensor_type.name, data, rows, cols)
     except ValueError as e:
         raise ModelLoadError(f"{path}: tensor {t.name}: {e}") from None
     order = _rope_row_order(hf_name, rows, config, permute)
@@ -234,11 +372,18 @@ def _unpermute_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
-    from transformers import AutoTokenizer
+# Architectures whose GGUF config transformers does not read: AutoTokenizer picks a GGUF's tokenizer
+# class from that config, so these are built from the tokenizer metadata alone (the same
+# tokenizers-library tokenizer, in transformers' generic class).
+_TOKENIZER_WITHOUT_CONFIG = frozenset({"olmoe"})
 
+
+def _save_tokenizer(gguf_path: Path, out_dir: Path, arch: str) -> None:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    builder = PreTrainedTokenizerFast if arch in _TOKENIZER_WITHOUT_CONFIG else AutoTokenizer
     try:
-        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        tok = builder.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except Exception as e:
         raise ModelLoadError(f"{gguf_path}: cannot build a tokenizer from its metadata ({e})") from None
     tok.save_pretrained(out_dir)
