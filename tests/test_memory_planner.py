@@ -4,6 +4,7 @@ what does fit."""
 
 import json
 import subprocess
+from pathlib import Path
 import sys
 
 import pytest
@@ -22,6 +23,7 @@ from pagedllm.memory.planner import OVERHEAD_BYTES, plan
 from pagedllm.memory.tracker import track_peak
 
 GiB = 1024**3
+CONFIGS = Path(__file__).parent.parent / "benchmarks/configs"
 
 
 @pytest.mark.serial  # measured peaks, torch's thread count in the GEMM scratch: alone
@@ -397,6 +399,31 @@ def test_plan_cli_plans_a_70b_model_from_its_config(tmp_path):
     assert "KV cache" in table.stdout and "headroom" in table.stdout
     too_small = pagedllm("plan", "--model", str(config), "--memory", "80GiB", "--dtype", "bfloat16")
     assert too_small.returncode == 3 and "weights alone exceed" in too_small.stderr
+
+
+# The mixtures of experts' total parameters as their model cards state them (every expert, the
+# routers, attention, embeddings and head).
+MOE_CONFIGS = [("qwen3-30b-a3b", 30.5e9), ("mixtral-8x7b", 46.7e9), ("olmoe-1b-7b", 6.9e9)]
+
+
+@pytest.mark.parametrize("name, published", MOE_CONFIGS)
+def test_a_mixture_of_experts_counts_every_expert_as_its_model_card_does(name, published):
+    cfg = ModelConfig.from_file(CONFIGS / f"{name}.json")
+    assert abs(parameter_count(cfg) - published) <= 0.005 * published  # the cards round to 0.1B
+
+
+def test_qwen3_30b_a3b_plans_int4_with_32k_tokens_of_context_in_24_gib():
+    """README's MoE promise (issue 49): the plan of its config.json, weights in int4 (their
+    groups' scales and zeros in float32: 0.75 bytes a weight), an int8 KV cache."""
+    res = pagedllm(
+        "plan", "--model", str(CONFIGS / "qwen3-30b-a3b.json"), "--quantization", "int4", "--dtype", "bfloat16",
+        "--kv-cache-dtype", "int8", "--memory", "24GiB", "--max-model-len", "32768", "--json",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["fits"] and out["total_bytes"] <= 24 * GiB and out["num_blocks"] * out["block_size"] >= 32768
+    # 30.5B weights: 0.75 bytes each in int4 groups, the embeddings in int8, norms and routers in bf16
+    assert 21 * GiB < out["weights_bytes"] < 22 * GiB
 
 
 @pytest.mark.parametrize(
