@@ -1,0 +1,93 @@
+"""What a mixture of experts promises beyond equal logits (test_models_match_transformers): a step
+runs only the experts its tokens chose, each once; routing ties fall as transformers' do; what
+is not implemented is refused with the reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_models_match_transformers import hf_logits, our_logits
+from tiny_models import MOE_ARCHS, save_tiny_model
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.config import ModelConfig
+from pagedllm.distributed.shards import TensorParallelError, shard_layout
+from pagedllm.errors import UnsupportedModelError
+from pagedllm.layers.moe import SparseMoE
+
+
+def hf_chosen_experts(hf, prompt: list[int]) -> list[set[int]]:
+    """Per sparse layer, the experts transformers' routers choose for ``prompt``'s tokens."""
+    chosen: list[set[int]] = []
+
+    def record(module, args, output):
+        chosen.append(set(output[-1].flatten().tolist()))  # (logits, weights, indices)
+
+    hooks = [m.register_forward_hook(record) for name, m in hf.named_modules() if name.endswith("mlp.gate")]
+    with torch.no_grad():
+        hf(torch.tensor([prompt]))
+    for h in hooks:
+        h.remove()
+    return chosen
+
+
+def experts_run(llm: LLM) -> tuple[list[list[int]], list]:
+    """([per sparse layer, the experts each call ran, in order] of the next steps, the hooks)."""
+    layers = [layer.mlp for layer in llm.engine.runner.model.model.decoder_layers() if isinstance(layer.mlp, SparseMoE)]
+    runs: list[list[int]] = [[] for _ in layers]
+    hooks = []
+    for i, moe in enumerate(layers):
+        for e, expert in enumerate(moe.experts):
+            hooks.append(expert.register_forward_hook(lambda m, a, o, i=i, e=e: runs[i].append(e)))
+    return runs, hooks
+
+
+@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral"])
+def test_a_step_runs_each_chosen_expert_once_and_no_other(tiny_checkpoints, arch):
+    """A prompt's prefill step runs, per sparse layer, each expert transformers' router chose for
+    its tokens exactly once (its tokens in one GEMM); a decode step of one token runs top_k
+    experts: the point of a mixture on a memory-bound CPU. Computing every expert (or each
+    token's experts one token at a time) fails it."""
+    directory, hf = tiny_checkpoints[arch]
+    prompt = list(range(3, 43))
+    llm = LLM(directory, num_blocks=64, max_num_seqs=1)
+    runs, hooks = experts_run(llm)
+    llm.engine.add_request(prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    llm.engine.step()  # the whole prompt
+    chosen = hf_chosen_experts(hf, prompt)
+    assert [sorted(r) for r in runs] == [sorted(c) for c in chosen]  # each chosen one, once
+    for r in runs:
+        r.clear()
+    llm.engine.step()  # one token
+    top_k = hf.config.num_experts_per_tok
+    assert [len(r) for r in runs] == [top_k] * len(runs) and all(len(set(r)) == top_k for r in runs)
+    for h in hooks:
+        h.remove()
+
+
+@pytest.mark.parametrize("arch", sorted(MOE_ARCHS))
+def test_routing_ties_fall_as_in_transformers_and_unused_experts_are_never_read(tmp_path, arch):
+    """Zeroed routers: every expert ties for every token; topk takes the first top_k, in
+    transformers and here, so one expert takes every token and the others none. The logits
+    equal transformers' (as do those of a normalised and an unnormalised routing: the
+    architectures' own settings)."""
+    hf = save_tiny_model(arch, tmp_path / "model")
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+                p.zero_()
+    hf.save_pretrained(tmp_path / "model", safe_serialization=True)
+    batch, ours = our_logits(tmp_path / "model")
+    torch.testing.assert_close(ours, hf_logits(hf, batch), atol=1e-4, rtol=0)
+
+
+def test_what_is_not_implemented_is_refused_with_the_reason():
+    """README: gpt-oss is not read yet; a mixture of experts does not split over ranks yet."""
+    with pytest.raises(UnsupportedModelError, match="GptOssForCausalLM"):
+        ModelConfig.from_hf_dict({"architectures": ["GptOssForCausalLM"]})
+    from pathlib import Path
+
+    cfg = ModelConfig.from_file(Path(__file__).parent.parent / "benchmarks/configs/mixtral-8x7b.json")
+    with pytest.raises(TensorParallelError, match="mixture of experts.*tensor_parallel_size=1"):
+        shard_layout(cfg, 2)
+    assert shard_layout(cfg, 1).tp == 1
