@@ -4,8 +4,8 @@ what does fit."""
 
 import json
 import subprocess
-from pathlib import Path
 import sys
+from pathlib import Path
 
 import pytest
 import torch
