@@ -91,3 +91,21 @@ def test_what_is_not_implemented_is_refused_with_the_reason():
     with pytest.raises(TensorParallelError, match="mixture of experts.*tensor_parallel_size=1"):
         shard_layout(cfg, 2)
     assert shard_layout(cfg, 1).tp == 1
+
+
+@pytest.mark.parametrize("quantization", [None, "int8", "int4", "w8a8"])
+@pytest.mark.parametrize("arch", ["qwen3-moe", "qwen2-moe", "mixtral"])
+def test_the_planner_counts_the_bytes_a_mixture_loads(tiny_checkpoints, arch, quantization):
+    """Every expert in its format, the routers widened to float32 (computed once at load, never
+    per step), the shared expert's gate and the norms in bf16: the planner's arithmetic and its
+    reading of the checkpoint's headers equal the bytes the loaded model holds."""
+    from pagedllm.loading.checkpoint import checkpoint_weights, load_decoder
+    from pagedllm.memory.footprint import weight_bytes
+
+    directory = tiny_checkpoints[arch][0]
+    model = load_decoder(directory, torch.bfloat16, quantization)
+    routers = [layer.mlp.router for layer in model.model.decoder_layers() if isinstance(layer.mlp, SparseMoE)]
+    assert routers and all(r.weight.dtype == torch.float32 for r in routers)
+    loaded = model.weight_bytes()
+    assert loaded == weight_bytes(model.config, "bfloat16", quantization)
+    assert loaded == checkpoint_weights(directory, "bfloat16", quantization)[0]

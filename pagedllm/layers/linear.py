@@ -42,6 +42,8 @@ class StackedRows(nn.Module):
 class Linear(StackedRows):
     # a layer no quantization or packing touches: a router, whose float32 logits choose the experts
     keep_float = False
+    # weights widened to float32 once, at load (a router: its logits are computed in float32)
+    in_float32 = False
 
     def __init__(self, in_features: int, parts: list[int], bias: bool, backend: Backend):
         super().__init__(in_features, parts)
@@ -68,6 +70,8 @@ class Linear(StackedRows):
 
     def pack(self) -> None:
         """Re-lays the weights out for the backend, once (a no-op where it keeps them as they are)."""
+        if self.in_float32 and self.weight.dtype != torch.float32:
+            self.weight = nn.Parameter(self.weight.data.float(), requires_grad=False)
         if self.packed or self.keep_float:
             return
         packed = self.backend.pack_weight(self.weight.data, None if self.bias is None else self.bias.data)

@@ -5,9 +5,10 @@ outputs weighted by the router's probabilities.
 Computed as a memory-bound CPU wants it: the step's (token, expert) pairs are sorted by expert,
 so each chosen expert multiplies all of its tokens in one GEMM and its weights are read once per
 step; an expert no token chose is never read (a decode step of one token reads ``top_k`` of
-them). The router computes in float32 whatever the experts' format (``keep_float``), as
-llama.cpp's does: logits rounded to bf16 or int8 would choose other experts than float32 does
-wherever two are close, and a token sent to another expert is a different answer.
+them). The router computes in float32 whatever the experts' format, as llama.cpp's does
+(``keep_float``; its weights widened to float32 once, at load: ``in_float32``): logits rounded
+to bf16 or int8 would choose other experts than float32 does wherever two are close, and a
+token sent to another expert is a different answer.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ if TYPE_CHECKING:
     from ..backends.base import Backend
 
 
+# Checkpoint names of the routers (Mixtral's, the others'), whose weights load as float32.
+ROUTER_SUFFIXES = ("block_sparse_moe.gate.weight", ".mlp.gate.weight")
+
+
 class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: Backend):
         super().__init__()
@@ -32,7 +37,7 @@ class SparseMoE(nn.Module):
         assert moe is not None
         self.top_k, self.normalize = moe.top_k, moe.normalize
         self.router = Linear(cfg.hidden_size, [moe.num_experts], bias=False, backend=backend)
-        self.router.keep_float = True
+        self.router.keep_float = self.router.in_float32 = True
         self.experts = nn.ModuleList(MLP(cfg, backend, moe.expert_size) for _ in range(moe.num_experts))
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: Linear | None = None
@@ -48,8 +53,7 @@ class SparseMoE(nn.Module):
         """(weights [T, top_k] in x's dtype, experts [T, top_k]): the top_k of the softmax of the
         router's float32 logits, renormalised over the chosen where the model does (transformers' order of
         operations, so that ties and roundings fall the same way)."""
-        router = self.router.weight
-        logits = torch.nn.functional.linear(x.float(), router if router.dtype == torch.float32 else router.float())
+        logits = torch.nn.functional.linear(x.float(), self.router.weight.float())  # float32 since loading
         probs = torch.softmax(logits, dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:

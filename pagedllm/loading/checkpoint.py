@@ -24,6 +24,7 @@ from ..config import ModelConfig
 from ..distributed.shards import RankShard, Slice
 from ..errors import ModelLoadError
 from ..layers.linear import Linear, StackedRows
+from ..layers.moe import ROUTER_SUFFIXES
 from ..layers.quantized import INT8_COMPUTE, QuantizedEmbedding, QuantizedLinear, QuantizedWeight
 from ..memory.machine import return_freed_heap
 from ..models import DecoderLM
@@ -177,7 +178,8 @@ def checkpoint_weights(
                 count = 1
                 for d in e["shape"]:
                     count *= int(d)
-                total += round(count * held) * dtype_bytes(dtype)
+                value_bytes = 4 if name.endswith(ROUTER_SUFFIXES) else dtype_bytes(dtype)  # float32 routers
+                total += round(count * held) * value_bytes
     return total, True
 
 

@@ -138,7 +138,19 @@ def largest_mlp_width(cfg: ModelConfig) -> int:
     return max(max(_mlp_widths(cfg, layer)) for layer in range(cfg.num_layers))
 
 
+def router_count(cfg: ModelConfig) -> int:
+    """The routers' weights: float32 whatever the dtype (``layers.moe``)."""
+    moe = cfg.moe
+    return 0 if moe is None else sum(moe.layers) * moe.num_experts * cfg.hidden_size
+
+
 def weight_bytes(cfg: ModelConfig, dtype, quantization: str | None = None) -> int:
+    routers = router_count(cfg) * (4 - dtype_bytes(dtype))  # widened to float32 at load
+    return routers + _weight_bytes_in(cfg, dtype, quantization)
+
+
+def _weight_bytes_in(cfg: ModelConfig, dtype, quantization: str | None) -> int:
+    """Every weight in ``dtype`` or its quantized format (the routers too)."""
     if quantization in (None, "none"):
         return parameter_count(cfg) * dtype_bytes(dtype)
     linear, rows = linear_shapes(cfg)
@@ -435,7 +447,7 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
 
 def _sparse_mlp_phases(cfg: ModelConfig, t: int, e: int, live: int, g: _Gemms) -> dict[str, int]:
     """A sparse layer as ``layers.moe.SparseMoE`` runs it, above ``live`` (buffers, residual,
-    normed x): the router's float32 inputs, logits and softmax; then the output accumulator
+    normed x): the router's float32 input, logits and softmax; then the output accumulator
     and the routing (weights, experts, their order, tokens, sorted weights, the counts) held
     while one expert at a time runs on its gathered rows and its output is added. An expert
     may take from one row to every token: the phases are the worst of every token (the most
@@ -443,7 +455,7 @@ def _sparse_mlp_phases(cfg: ModelConfig, t: int, e: int, live: int, g: _Gemms) -
     moe = cfg.moe
     assert moe is not None
     h, k, experts = cfg.hidden_size, moe.top_k, moe.num_experts
-    logits = (t * h + experts * h) * 4 * (e != 4) + t * experts * (4 + 4)
+    logits = t * h * 4 * (e != 4) + t * experts * (4 + 4)  # x in float32 unless it is
     routing = t * k * (e + INDEX) + 3 * t * k * INDEX + t * k * e + experts * INDEX
     held = live + t * h * e + routing  # the accumulator and the routing
     phases = {"moe router": live + logits + t * k * (4 + INDEX)}
