@@ -88,14 +88,14 @@ def loading_peak(checkpoint, dtype: str, quantization: str | None = None) -> tup
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_loading_peaks_within_the_weights_and_the_documented_loader_term(medium_checkpoint, dtype):
     """A float32 checkpoint (an untied 32000-row lm_head) loaded in float32 and packed, and
-    converted to bf16 and packed: within weights + 16 MiB + 8 MiB, plus the lm_head in the dtype
+    converted to bf16 and packed: within weights + 18 MiB + 8 MiB, plus the lm_head in the dtype
     (its packed copy beside it until that replaces it: docs/memory.md's terms, written here as
     arithmetic)."""
     from pagedllm.config import ModelConfig
     from pagedllm.memory.footprint import EngineSettings, loader_bytes
 
     peak_growth, weights = loading_peak(medium_checkpoint, dtype)
-    documented = weights + (16 + 8) * 2**20 + 32000 * 512 * (2 if dtype == "bfloat16" else 4)
+    documented = weights + (18 + 8) * 2**20 + 32000 * 512 * (2 if dtype == "bfloat16" else 4)
     assert loader_bytes(ModelConfig.from_file(medium_checkpoint), EngineSettings(dtype=dtype)) == documented - weights
     assert peak_growth <= documented, (
         f"peak grew {(peak_growth - weights) / 2**20:.1f} MiB above {weights / 2**20:.0f} MiB of weights"
