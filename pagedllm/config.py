@@ -1,8 +1,9 @@
 """ModelConfig: the one description of a decoder that the model, the loaders and the cache share.
 
 HF configs spell the same thing several ways (``rope_theta`` vs ``rope_parameters``, ``head_dim``
-present or derived, per-architecture bias flags). We normalise them once here, so the model code
-reads plain fields and never sees a raw config dict.
+present or derived, bias flags). We normalise them once here, as the model's family
+(``models/<family>/spec.py``) says its config reads, so the model code reads plain fields and
+never sees a raw config dict.
 """
 
 from __future__ import annotations
@@ -10,21 +11,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import ModelLoadError, UnsupportedModelError
+from .models.registry import family_of_config
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    # mixtures of experts (layers/moe.py)
-    "MixtralForCausalLM",
-    "OlmoeForCausalLM",
-    "Qwen2MoeForCausalLM",
-    "Qwen3MoeForCausalLM",
-)
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+if TYPE_CHECKING:
+    from .models.family import Family
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -83,21 +77,22 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and self.moe.layers[layer]
 
+    @property
+    def family(self) -> Family:
+        """Its family (``models/<family>/spec.py``): checkpoint names, GGUF reading, splitting."""
+        from .models.registry import family
+
+        return family(self.architecture)
+
     @classmethod
     def from_hf_dict(cls, d: dict, source: str = "config") -> ModelConfig:
-        archs = d.get("architectures") or []
-        arch = archs[0] if archs else _ARCH_BY_MODEL_TYPE.get(d.get("model_type", ""))
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedModelError(
-                f"{source}: architecture {arch or d.get('model_type')!r} is not supported; "
-                f"pagedllm supports {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        fam = family_of_config(d, source)
         try:
             hidden = int(d["hidden_size"])
             heads = int(d["num_attention_heads"])
             layers = int(d["num_hidden_layers"])
             cfg = cls(
-                architecture=arch,
+                architecture=fam.architecture,
                 vocab_size=int(d["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(d["intermediate_size"]),
@@ -109,16 +104,16 @@ class ModelConfig:
                 max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
                 rope=_rope_from_hf(d, source),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                qkv_bias=arch in _QKV_BIAS or bool(d.get("attention_bias")),
-                o_bias=arch not in _QKV_BIAS and bool(d.get("attention_bias")),
+                qkv_bias=fam.qkv_bias == "always" or bool(d.get("attention_bias")),
+                o_bias=fam.qkv_bias != "always" and bool(d.get("attention_bias")),
                 mlp_bias=bool(d.get("mlp_bias")),
-                qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"),
-                qk_norm_scope="all" if arch == "OlmoeForCausalLM" else "head",
+                qk_norm=fam.qk_norm is not None,
+                qk_norm_scope=fam.qk_norm or "head",
                 qkv_clip=float(d["clip_qkv"]) if d.get("clip_qkv") is not None else None,
-                sliding_windows=_sliding_windows_from_hf(d, arch, layers),
+                sliding_windows=_sliding_windows_from_hf(d, fam, layers),
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_ids=_as_tuple(d.get("eos_token_id")),
-                moe=_moe_from_hf(d, arch, layers),
+                moe=_moe_from_hf(d, fam, layers),
             )
         except KeyError as e:
             raise ModelLoadError(f"{source}: required field {e.args[0]!r} is missing") from None
@@ -143,31 +138,18 @@ class ModelConfig:
         return cls.from_hf_dict(d, source=str(path))
 
 
-_ARCH_BY_MODEL_TYPE = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "olmoe": "OlmoeForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-}
-_QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")  # q/k/v biased, o not, whatever attention_bias says
-
-
-def _moe_from_hf(d: dict, arch: str, layers: int) -> MoeConfig | None:
-    """The experts' routing from an HF config. Mixtral and OLMoE: every layer sparse, the
-    experts ``intermediate_size`` wide (Mixtral always renormalises the chosen probabilities);
-    Qwen2/3-MoE: sparse every ``decoder_sparse_step``-th layer but ``mlp_only_layers``, experts
-    ``moe_intermediate_size`` wide, the dense layers ``intermediate_size``."""
-    if arch not in MOE_ARCHITECTURES:
+def _moe_from_hf(d: dict, fam: Family, layers: int) -> MoeConfig | None:
+    """The experts' routing from an HF config, as the family's ``Experts`` says it reads."""
+    spec = fam.experts
+    if spec is None:
         return None
-    experts = int(d.get("num_local_experts") or d.get("num_experts") or 0)
+    experts = int(d.get("num_local_experts") or d.get("num_experts") or 0)  # transformers 5 writes the first
     top_k = int(d.get("num_experts_per_tok") or 0)
     if experts < 1 or not 1 <= top_k <= experts:
-        raise ModelLoadError(f"{arch}: {experts} experts and {top_k} per token do not make a mixture of experts")
-    if arch in ("MixtralForCausalLM", "OlmoeForCausalLM"):
+        raise ModelLoadError(
+            f"{fam.architecture}: {experts} experts and {top_k} per token do not make a mixture of experts"
+        )
+    if spec.every_layer:
         sparse = (True,) * layers
         size = int(d["intermediate_size"])
     else:
@@ -178,9 +160,9 @@ def _moe_from_hf(d: dict, arch: str, layers: int) -> MoeConfig | None:
         num_experts=experts,
         top_k=top_k,
         expert_size=size,
-        normalize=arch == "MixtralForCausalLM" or bool(d.get("norm_topk_prob", False)),
+        normalize=spec.always_renormalise or bool(d.get("norm_topk_prob", False)),
         layers=sparse,
-        shared_expert_size=int(d.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0,
+        shared_expert_size=int(d.get("shared_expert_intermediate_size") or 0) if spec.shared_expert else 0,
     )
 
 
@@ -213,9 +195,9 @@ def _rope_from_hf(d: dict, source: str) -> RopeConfig:
     )
 
 
-def _sliding_windows_from_hf(d: dict, arch: str, layers: int) -> tuple[int | None, ...]:
+def _sliding_windows_from_hf(d: dict, fam: Family, layers: int) -> tuple[int | None, ...]:
     window = d.get("sliding_window")
-    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+    if fam.sliding == "every layer":
         return (int(window) if window else None,) * layers
     types = d.get("layer_types")
     if types and window and d.get("use_sliding_window", True):

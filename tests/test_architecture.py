@@ -16,6 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pagedllm"
 LEVELS = [
     {"env"},  # every environment variable, read in one place
     {"errors", "sizes", "paths"},  # facts every stage shares
+    {"model specs"},  # models/registry.py, family.py and each family's spec.py: torch-free, what a family is
     {"kernels"},  # compiled CPU kernels: built on first use, or absent
     {"config", "engine_config", "sampling_params", "outputs", "prompts"},  # what a model, an engine, a request are
     {"distributed"},  # how a model splits over tensor-parallel ranks: arithmetic on its config
@@ -35,8 +36,14 @@ LEVELS = [
 LEVEL = {component: i for i, names in enumerate(LEVELS) for component in names}
 
 
+SPEC_MODULES = ("registry", "family", "spec")
+
+
 def component(module: str) -> str:
-    return module.split(".")[1]
+    parts = module.split(".")
+    if parts[1] == "models" and len(parts) > 2 and parts[-1] in SPEC_MODULES:
+        return "model specs"  # the families' specs live beside their modules, a level below config
+    return parts[1]
 
 
 def imports_of(path: Path) -> set[str]:

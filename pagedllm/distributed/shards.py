@@ -71,7 +71,7 @@ def shard_layout(cfg: ModelConfig, tp: int) -> ShardLayout:
     """The split of ``cfg`` over ``tp`` ranks, or TensorParallelError naming what does not divide."""
     if tp < 1:
         raise TensorParallelError(f"tensor_parallel_size must be 1 or more, got {tp}")
-    if tp > 1 and cfg.moe is not None:
+    if tp > 1 and not cfg.family.tensor_parallel:
         raise TensorParallelError(
             f"tensor_parallel_size={tp}: {cfg.architecture} is a mixture of experts, which pagedllm does not "
             "split over ranks yet; run it with tensor_parallel_size=1"
@@ -133,8 +133,10 @@ class Slice:
     zero: bool = False
 
 
-_COLUMN_PARALLEL = {"q_proj": "heads", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "up_proj": "mlp"}
-_ROW_PARALLEL = {"o_proj": "heads", "down_proj": "mlp"}
+# Roles of a layer's tensors (``models/family.py``) split by output rows (column-parallel) or by
+# input columns (row-parallel), and by what: query heads, KV heads or the MLP's width.
+_COLUMN_PARALLEL = {"q": "heads", "k": "kv", "v": "kv", "gate": "mlp", "up": "mlp"}
+_ROW_PARALLEL = {"o": "heads", "down": "mlp"}
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -157,21 +159,24 @@ class RankShard:
     def vocab_range(self) -> range:
         return self.layout.vocab_range(self.rank, self.cfg.vocab_size)
 
+    @property
+    def _roles(self) -> dict[str, str]:
+        """The family's checkpoint names under ``model.layers.N.`` -> their roles."""
+        return {name: role for role, name in self.cfg.family.layer_names.items()}
+
     def slice_of(self, name: str) -> Slice | None:
         """This rank's part of the HF tensor ``name`` (its logical [rows, columns]), or None when
         every rank holds it whole (norms, Qwen3's per-head q/k norms)."""
         if name in _VOCAB:
             r = self.vocab_range()
             return Slice(0, r.start, r.stop, self.cfg.vocab_size)
-        parts = name.split(".")
-        if len(parts) < 2:
-            return None
-        layer, leaf = parts[-2], parts[-1]
-        if layer in _COLUMN_PARALLEL:
-            r, total = self._range(_COLUMN_PARALLEL[layer])
+        tensor, _, leaf = name.rpartition(".")
+        role = self._roles.get(tensor.split(".", 3)[-1] if tensor.startswith("model.layers.") else "")
+        if role in _COLUMN_PARALLEL:
+            r, total = self._range(_COLUMN_PARALLEL[role])
             return Slice(0, r.start, r.stop, total)
-        if layer in _ROW_PARALLEL:
-            r, total = self._range(_ROW_PARALLEL[layer])
+        if role in _ROW_PARALLEL:
+            r, total = self._range(_ROW_PARALLEL[role])
             if leaf == "bias":  # the output is whole on every rank after the all-reduce
                 h = self.cfg.hidden_size
                 return Slice(0, 0, h, h, zero=self.rank != 0)

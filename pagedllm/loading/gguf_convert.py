@@ -29,6 +29,8 @@ import numpy as np
 import torch
 
 from ..errors import ModelLoadError, UnsupportedModelError
+from ..models.family import Experts, Family
+from ..models.registry import family_of_gguf
 from . import gguf_quants
 from .generation_config import GGUF_SAMPLING_KEYS
 from .gguf_cache import ERROR_MARK, UNSUPPORTED_EXIT
@@ -36,66 +38,29 @@ from .safetensors_io import write_streaming
 
 log = logging.getLogger(__name__)
 
-_ARCHS = {
-    "llama": "LlamaForCausalLM",  # MixtralForCausalLM when it has experts (llama.expert_count > 0)
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen2moe": "Qwen2MoeForCausalLM",
-    "qwen3moe": "Qwen3MoeForCausalLM",
-    "olmoe": "OlmoeForCausalLM",
-}
-_MODEL_TYPES = {
-    "LlamaForCausalLM": "llama",
-    "MixtralForCausalLM": "mixtral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Qwen2MoeForCausalLM": "qwen2_moe",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "OlmoeForCausalLM": "olmoe",
-}
-# Whether the chosen experts' router weights are renormalised to sum to 1: llama.cpp fixes it per
-# architecture (the norm_w argument of build_moe_ffn in src/models/<arch>.cpp) and reads no key
-# for these four; a file that carries {arch}.expert_weights_norm is taken at its word.
-_RENORMALISED = {
-    "MixtralForCausalLM": True,
-    "Qwen3MoeForCausalLM": True,
-    "Qwen2MoeForCausalLM": False,
-    "OlmoeForCausalLM": False,
-}
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-# A sparse layer's tensors -> the checkpoint's names under model.layers.N. (models/decoder.py
-# _expert_names): stacked experts take one name per expert ({e}); Qwen2-MoE's shared expert and
-# its gate are plain 2-D tensors.
-_EXPERT_NAMES = {
-    "ffn_gate_inp.weight": "mlp.gate.weight",
-    "ffn_gate_exps.weight": "mlp.experts.{e}.gate_proj.weight",
-    "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
-    "ffn_down_exps.weight": "mlp.experts.{e}.down_proj.weight",
-    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
-    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
-    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
-    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
-}
-_MIXTRAL_EXPERT_NAMES = {
-    "ffn_gate_inp.weight": "block_sparse_moe.gate.weight",
-    "ffn_gate_exps.weight": "block_sparse_moe.experts.{e}.w1.weight",
-    "ffn_up_exps.weight": "block_sparse_moe.experts.{e}.w3.weight",
-    "ffn_down_exps.weight": "block_sparse_moe.experts.{e}.w2.weight",
+# llama.cpp's names of a layer's tensors (``blk.N.<name>.weight``) -> their roles, which the
+# family's spec names in the checkpoint (``models/family.py``). Stacked experts (``_exps``) hold
+# every expert of the layer in one tensor; Qwen2-MoE's shared expert (``_shexp``) is plain 2-D.
+_GGUF_ROLES = {
+    "attn_norm": "attn_norm",
+    "ffn_norm": "mlp_norm",
+    "attn_q": "q",
+    "attn_k": "k",
+    "attn_v": "v",
+    "attn_output": "o",
+    "attn_q_norm": "q_norm",
+    "attn_k_norm": "k_norm",
+    "ffn_gate": "gate",
+    "ffn_up": "up",
+    "ffn_down": "down",
+    "ffn_gate_inp": "router",
+    "ffn_gate_exps": "expert_gate",
+    "ffn_up_exps": "expert_up",
+    "ffn_down_exps": "expert_down",
+    "ffn_gate_inp_shexp": "shared_gate",
+    "ffn_gate_shexp": "shared_expert_gate",
+    "ffn_up_shexp": "shared_expert_up",
+    "ffn_down_shexp": "shared_expert_down",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -123,27 +88,23 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
             f"{gguf_path}: not a readable GGUF file: corrupt or truncated ({type(e).__name__}: {e})"
         ) from None
     meta = _metadata(reader)
-    arch = meta.get("general.architecture")
-    if arch not in _ARCHS:
-        raise UnsupportedModelError(
-            f"{gguf_path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(_ARCHS))}"
-        )
+    arch = str(meta.get("general.architecture"))
     tensors = {t.name: t for t in reader.tensors}
+    family = family_of_gguf(arch, int(meta.get(f"{arch}.expert_count") or 0) > 0, str(gguf_path))
     if "rope_freqs.weight" in tensors or meta.get(f"{arch}.rope.scaling.type", "none") not in ("none",):
         raise UnsupportedModelError(f"{gguf_path}: GGUF rope scaling is not supported; load the HF checkpoint instead")
     if "token_embd.weight" not in tensors:
         raise ModelLoadError(f"{gguf_path}: GGUF file has no token_embd.weight tensor")
-    config = _hf_config(meta, arch, tensors, path=gguf_path)
+    config = _hf_config(meta, arch, family, tensors, path=gguf_path)
     config["vocab_size"] = int(tensors["token_embd.weight"].shape[1])
-    names = _MIXTRAL_EXPERT_NAMES if config["architectures"] == ["MixtralForCausalLM"] else _EXPERT_NAMES
     specs: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     sources: dict[str, tuple[object, int | None, tuple[int, ...]]] = {}  # (GGUF tensor, expert, shape)
     for name, t in tensors.items():
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        for hf, expert, part_shape in _hf_parts(name, shape, arch, names, config, gguf_path):
+        for hf, expert, part_shape in _hf_parts(name, shape, arch, family, config, gguf_path):
             _add_specs(specs, hf, t.tensor_type.name, part_shape, name, gguf_path)
             sources[hf] = (t, expert, part_shape)
-    permute = arch == "llama"  # llama.cpp's converter permutes q/k rows for its rope layout
+    permute = family.gguf_permuted_qk
     unpacked: dict[str, gguf_quants.QuantizedTensor] = {}  # the one quantized tensor being written
 
     def produce(spec_name: str) -> torch.Tensor:
@@ -161,7 +122,7 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
     sampling = {hf: meta[key] for key, hf in GGUF_SAMPLING_KEYS.items() if isinstance(meta.get(key), (int, float))}
     if sampling:  # the file's own sampling defaults, read back by generation_config.py
         (out_dir / "generation_config.json").write_text(json.dumps(sampling, indent=2))
-    _save_tokenizer(gguf_path, out_dir, arch)
+    _save_tokenizer(gguf_path, out_dir, family)
 
 
 # Suffixes of a quantized weight's tensors in the converted checkpoint (layers/quantized.py reads them).
@@ -193,7 +154,7 @@ def _metadata(reader) -> dict:
     return out
 
 
-def _hf_config(meta: dict, arch: str, tensors: dict, path: Path) -> dict:
+def _hf_config(meta: dict, arch: str, family: Family, tensors: dict, path: Path) -> dict:
     def get(name, default=None):
         v = meta.get(f"{arch}.{name}", default)
         if v is None:
@@ -202,12 +163,9 @@ def _hf_config(meta: dict, arch: str, tensors: dict, path: Path) -> dict:
 
     heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
-    hf_arch = _ARCHS[arch]
-    if arch == "llama" and int(get("expert_count", 0)) > 0:
-        hf_arch = "MixtralForCausalLM"
     cfg = {
-        "architectures": [hf_arch],
-        "model_type": _MODEL_TYPES[hf_arch],
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length")),
         "num_hidden_layers": int(get("block_count")),
@@ -220,15 +178,17 @@ def _hf_config(meta: dict, arch: str, tensors: dict, path: Path) -> dict:
         "tie_word_embeddings": "output.weight" not in tensors,
         "torch_dtype": "float32",
     }
-    if hf_arch in _RENORMALISED:
-        cfg.update(_moe_config(get, hf_arch, int(get("block_count")), tensors, path, arch))
+    if family.experts is not None:
+        cfg.update(_moe_config(get, family, family.experts, int(get("block_count")), tensors, path, arch))
     for key, hf in (("tokenizer.ggml.bos_token_id", "bos_token_id"), ("tokenizer.ggml.eos_token_id", "eos_token_id")):
         if key in meta:
             cfg[hf] = int(meta[key])
     return cfg
 
 
-def _moe_config(get, hf_arch: str, layers: int, tensors: dict, path: Path, arch: str) -> dict[str, object]:
+def _moe_config(
+    get, family: Family, spec: Experts, layers: int, tensors: dict, path: Path, arch: str
+) -> dict[str, object]:
     """The HF config fields ``config._moe_from_hf`` reads, from the GGUF keys llama.cpp's
     converter writes and the tensors themselves: a layer with a router (ffn_gate_inp) is sparse,
     one without is a dense MLP of feed_forward_length (Qwen-MoE's mlp_only_layers)."""
@@ -242,18 +202,16 @@ def _moe_config(get, hf_arch: str, layers: int, tensors: dict, path: Path, arch:
         )
     sparse = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in tensors]
     dense = [i for i in range(layers) if i not in sparse]
-    if not sparse or (dense and hf_arch in ("MixtralForCausalLM", "OlmoeForCausalLM")):
+    if not sparse or (dense and spec.every_layer):
         raise UnsupportedModelError(
             f"{path}: {arch} GGUF with {experts} experts has no router (ffn_gate_inp) in layer(s) "
-            f"{', '.join(map(str, dense))}; {hf_arch} has one in every layer"
+            f"{', '.join(map(str, dense))}; {family.architecture} has one in every layer"
         )
-    normalize = bool(get("expert_weights_norm", _RENORMALISED[hf_arch]))
-    if hf_arch == "MixtralForCausalLM":
-        if not normalize:
-            raise UnsupportedModelError(f"{path}: a Mixtral GGUF whose expert weights are not renormalised")
-        return {"num_local_experts": experts, "num_experts_per_tok": used}
-    out: dict[str, object] = {"num_experts": experts, "num_experts_per_tok": used, "norm_topk_prob": normalize}
-    if hf_arch == "OlmoeForCausalLM":
+    normalize = bool(get("expert_weights_norm", spec.gguf_renormalised))
+    if spec.always_renormalise and not normalize:
+        raise UnsupportedModelError(f"{path}: a {family.architecture} GGUF whose expert weights are not renormalised")
+    out: dict[str, object] = {spec.count_key: experts, "num_experts_per_tok": used, "norm_topk_prob": normalize}
+    if spec.every_layer:
         return out
 
     def width(key: str, tensor: str) -> int:
@@ -268,48 +226,38 @@ def _moe_config(get, hf_arch: str, layers: int, tensors: dict, path: Path, arch:
 
     out["moe_intermediate_size"] = width("expert_feed_forward_length", "ffn_gate_exps.weight")
     out["decoder_sparse_step"], out["mlp_only_layers"] = 1, dense
-    if hf_arch == "Qwen2MoeForCausalLM":
+    if spec.shared_expert:
         out["shared_expert_intermediate_size"] = width("expert_shared_feed_forward_length", "ffn_gate_shexp.weight")
     return out
 
 
-def _hf_name(name: str) -> str | None:
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
-    if name.startswith("blk."):
-        _, layer, rest = name.split(".", 2)
-        if rest in _LAYER_NAMES:
-            return f"model.layers.{int(layer)}.{_LAYER_NAMES[rest]}"
-    return None
-
-
 def _hf_parts(
-    name: str, shape: tuple[int, ...], arch: str, expert_names: dict, config: dict, path: Path
+    name: str, shape: tuple[int, ...], arch: str, family: Family, config: dict, path: Path
 ) -> list[tuple[str, int | None, tuple[int, ...]]]:
     """The checkpoint tensors one GGUF tensor becomes: (name, the expert it is of a stacked
     tensor or None, shape). A stacked [experts, rows, cols] tensor becomes one [rows, cols]
     tensor per expert, in the order llama.cpp stacked them (expert 0 first)."""
-    hf = _hf_name(name)
-    if hf is not None:
-        return [(hf, None, shape)]
-    experts = config.get("num_local_experts") or config.get("num_experts") or 0
+    if name in _GLOBAL_NAMES:
+        return [(_GLOBAL_NAMES[name], None, shape)]
     layer, _, rest = name.removeprefix("blk.").partition(".")
-    if experts and name.startswith("blk.") and rest in expert_names:
-        hf = f"model.layers.{int(layer)}.{expert_names[rest]}"
-        if "{e}" not in hf:
-            # Qwen2-MoE's shared expert gate: [1, hidden] in the checkpoint, [hidden] in llama.cpp
-            return [(hf, None, (1, *shape) if len(shape) == 1 else shape)]
-        if len(shape) != 3 or shape[0] != experts:
-            raise ModelLoadError(
-                f"{path}: tensor {name!r} has shape {list(shape)}, not [{experts} experts, rows, cols]"
+    gguf_role, _, leaf = rest.rpartition(".")
+    role = _GGUF_ROLES.get(gguf_role)
+    if not name.startswith("blk.") or role is None or role not in family.layer_names or leaf not in ("weight", "bias"):
+        if re.fullmatch(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight", name):
+            raise UnsupportedModelError(
+                f"{path}: {arch} GGUF keeps each expert in a tensor of its own ({name!r}), the layout llama.cpp "
+                "wrote before it stacked them; pagedllm reads stacked experts (ffn_gate_exps): convert it again"
             )
-        return [(hf.format(e=e), e, shape[1:]) for e in range(experts)]
-    if re.fullmatch(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight", name):
-        raise UnsupportedModelError(
-            f"{path}: {arch} GGUF keeps each expert in a tensor of its own ({name!r}), the layout llama.cpp "
-            "wrote before it stacked them; pagedllm reads stacked experts (ffn_gate_exps): convert it again"
-        )
-    raise UnsupportedModelError(f"{path}: unexpected tensor {name!r} for {arch}")
+        raise UnsupportedModelError(f"{path}: unexpected tensor {name!r} for {arch}")
+    if not role.startswith("expert_"):
+        hf = f"{family.name_of(role, int(layer))}.{leaf}"
+        if role == "shared_gate" and len(shape) == 1:  # [1, hidden] in the checkpoint, [hidden] in llama.cpp
+            shape = (1, *shape)
+        return [(hf, None, shape)]
+    experts = int(config.get(family.experts.count_key, 0)) if family.experts is not None else 0
+    if len(shape) != 3 or shape[0] != experts:
+        raise ModelLoadError(f"{path}: tensor {name!r} has shape {list(shape)}, not [{experts} experts, rows, cols]")
+    return [(f"{family.name_of(role, int(layer), e)}.{leaf}", e, shape[1:]) for e in range(experts)]
 
 
 def _add_specs(specs: list, hf: str, kind: str, shape: tuple[int, ...], gguf_name: str, path: Path) -> None:
@@ -372,16 +320,14 @@ def _unpermute_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-# Architectures whose GGUF config transformers does not read: AutoTokenizer picks a GGUF's tokenizer
-# class from that config, so these are built from the tokenizer metadata alone (the same
-# tokenizers-library tokenizer, in transformers' generic class).
-_TOKENIZER_WITHOUT_CONFIG = frozenset({"olmoe"})
-
-
-def _save_tokenizer(gguf_path: Path, out_dir: Path, arch: str) -> None:
+def _save_tokenizer(gguf_path: Path, out_dir: Path, family: Family) -> None:
+    """The tokenizer transformers builds from the file's metadata. AutoTokenizer picks its class
+    from the GGUF's config, which transformers reads for some architectures only; the others
+    are built from the tokenizer metadata alone (the same tokenizers-library tokenizer, in
+    transformers' generic class)."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    builder = PreTrainedTokenizerFast if arch in _TOKENIZER_WITHOUT_CONFIG else AutoTokenizer
+    builder = AutoTokenizer if family.transformers_reads_gguf else PreTrainedTokenizerFast
     try:
         tok = builder.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except Exception as e:

@@ -1,9 +1,11 @@
-"""One decoder for Llama, SmolLM, Mistral, Qwen2 and Qwen3.
+"""One decoder for every family in ``models/registry.py`` whose layers are attention and a
+SwiGLU MLP, dense or sparse (Llama, SmolLM, Mistral, Qwen2, Qwen3, and the mixtures of experts).
 
-They differ only in switches that ``ModelConfig`` carries: q/k/v bias (Qwen2), per-head q/k
-RMSNorm (Qwen3), sliding-window layers (Mistral), tied embeddings, rope scaling. q/k/v and
-gate/up are stacked into one ``Linear`` each (one GEMM instead of three or two);
-``checkpoint_slots`` says where each HF checkpoint tensor goes, so weights load by HF name.
+They differ only in switches that ``ModelConfig`` carries: q/k/v bias (Qwen2), q/k RMSNorm
+(Qwen3, OLMoE), sliding-window layers (Mistral), experts (``layers/moe.py``), tied embeddings,
+rope scaling. q/k/v and gate/up are stacked into one ``Linear`` each (one GEMM instead of three
+or two); ``checkpoint_slots`` says where each checkpoint tensor goes, by the names the family's
+spec gives its roles, so weights load by HF name.
 
 Weights may be kept quantized (``use_quantized``): chosen linear layers become
 ``QuantizedLinear`` and the embeddings ``QuantizedEmbedding`` (a tied lm_head then multiplies by
@@ -181,32 +183,26 @@ class DecoderLM(nn.Module):
         """HF checkpoint name -> (module, parameter, part): ``part`` is the index of the rows a
         stacked ``Linear`` keeps for that tensor, None for a parameter of its own."""
         slots: dict[str, tuple[nn.Module, str, int | None]] = {}
-        stacked: dict[Linear, tuple[str, ...]]
         for name, module in self.named_modules():
             if isinstance(module, (Linear, QuantizedLinear)):
                 continue
             for leaf, _ in module.named_parameters(recurse=False):
                 slots[f"{name}.{leaf}"] = (module, leaf, None)
+        family = self.config.family
         for i, layer in enumerate(self.model.decoder_layers()):
-            p = f"model.layers.{i}."
-            stacked = {
-                layer.self_attn.qkv_proj: ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-                layer.self_attn.o_proj: ("self_attn.o_proj",),
-            }
+            attn = layer.self_attn
+            stacked = {attn.qkv_proj: ("q", "k", "v"), attn.o_proj: ("o",)}
             if isinstance(layer.mlp, SparseMoE):
-                stacked.update(_expert_names(layer.mlp, self.config.architecture))
+                stacked.update(_expert_roles(layer.mlp))
             else:
-                stacked.update(
-                    {
-                        layer.mlp.gate_up_proj: ("mlp.gate_proj", "mlp.up_proj"),
-                        layer.mlp.down_proj: ("mlp.down_proj",),
-                    }
-                )
-            for linear, names in stacked.items():
-                for part, hf in enumerate(names):
-                    slots[f"{p}{hf}.weight"] = (linear, "weight", part)
+                stacked.update({layer.mlp.gate_up_proj: ("gate", "up"), layer.mlp.down_proj: ("down",)})
+            for linear, roles in stacked.items():
+                for part, role in enumerate(roles):
+                    role, _, expert = role.partition("#")
+                    name = family.name_of(role, i, int(expert) if expert else None)
+                    slots[f"{name}.weight"] = (linear, "weight", part)
                     if linear.bias is not None:
-                        slots[f"{p}{hf}.bias"] = (linear, "bias", part)
+                        slots[f"{name}.bias"] = (linear, "bias", part)
         if not self.config.tie_word_embeddings:
             slots["lm_head.weight"] = (self.lm_head, "weight", 0)
         if isinstance(self.model.embed_tokens, QuantizedEmbedding):
@@ -306,27 +302,19 @@ class DecoderLM(nn.Module):
         return self.tensor_parallel.all_reduce_(h)
 
 
-def _expert_names(moe: SparseMoE, architecture: str) -> dict[Linear, tuple[str, ...]]:
-    """A sparse layer's linear layers -> their checkpoint names under ``model.layers.N.``:
-    Mixtral's ``block_sparse_moe.experts.E.w1/w3/w2`` (gate, up, down), the others'
-    ``mlp.experts.E.gate_proj/up_proj/down_proj``; the router is ``gate``."""
-    names: dict[Linear, tuple[str, ...]] = {}
-    if architecture == "MixtralForCausalLM":
-        names[moe.router] = ("block_sparse_moe.gate",)
-        for e, expert in enumerate(moe.expert_mlps()):
-            ex = f"block_sparse_moe.experts.{e}."
-            names[expert.gate_up_proj] = (ex + "w1", ex + "w3")
-            names[expert.down_proj] = (ex + "w2",)
-        return names
-    names[moe.router] = ("mlp.gate",)
-    experts = [(f"mlp.experts.{e}.", expert) for e, expert in enumerate(moe.expert_mlps())]
+def _expert_roles(moe: SparseMoE) -> dict[Linear, tuple[str, ...]]:
+    """A sparse layer's linear layers -> the roles of their parts (``family.Family.name_of``),
+    ``#E`` naming expert E: the router, each expert's gate and up (stacked) and down, and
+    Qwen2-MoE's shared expert with its gate."""
+    roles: dict[Linear, tuple[str, ...]] = {moe.router: ("router",)}
+    for e, expert in enumerate(moe.expert_mlps()):
+        roles[expert.gate_up_proj] = (f"expert_gate#{e}", f"expert_up#{e}")
+        roles[expert.down_proj] = (f"expert_down#{e}",)
     if moe.shared_expert is not None and moe.shared_expert_gate is not None:
-        experts.append(("mlp.shared_expert.", moe.shared_expert))
-        names[moe.shared_expert_gate] = ("mlp.shared_expert_gate",)
-    for ex, expert in experts:
-        names[expert.gate_up_proj] = (ex + "gate_proj", ex + "up_proj")
-        names[expert.down_proj] = (ex + "down_proj",)
-    return names
+        roles[moe.shared_expert_gate] = ("shared_gate",)
+        roles[moe.shared_expert.gate_up_proj] = ("shared_expert_gate", "shared_expert_up")
+        roles[moe.shared_expert.down_proj] = ("shared_expert_down",)
+    return roles
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

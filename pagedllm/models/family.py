@@ -1,0 +1,93 @@
+"""What one model family is, said once: how its config.json and GGUF metadata read, what its
+checkpoint's tensors are called, and whether it splits over ranks.
+
+Torch-free (the API process reads configs and holds no torch). Each family's ``spec.py`` in its
+own folder (``models/qwen3/spec.py``) builds one ``Family``; ``models/registry.py`` lists them.
+The config reader (``config.py``), the loader (``decoder.checkpoint_slots``), the GGUF converter
+and the tensor-parallel split ask the family; the planner reads the ``ModelConfig`` it produced,
+whose fields (MoE layers, sliding windows, q/k norms) are what its phases are made of.
+
+A family whose layers are the shared decoder's (``models/decoder.py``: attention, a SwiGLU MLP or
+``layers/moe.py``'s sparse one) has only a ``spec.py``; one with modules of its own keeps them in
+a ``model.py`` beside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Roles of a layer's tensors -> their checkpoint names under ``model.layers.N.``; ``{e}`` is an
+# expert's index. The dense families all use these.
+DENSE_LAYER_NAMES = {
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj",
+    "q_norm": "self_attn.q_norm",
+    "k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "mlp_norm": "post_attention_layernorm",
+    "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+}
+# A sparse layer's (Qwen-MoE, OLMoE; Mixtral names its own): the router, each expert's SwiGLU, and Qwen2-MoE's shared
+# expert with its sigmoid gate.
+EXPERT_NAMES = {
+    "router": "mlp.gate",
+    "expert_gate": "mlp.experts.{e}.gate_proj",
+    "expert_up": "mlp.experts.{e}.up_proj",
+    "expert_down": "mlp.experts.{e}.down_proj",
+    "shared_gate": "mlp.shared_expert_gate",
+    "shared_expert_gate": "mlp.shared_expert.gate_proj",
+    "shared_expert_up": "mlp.shared_expert.up_proj",
+    "shared_expert_down": "mlp.shared_expert.down_proj",
+}
+
+
+@dataclass(frozen=True)
+class Experts:
+    """How a mixture of experts' config reads. ``every_layer``: every layer is sparse, its
+    experts ``intermediate_size`` wide (Mixtral, OLMoE); else sparse every
+    ``decoder_sparse_step``-th layer but ``mlp_only_layers``, experts ``moe_intermediate_size``
+    wide (Qwen-MoE). ``always_renormalise``: the chosen experts' probabilities always sum to 1
+    (Mixtral), else as ``norm_topk_prob`` says. ``count_key``: the config field of the number of
+    experts its own checkpoints carry (transformers 5 writes ``num_local_experts`` for all;
+    either is read). ``gguf_renormalised``: what llama.cpp assumes when a GGUF file carries no
+    ``expert_weights_norm`` (the ``norm_w`` its ``build_moe_ffn`` gets for the architecture)."""
+
+    every_layer: bool
+    always_renormalise: bool
+    count_key: str
+    gguf_renormalised: bool
+    shared_expert: bool = False  # Qwen2-MoE: a dense expert on every token, gated by a sigmoid
+
+
+@dataclass(frozen=True)
+class Family:
+    architecture: str  # HF ``architectures[0]``
+    model_type: str  # HF ``model_type``
+    # GGUF ``general.architecture`` its files carry (None: written as another family's, as
+    # llama.cpp writes Mistral as ``llama``); a family with experts that shares it with a dense
+    # one is what a file of it is when it has experts (``llama`` with experts is Mixtral)
+    gguf_architecture: str | None = None
+    # "always": q/k/v biased and o not, whatever ``attention_bias`` says (Qwen2); else as it says
+    qkv_bias: str = "attention_bias"
+    qk_norm: str | None = None  # "head": q and k normed per head (Qwen3); "all": over the whole projection (OLMoE)
+    # "every layer": ``sliding_window`` applies to every layer (Mistral); else per ``layer_types``
+    # or Qwen2's ``max_window_layers``
+    sliding: str = "per layer"
+    experts: Experts | None = None
+    layer_names: dict[str, str] = field(default_factory=lambda: dict(DENSE_LAYER_NAMES))
+    gguf_permuted_qk: bool = False  # llama.cpp's converter permutes q/k rows for its rope layout
+    transformers_reads_gguf: bool = True  # whether transformers reads its GGUF config (for the tokenizer's class)
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """Whether ``distributed.shards`` can split it: not a mixture of experts yet."""
+        return self.experts is None
+
+    def name_of(self, role: str, layer: int, expert: int | None = None) -> str:
+        """The checkpoint name (without ``.weight``) of a layer's tensor by its role."""
+        name = self.layer_names[role]
+        return f"model.layers.{layer}." + (name.format(e=expert) if expert is not None else name)

@@ -1,0 +1,1 @@
+"""Llama (and SmolLM): the plain decoder every other family varies."""

@@ -1,0 +1,1 @@
+"""Mistral: Llama with one sliding window on every layer."""

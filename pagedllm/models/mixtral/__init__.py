@@ -1,0 +1,1 @@
+"""Mixtral: Mistral's attention with eight experts a layer."""

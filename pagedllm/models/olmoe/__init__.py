@@ -1,0 +1,1 @@
+"""OLMoE: every layer sparse, q and k normed over the whole projection."""

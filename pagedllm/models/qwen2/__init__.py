@@ -1,0 +1,1 @@
+"""Qwen2: q/k/v biased."""

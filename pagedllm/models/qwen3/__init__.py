@@ -1,0 +1,1 @@
+"""Qwen3: q and k RMS-normed per head."""
