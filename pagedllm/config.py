@@ -19,7 +19,7 @@ from .models.registry import family_of_config
 if TYPE_CHECKING:
     from .models.family import Family
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,12 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # YaRN only (gpt-oss): the band of dimensions blended between kept and interpolated, whether
+    # its ends are rounded to whole dimensions, and cos/sin's scale (None: from ``factor``)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,13 @@ class MoeConfig:
     normalize: bool
     layers: tuple[bool, ...]  # per layer: sparse (True) or the dense MLP of ``intermediate_size``
     shared_expert_size: int = 0  # Qwen2-MoE's shared expert's width; 0: none
+    # gpt-oss: the router biased, its top_k logits chosen first and softmaxed among themselves,
+    # and each expert's SwiGLU clamped (gate below ``swiglu_limit``, up within it, the gate's
+    # sigmoid sharpened by ``swiglu_alpha``, up offset by 1)
+    router_bias: bool = False
+    softmax_after_topk: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -70,6 +83,7 @@ class ModelConfig:
     qkv_clip: float | None = None  # OLMoE's clip_qkv: q, k, v clamped to +-this after the norms
     # per layer: None for full attention, else the window size in tokens
     sliding_windows: tuple[int | None, ...] = ()
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in every softmax's denominator
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: MoeConfig | None = None  # a mixture of experts' routing and sizes; None: every layer dense
@@ -106,11 +120,12 @@ class ModelConfig:
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 qkv_bias=fam.qkv_bias == "always" or bool(d.get("attention_bias")),
                 o_bias=fam.qkv_bias != "always" and bool(d.get("attention_bias")),
-                mlp_bias=bool(d.get("mlp_bias")),
+                mlp_bias=bool(d.get("mlp_bias")) or (fam.experts is not None and fam.experts.biased),
                 qk_norm=fam.qk_norm is not None,
                 qk_norm_scope=fam.qk_norm or "head",
                 qkv_clip=float(d["clip_qkv"]) if d.get("clip_qkv") is not None else None,
                 sliding_windows=_sliding_windows_from_hf(d, fam, layers),
+                attention_sinks=fam.attention_sinks,
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_ids=_as_tuple(d.get("eos_token_id")),
                 moe=_moe_from_hf(d, fam, layers),
@@ -163,6 +178,10 @@ def _moe_from_hf(d: dict, fam: Family, layers: int) -> MoeConfig | None:
         normalize=spec.always_renormalise or bool(d.get("norm_topk_prob", False)),
         layers=sparse,
         shared_expert_size=int(d.get("shared_expert_intermediate_size") or 0) if spec.shared_expert else 0,
+        router_bias=spec.biased,
+        softmax_after_topk=spec.softmax_after_topk,
+        swiglu_limit=float(d["swiglu_limit"]) if spec.clamped_swiglu else None,
+        swiglu_alpha=float(d.get("swiglu_alpha", 1.702)) if spec.clamped_swiglu else 1.0,
     )
 
 
@@ -192,6 +211,10 @@ def _rope_from_hf(d: dict, source: str) -> RopeConfig:
         original_max_position_embeddings=int(
             merged.get("original_max_position_embeddings", d.get("max_position_embeddings", 8192))
         ),
+        beta_fast=float(merged.get("beta_fast") or 32.0),
+        beta_slow=float(merged.get("beta_slow") or 1.0),
+        truncate=bool(merged.get("truncate", True)),
+        attention_factor=float(merged["attention_factor"]) if merged.get("attention_factor") is not None else None,
     )
 
 

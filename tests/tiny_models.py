@@ -81,6 +81,30 @@ MOE_ARCHS = {
             norm_topk_prob=False,
         ),
     ),
+    # attention sinks, sliding and full layers alternating (a window shorter than the prompts),
+    # YaRN rope, a biased router softmaxed over its top-k, biased clamped-SwiGLU experts
+    "gpt-oss": (
+        "GptOssConfig",
+        dict(
+            head_dim=16,
+            num_local_experts=6,
+            num_experts_per_tok=2,
+            intermediate_size=64,
+            sliding_window=8,
+            swiglu_limit=1.0,  # well inside the activations' spread, so the clamps act (the real: 7)
+            attention_bias=True,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 128,
+            },
+        ),
+    ),
 }
 ARCHS.update(MOE_ARCHS)
 
@@ -96,8 +120,10 @@ def build_hf_model(name: str, seed: int = 0, **overrides):
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     with torch.no_grad():
         for p_name, p in model.named_parameters():
-            if p_name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+            if p_name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.router.weight")):
                 p.normal_(0.0, 0.35)  # a router: wide margins between experts, so rounding picks the same
+            elif p_name.endswith("self_attn.sinks"):
+                p.normal_(0.0, 1.0)  # gpt-oss: each head's sink takes a share of its attention
             elif p.dim() == 3:  # experts stacked: one shared matrix and each expert's own part
                 p.copy_(torch.randn(p.shape[1:]) * 0.15 + torch.randn(p.shape) * EXPERT_SPREAD)
             elif p.dim() == 2:

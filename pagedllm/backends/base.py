@@ -30,10 +30,19 @@ if TYPE_CHECKING:
 
 
 class Attention(Protocol):
-    """One step's attention over the paged cache: writes the step's K/V, then attends."""
+    """One step's attention over the paged cache: writes the step's K/V, then attends.
+    ``sinks``: float32 [heads], a logit per query head that joins every softmax's denominator
+    and no value (gpt-oss's attention sinks)."""
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 

@@ -72,6 +72,8 @@ class Linear(StackedRows):
         """Re-lays the weights out for the backend, once (a no-op where it keeps them as they are)."""
         if self.in_float32 and self.weight.dtype != torch.float32:
             self.weight = nn.Parameter(self.weight.data.float(), requires_grad=False)
+            if self.bias is not None:
+                self.bias = nn.Parameter(self.bias.data.float(), requires_grad=False)
         if self.packed or self.keep_float:
             return
         packed = self.backend.pack_weight(self.weight.data, None if self.bias is None else self.bias.data)

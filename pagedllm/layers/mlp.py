@@ -1,5 +1,5 @@
 """The SwiGLU feed-forward block of Llama-family decoders: down(silu(gate(x)) * up(x)), with gate
-and up stacked into one GEMM."""
+and up stacked into one GEMM; gpt-oss's experts clamp it (``clamped_swiglu``)."""
 
 from __future__ import annotations
 
@@ -16,14 +16,35 @@ if TYPE_CHECKING:
 
 
 class MLP(nn.Module):
-    """``width``: the intermediate width (default the config's; an expert's is its own)."""
+    """``width``: the intermediate width (default the config's; an expert's is its own).
+    ``swiglu_limit``: clamp the activation as gpt-oss's experts do (``clamped_swiglu``)."""
 
-    def __init__(self, cfg: ModelConfig, backend: Backend, width: int | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        backend: Backend,
+        width: int | None = None,
+        swiglu_limit: float | None = None,
+        swiglu_alpha: float = 1.0,
+    ):
         super().__init__()
         h, i, b = cfg.hidden_size, width or cfg.intermediate_size, cfg.mlp_bias
         self.gate_up_proj = Linear(h, [i, i], bias=b, backend=backend)
         self.down_proj = Linear(i, [h], bias=b, backend=backend)
         self.backend = backend
+        self.limit, self.alpha = swiglu_limit, swiglu_alpha
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.backend.silu_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.limit is not None:
+            return self.down_proj(clamped_swiglu(gate_up, self.alpha, self.limit))
+        return self.down_proj(self.backend.silu_mul(gate_up))
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation, in transformers' order: the gate clamped below ``limit``, up within
+    +-``limit``, then (up + 1) * gate * sigmoid(alpha * gate). Plain PyTorch on every backend."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))

@@ -1,4 +1,4 @@
-"""A mixture of experts' sparse MLP (Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE): a router picks each
+"""A mixture of experts' sparse MLP (Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE, gpt-oss): a router picks each
 token's ``top_k`` experts, each a SwiGLU ``MLP`` of its own, and the token's output is their
 outputs weighted by the router's probabilities.
 
@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from ..backends.base import Backend
 
 
-# Checkpoint names of the routers (Mixtral's, the others'), whose weights load as float32.
-ROUTER_SUFFIXES = ("block_sparse_moe.gate.weight", ".mlp.gate.weight")
+# Checkpoint names of the routers (Mixtral's, gpt-oss's, the others'), whose weights load as float32.
+ROUTER_SUFFIXES = ("block_sparse_moe.gate.weight", ".mlp.gate.weight", ".mlp.router.weight", ".mlp.router.bias")
 
 
 class SparseMoE(nn.Module):
@@ -35,10 +35,12 @@ class SparseMoE(nn.Module):
         super().__init__()
         moe = cfg.moe
         assert moe is not None
-        self.top_k, self.normalize = moe.top_k, moe.normalize
-        self.router = Linear(cfg.hidden_size, [moe.num_experts], bias=False, backend=backend)
+        self.top_k, self.normalize, self.softmax_after_topk = moe.top_k, moe.normalize, moe.softmax_after_topk
+        self.router = Linear(cfg.hidden_size, [moe.num_experts], bias=moe.router_bias, backend=backend)
         self.router.keep_float = self.router.in_float32 = True
-        self.experts = nn.ModuleList(MLP(cfg, backend, moe.expert_size) for _ in range(moe.num_experts))
+        self.experts = nn.ModuleList(
+            MLP(cfg, backend, moe.expert_size, moe.swiglu_limit, moe.swiglu_alpha) for _ in range(moe.num_experts)
+        )
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: Linear | None = None
         if moe.shared_expert_size:
@@ -53,7 +55,11 @@ class SparseMoE(nn.Module):
         """(weights [T, top_k] in x's dtype, experts [T, top_k]): the top_k of the softmax of the
         router's float32 logits, renormalised over the chosen where the model does (transformers' order of
         operations, so that ties and roundings fall the same way)."""
-        logits = torch.nn.functional.linear(x.float(), self.router.weight.float())  # float32 since loading
+        bias = self.router.bias.float() if self.router.bias is not None else None
+        logits = torch.nn.functional.linear(x.float(), self.router.weight.float(), bias)  # float32 since loading
+        if self.softmax_after_topk:  # gpt-oss: the top_k logits, softmaxed among themselves
+            top, experts = torch.topk(logits, self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1).to(x.dtype), experts
         probs = torch.softmax(logits, dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:

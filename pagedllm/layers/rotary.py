@@ -1,5 +1,5 @@
 """Rotary position embedding: the inverse frequencies with the checkpoint's scaling (default,
-linear, llama3), cos/sin tables computed once per step (every layer's backend rotates q and k by
+linear, llama3, YaRN), cos/sin tables computed once per step (every layer's backend rotates q and k by
 them in place). Tables are float32 then cast, as in HF transformers."""
 
 from __future__ import annotations
@@ -31,7 +31,39 @@ def rope_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
         blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, blended, scaled)
+    if rope.type == "yarn":
+        return _yarn_inv_freq(rope, dim, inv)
     return inv
+
+
+def _yarn_inv_freq(rope: RopeConfig, dim: int, inv: torch.Tensor) -> torch.Tensor:
+    """YaRN: the dimensions that turn fewer than ``beta_slow`` times over the original context
+    are interpolated (divided by ``factor``), those that turn more than ``beta_fast`` times are
+    kept, and a linear ramp blends the band between (in transformers' arithmetic)."""
+
+    def dimension_turning(turns: float) -> float:
+        return (
+            dim * math.log(rope.original_max_position_embeddings / (turns * 2 * math.pi)) / (2 * math.log(rope.theta))
+        )
+
+    low, high = dimension_turning(rope.beta_fast), dimension_turning(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp
+    return inv / rope.factor * (1 - kept) + inv * kept
+
+
+def rope_attention_factor(rope: RopeConfig) -> float:
+    """What cos and sin are multiplied by: YaRN's 0.1 ln(factor) + 1 unless the config says."""
+    if rope.type != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    return 1.0 if rope.factor <= 1 else 0.1 * math.log(rope.factor) + 1.0
 
 
 class Rotary(nn.Module):
@@ -42,10 +74,13 @@ class Rotary(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
+        self.attention_factor = rope_attention_factor(cfg.rope)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin: [T, D] in ``dtype`` (HF computes them in float32, then casts)."""
         freqs = torch.outer(positions.float(), self.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         del freqs
+        if self.attention_factor != 1.0:
+            return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -89,7 +90,33 @@ def load_decoder(
     def keep_dtype(name: str) -> bool:
         return name.endswith((QWEIGHT, SCALE, ZERO))
 
+    def place(path: Path, name: str, value: torch.Tensor | QuantizedWeight) -> None:
+        """One checkpoint tensor into its slot, converted as the slot holds it."""
+        if name not in slots:
+            raise ModelLoadError(f"{path}: unexpected tensor {name!r} for {cfg.architecture}")
+        module, leaf, part = slots[name]
+        stacked = module if isinstance(module, StackedRows) else None
+        want = stacked.part_shape(leaf, part or 0) if stacked is not None else tuple(getattr(module, leaf).shape)
+        if shard is not None:
+            value = _fit_to_rank(value, shard.slice_of(name), want)
+        if tuple(value.shape) != tuple(want):
+            raise ModelLoadError(f"{path}: tensor {name!r} has shape {tuple(value.shape)}, config.json implies {want}")
+        if isinstance(value, QuantizedWeight) and getattr(module, "requantize", False):
+            value = backend.dequantize(value, torch.float32)  # quantized again by load_part
+        if isinstance(value, QuantizedWeight):
+            if isinstance(module, (QuantizedLinear, QuantizedEmbedding)) and leaf == "weight":
+                module.load_quantized_part(part or 0, value)
+                loaded.add(name)
+                return
+            value = backend.dequantize(value, dtype)  # a float layer: "none", or a stack not all quantized
+        if stacked is not None:
+            stacked.load_part(leaf, part or 0, value)
+        else:
+            module._parameters[leaf] = nn.Parameter(value.to(dtype), requires_grad=False)
+        loaded.add(name)
+
     select = _rank_slices(path_of=model_dir, shard=shard) if shard is not None else None
+    unfuse = cfg.family.unfuse or (lambda name, value: None)
     for path, header, start in headers:
         for name, tensor in iter_tensors(path, header, start, dtype, destination, keep_dtype, select):
             value: torch.Tensor | QuantizedWeight = tensor
@@ -101,30 +128,11 @@ def load_decoder(
                 name, value = base, _quantized_weight(path, base, pieces.pop(base))
             if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
                 continue
-            if name not in slots:
-                raise ModelLoadError(f"{path}: unexpected tensor {name!r} for {cfg.architecture}")
-            module, leaf, part = slots[name]
-            stacked = module if isinstance(module, StackedRows) else None
-            want = stacked.part_shape(leaf, part or 0) if stacked is not None else tuple(getattr(module, leaf).shape)
-            if shard is not None:
-                value = _fit_to_rank(value, shard.slice_of(name), want)
-            if tuple(value.shape) != tuple(want):
-                raise ModelLoadError(
-                    f"{path}: tensor {name!r} has shape {tuple(value.shape)}, config.json implies {want}"
-                )
-            if isinstance(value, QuantizedWeight) and getattr(module, "requantize", False):
-                value = backend.dequantize(value, torch.float32)  # quantized again by load_part
-            if isinstance(value, QuantizedWeight):
-                if isinstance(module, (QuantizedLinear, QuantizedEmbedding)) and leaf == "weight":
-                    module.load_quantized_part(part or 0, value)
-                    loaded.add(name)
-                    continue
-                value = backend.dequantize(value, dtype)  # a float layer: "none", or a stack not all quantized
-            if stacked is not None:
-                stacked.load_part(leaf, part or 0, value)
+            if isinstance(value, torch.Tensor) and (parts := unfuse(name, value)) is not None:
+                for part_name, part in parts:  # gpt-oss's fused experts, one expert's tensor at a time
+                    place(path, part_name, cast(torch.Tensor, part))
             else:
-                module._parameters[leaf] = nn.Parameter(value.to(dtype), requires_grad=False)
-            loaded.add(name)
+                place(path, name, value)
     missing = sorted(set(slots) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")

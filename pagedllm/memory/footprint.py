@@ -87,6 +87,7 @@ def parameter_count(cfg: ModelConfig) -> int:
     attention = h * dq + 2 * h * dk + dq * h + 2 * h
     attention += (dq + 2 * dk) * cfg.qkv_bias + h * cfg.o_bias
     attention += ((dq + dk) if cfg.qk_norm_scope == "all" else 2 * d) * cfg.qk_norm
+    attention += cfg.num_heads * cfg.attention_sinks
     mlps = sum(
         _mlp_weights(cfg, layer) + _mlp_biases(cfg, layer) + _router_weights(cfg, layer)
         for layer in range(cfg.num_layers)
@@ -117,7 +118,7 @@ def _router_weights(cfg: ModelConfig, layer: int) -> int:
     moe = cfg.moe
     if moe is None or not moe.layers[layer]:
         return 0
-    return cfg.hidden_size * (moe.num_experts + (1 if moe.shared_expert_size else 0))
+    return (cfg.hidden_size + moe.router_bias) * moe.num_experts + cfg.hidden_size * bool(moe.shared_expert_size)
 
 
 def linear_shapes(cfg: ModelConfig) -> tuple[int, int]:
@@ -141,7 +142,7 @@ def largest_mlp_width(cfg: ModelConfig) -> int:
 def router_count(cfg: ModelConfig) -> int:
     """The routers' weights: float32 whatever the dtype (``layers.moe``)."""
     moe = cfg.moe
-    return 0 if moe is None else sum(moe.layers) * moe.num_experts * cfg.hidden_size
+    return 0 if moe is None else sum(moe.layers) * moe.num_experts * (cfg.hidden_size + moe.router_bias)
 
 
 def weight_bytes(cfg: ModelConfig, dtype, quantization: str | None = None) -> int:

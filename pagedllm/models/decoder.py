@@ -58,6 +58,8 @@ class Attention(nn.Module):
         self.q_norm: RMSNorm | None = RMSNorm(q_width, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
         self.k_norm: RMSNorm | None = RMSNorm(k_width, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
         self.norm_whole, self.clip = cfg.qk_norm_scope == "all", cfg.qkv_clip
+        # gpt-oss: a logit per head that joins every softmax's denominator (float32 when attending)
+        self.sinks = nn.Parameter(torch.empty(cfg.num_heads), requires_grad=False) if cfg.attention_sinks else None
 
     def forward(self, x, cos, sin, attn):
         t, dq, dk = x.shape[0], self.q_size, self.kv_size
@@ -74,7 +76,8 @@ class Attention(nn.Module):
         if self.clip is not None:
             q, k, v = (y.clamp(-self.clip, self.clip) for y in (q, k, v))
         self.backend.rotary_(q, k, cos, sin)
-        out = attn.attend(self.layer, q, k, v, self.scale, self.window)
+        sinks = self.sinks.float() if self.sinks is not None else None
+        out = attn.attend(self.layer, q, k, v, self.scale, self.window, sinks)
         del q, k, v, qkv
         return self.o_proj(out.view(t, dq))
 

@@ -14,6 +14,7 @@ a ``model.py`` beside it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # Roles of a layer's tensors -> their checkpoint names under ``model.layers.N.``; ``{e}`` is an
@@ -61,6 +62,11 @@ class Experts:
     count_key: str
     gguf_renormalised: bool
     shared_expert: bool = False  # Qwen2-MoE: a dense expert on every token, gated by a sigmoid
+    # gpt-oss: router and experts biased, the top_k logits softmaxed among themselves, each
+    # expert's SwiGLU clamped (``config.MoeConfig``)
+    biased: bool = False
+    softmax_after_topk: bool = False
+    clamped_swiglu: bool = False
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,10 @@ class Family:
     experts: Experts | None = None
     layer_names: dict[str, str] = field(default_factory=lambda: dict(DENSE_LAYER_NAMES))
     gguf_permuted_qk: bool = False  # llama.cpp's converter permutes q/k rows for its rope layout
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head (``self_attn.sinks``)
+    # checkpoint tensors that hold several of the model's (gpt-oss's fused experts) -> those, by
+    # their names; None (or a function returning None for a tensor): every tensor is one of its own
+    unfuse: Callable[[str, object], list[tuple[str, object]] | None] | None = None
     transformers_reads_gguf: bool = True  # whether transformers reads its GGUF config (for the tokenizer's class)
 
     @property

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ..errors import UnsupportedModelError
 from .family import Family
+from .gpt_oss.spec import FAMILY as GPT_OSS
 from .llama.spec import FAMILY as LLAMA
 from .mistral.spec import FAMILY as MISTRAL
 from .mixtral.spec import FAMILY as MIXTRAL
@@ -17,7 +18,7 @@ from .qwen2_moe.spec import FAMILY as QWEN2_MOE
 from .qwen3.spec import FAMILY as QWEN3
 from .qwen3_moe.spec import FAMILY as QWEN3_MOE
 
-FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, OLMOE, QWEN2_MOE, QWEN3_MOE)
+FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, OLMOE, QWEN2_MOE, QWEN3_MOE, GPT_OSS)
 
 _BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES}
 _BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES}

@@ -216,7 +216,14 @@ class CompiledPagedAttention:
         self.layout = layout
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] for the step's new tokens (each token's heads
         contiguous; views of one qkv row are fine). Returns [T, H, D]."""
@@ -240,6 +247,7 @@ class CompiledPagedAttention:
             lay.pairs_budget,
             cache.k_scale[layer] if eight_bit else None,
             cache.v_scale[layer] if eight_bit else None,
+            sinks,
         )
         return out.to(step_dtype)
 
@@ -252,18 +260,25 @@ class TorchPagedAttention:
         self.layout = layout
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """As ``CompiledPagedAttention.attend``."""
         self.cache.write(layer, self.layout.slot_mapping, k, v)
         out = torch.empty_like(q)
         for g in self.layout.decode_groups:
-            self._decode(layer, g, q, out, scale, window)
+            self._decode(layer, g, q, out, scale, window, sinks)
         for p in self.layout.prefills:
-            self._prefill(layer, p, q, out, scale, window)
+            self._prefill(layer, p, q, out, scale, window, sinks)
         return out
 
-    def _decode(self, layer: int, g: DecodeGroup, q, out, scale: float, window: int | None) -> None:
+    def _decode(self, layer: int, g: DecodeGroup, q, out, scale: float, window: int | None, sinks) -> None:
         """Rows of one token each, grouped so a group gathers at most ``gather_budget`` keys."""
         kv_heads, d = self.cache.k[layer].shape[0], q.shape[2]
         group = q.shape[1] // kv_heads
@@ -276,12 +291,12 @@ class TorchPagedAttention:
         for h in range(kv_heads):
             heads = slice(h * group, (h + 1) * group)
             scores = torch.bmm(queries[:, heads], keys[h].transpose(1, 2))  # [B, G, L]
-            probs = _softmax(scores, scale, mask[:, None, :])
+            probs = _softmax(scores, scale, mask[:, None, :], None if sinks is None else sinks[heads])
             del scores
             out[g.rows, heads] = torch.bmm(probs, values[h])
             del probs
 
-    def _prefill(self, layer: int, p: PrefillChunk, q, out, scale: float, window: int | None) -> None:
+    def _prefill(self, layer: int, p: PrefillChunk, q, out, scale: float, window: int | None, sinks) -> None:
         """A prompt chunk, its queries in tiles of at most ``pairs_budget`` scored pairs."""
         lay = self.layout
         kv_heads, d = self.cache.k[layer].shape[0], q.shape[2]
@@ -301,19 +316,26 @@ class TorchPagedAttention:
                 queries = q[rows, heads].reshape(-1, d)  # [tile*G, D]
                 scores = torch.mm(queries, keys[h].t()).view(t1 - t0, group, -1)
                 del queries
-                probs = _softmax(scores, scale, mask[:, None, :])
+                probs = _softmax(scores, scale, mask[:, None, :], None if sinks is None else sinks[heads])
                 del scores
                 out[rows, heads] = torch.mm(probs.view(-1, probs.shape[-1]), values[h]).view(t1 - t0, group, -1)
                 del probs
             del mask
 
 
-def _softmax(scores: torch.Tensor, scale: float, masked: torch.Tensor | None) -> torch.Tensor:
-    """HF eager's order: scale, mask, softmax in float32, back to the activation dtype."""
+def _softmax(
+    scores: torch.Tensor, scale: float, masked: torch.Tensor | None, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
+    """HF eager's order: scale, mask, softmax in float32, back to the activation dtype. ``sinks``
+    [G]: each head's sink logit joins its rows' softmax as one more column, then is dropped."""
     scores.mul_(scale)
     if masked is not None:
         scores.masked_fill_(masked, float("-inf"))
-    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+    sink_column = sinks.to(scores.dtype).view(1, -1, 1).expand(*scores.shape[:-1], 1)
+    with_sinks = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1, dtype=torch.float32)
+    return with_sinks[..., :-1].to(scores.dtype)
 
 
 def _causal_mask(first: int, end: int, context_len: int, window: int | None, device) -> torch.Tensor:

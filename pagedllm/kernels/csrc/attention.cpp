@@ -187,6 +187,10 @@ struct Tile {
   int64_t q_head(int64_t i) const { return head * group + i % group; }
 };
 
+inline float sink_of(const Geometry& g, const Tile& t, int64_t i) {
+  return g.sinks ? g.sinks[t.q_head(i)] : -std::numeric_limits<float>::infinity();
+}
+
 Tile tile_of(const WorkItem& w, const Geometry& g, const Sequences& seqs) {
   Tile t;
   t.row0 = w.row0;
@@ -273,9 +277,10 @@ void score_tile(const Tile& t, const Geometry& g, const T* q, const CacheRows<C>
 
 // One row of scores: scaled, masked outside [first, last] (causal, window), then softmax exactly
 // (max, exp, sum, normalise) as HF's float32 softmax; the probabilities are then held in T, as
-// HF casts them back before @ V.
+// HF casts them back before @ V. A sink (gpt-oss; -inf: none) is one more logit in the max and
+// the sum whose probability is dropped.
 template <typename T>
-void softmax_row(float* p, int64_t span, int64_t first, int64_t last, float scale) {
+void softmax_row(float* p, int64_t span, int64_t first, int64_t last, float scale, float sink) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < first; ++j) p[j] = neg_inf;
   for (int64_t j = last + 1; j < span; ++j) p[j] = neg_inf;
@@ -285,7 +290,7 @@ void softmax_row(float* p, int64_t span, int64_t first, int64_t last, float scal
   for (; k + W <= last + 1; k += W) mx_w = at::vec::maximum(mx_w, VF::loadu(p + k));
   float mx = at::vec::vec_reduce_all<float>([](VF& x, VF& y) { return at::vec::maximum(x, y); }, mx_w);
   for (; k <= last; ++k) mx = std::max(mx, p[k]);
-  mx *= scale;
+  mx = std::max(mx * scale, sink);
   VF sum_v(0.f);
   const VF scale_v(scale), mx_v(mx);
   int64_t j = 0;
@@ -299,6 +304,7 @@ void softmax_row(float* p, int64_t span, int64_t first, int64_t last, float scal
     p[j] = std::exp(p[j] * scale - mx);
     sum += p[j];
   }
+  if (sink != -std::numeric_limits<float>::infinity()) sum += std::exp(sink - mx);
   const float inv = 1.f / sum;
   const VF inv_v(inv);
   for (j = 0; j + W <= span; j += W) round_w<T>(VF::loadu(p + j) * inv_v).store(p + j);
@@ -309,7 +315,7 @@ template <typename T>
 void softmax_tile(const Tile& t, const Geometry& g, float* S) {
   for (int64_t i = 0; i < t.rows; ++i) {
     const int64_t pos = t.pos(i);
-    softmax_row<T>(S + i * t.span, t.span, first_visible(pos, g.window) - t.lo, pos - t.lo, g.scale);
+    softmax_row<T>(S + i * t.span, t.span, first_visible(pos, g.window) - t.lo, pos - t.lo, g.scale, sink_of(g, t, i));
   }
 }
 
@@ -384,7 +390,7 @@ void attend_on_tiles(const Tile& t, const Geometry& g, const c10::BFloat16* q, c
   for (int64_t i = 0; i < t.rows; ++i) {
     const int64_t pos = t.pos(i);
     float* p = S + i * width;
-    softmax_row<bf16>(p, t.span, first_visible(pos, g.window) - t.lo, pos - t.lo, g.scale);
+    softmax_row<bf16>(p, t.span, first_visible(pos, g.window) - t.lo, pos - t.lo, g.scale, sink_of(g, t, i));
     for (int64_t j = 0; j < width; j += W) {  // exact: already rounded to bf16; zero past the keys
       const int64_t n = std::clamp<int64_t>(t.span - j, 0, W);
       store_w(&s.tile_p[i * width + j], n == W ? VF::loadu(p + j) : VF::loadu(p + j, n));
@@ -510,6 +516,7 @@ Geometry geometry_of(const Tensor& q, const Tensor& k, const Tensor& v, const Te
   g.max_blocks = block_tables.size(1);
   g.window = window;
   g.scale = float(scale);
+  g.sinks = nullptr;
   g.q_stride = q.stride(0);
   g.k_stride = k.stride(0);
   g.v_stride = v.stride(0);
@@ -521,9 +528,15 @@ Geometry geometry_of(const Tensor& q, const Tensor& k, const Tensor& v, const Te
 Tensor paged_attention(const Tensor& q, const Tensor& k, const Tensor& v, Tensor k_cache, Tensor v_cache,
                        const Tensor& query_start, const Tensor& context_lens, const Tensor& block_tables,
                        int64_t block_size, double scale, int64_t window, int64_t pairs_budget,
-                       const c10::optional<Tensor>& k_scales, const c10::optional<Tensor>& v_scales) {
+                       const c10::optional<Tensor>& k_scales, const c10::optional<Tensor>& v_scales,
+                       const c10::optional<Tensor>& sinks) {
   const bool eight_bit = check_tensors(q, k, v, k_cache, v_cache, k_scales, v_scales);
-  const Geometry g = geometry_of(q, k, v, k_cache, block_tables, block_size, scale, window);
+  Geometry g = geometry_of(q, k, v, k_cache, block_tables, block_size, scale, window);
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->numel() == g.heads,
+                "sinks: float32 [heads]");
+    g.sinks = sinks->data_ptr<float>();
+  }
   const int64_t num_seqs = context_lens.size(0);
   TORCH_CHECK(query_start.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs, "one row per sequence");
   const Sequences seqs{query_start.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),

@@ -10,7 +10,7 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor query_start, "
       "Tensor context_lens, Tensor block_tables, int block_size, float scale, int window, int pairs_budget, "
-      "Tensor(c!)? k_scales=None, Tensor(d!)? v_scales=None) -> Tensor");
+      "Tensor(c!)? k_scales=None, Tensor(d!)? v_scales=None, Tensor? sinks=None) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");

@@ -17,7 +17,8 @@ using at::Tensor;
 Tensor paged_attention(const Tensor& q, const Tensor& k, const Tensor& v, Tensor k_cache, Tensor v_cache,
                        const Tensor& query_start, const Tensor& context_lens, const Tensor& block_tables,
                        int64_t block_size, double scale, int64_t window, int64_t pairs_budget,
-                       const c10::optional<Tensor>& k_scales, const c10::optional<Tensor>& v_scales);
+                       const c10::optional<Tensor>& k_scales, const c10::optional<Tensor>& v_scales,
+                       const c10::optional<Tensor>& sinks = c10::nullopt);
 
 // pointwise.cpp: the work between the GEMMs, one pass each.
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps);

@@ -16,6 +16,7 @@ struct Geometry {
   int64_t heads, kv_heads, group, dim, block_size, slots, max_blocks, window;
   int64_t q_stride, k_stride, v_stride;  // between tokens: q, k, v may be views of one fused qkv row
   float scale;
+  const float* sinks;  // [heads]: a logit per query head in every softmax's denominator (gpt-oss), or nullptr
 };
 
 // The step's sequences as the engine sends them (int32): sequence s owns query tokens
