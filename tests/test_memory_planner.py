@@ -403,7 +403,7 @@ def test_plan_cli_plans_a_70b_model_from_its_config(tmp_path):
 
 # The mixtures of experts' total parameters as their model cards state them (every expert, the
 # routers, attention, embeddings and head).
-MOE_CONFIGS = [("qwen3-30b-a3b", 30.5e9), ("mixtral-8x7b", 46.7e9), ("olmoe-1b-7b", 6.9e9)]
+MOE_CONFIGS = [("qwen3-30b-a3b", 30.5e9), ("mixtral-8x7b", 46.7e9), ("olmoe-1b-7b", 6.9e9), ("gpt-oss-20b", 20.9e9)]
 
 
 @pytest.mark.parametrize("name, published", MOE_CONFIGS)
@@ -412,18 +412,23 @@ def test_a_mixture_of_experts_counts_every_expert_as_its_model_card_does(name, p
     assert abs(parameter_count(cfg) - published) <= 0.005 * published  # the cards round to 0.1B
 
 
-def test_qwen3_30b_a3b_plans_int4_with_32k_tokens_of_context_in_24_gib():
+# (config, GiB of weights: 0.75 bytes a weight in int4 groups, the embeddings in int8, norms and
+# routers in bf16 or float32)
+MOE_PLANS = [("qwen3-30b-a3b", 21, 22), ("gpt-oss-20b", 14.5, 15.5)]
+
+
+@pytest.mark.parametrize("name, least, most", MOE_PLANS)
+def test_a_mixture_plans_int4_with_32k_tokens_of_context_in_24_gib(name, least, most):
     """README's MoE promise (issue 49): the plan of its config.json, weights in int4 (their
     groups' scales and zeros in float32: 0.75 bytes a weight), an int8 KV cache."""
     res = pagedllm(
-        "plan", "--model", str(CONFIGS / "qwen3-30b-a3b.json"), "--quantization", "int4", "--dtype", "bfloat16",
+        "plan", "--model", str(CONFIGS / f"{name}.json"), "--quantization", "int4", "--dtype", "bfloat16",
         "--kv-cache-dtype", "int8", "--memory", "24GiB", "--max-model-len", "32768", "--json",
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["fits"] and out["total_bytes"] <= 24 * GiB and out["num_blocks"] * out["block_size"] >= 32768
-    # 30.5B weights: 0.75 bytes each in int4 groups, the embeddings in int8, norms and routers in bf16
-    assert 21 * GiB < out["weights_bytes"] < 22 * GiB
+    assert least * GiB < out["weights_bytes"] < most * GiB
 
 
 @pytest.mark.parametrize(
