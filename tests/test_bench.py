@@ -257,6 +257,20 @@ def test_the_work_counts_every_linear_weight_of_the_model():
     assert (work.linear_weights, work.lm_head_weights) == (30 * per_layer, 49152 * 576)
 
 
+def test_the_work_of_a_mixture_counts_each_tokens_chosen_experts_only():
+    import json
+    from pathlib import Path
+
+    from pagedllm.bench.limits import Work
+    from pagedllm.config import ModelConfig
+
+    a3b = json.loads((Path(__file__).parents[1] / "benchmarks/configs/qwen3-30b-a3b.json").read_text())
+    cfg = ModelConfig.from_hf_dict(a3b)
+    per_layer = 2048 * 4096 * 2 + 2 * 2048 * 512 + 8 * 3 * 2048 * 768  # q and o, k and v, 8 of 128 experts
+    work = Work.of(cfg, prompt_tokens=10)
+    assert (work.linear_weights, work.lm_head_weights) == (48 * per_layer, 151936 * 2048)
+
+
 def test_the_machine_limits_are_measured():
     from pagedllm.bench.limits import measure
 
