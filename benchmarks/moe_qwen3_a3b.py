@@ -10,12 +10,14 @@ LLAMA_CPP_DIR holds llama.cpp's ``convert_hf_to_gguf.py``; the llama-cpp-python 
     tar xzf /tmp/lcp-sdist/llama_cpp_python-0.3.36.tar.gz -C /tmp/lcp-sdist
     # LLAMA_CPP_DIR=/tmp/lcp-sdist/llama_cpp_python-0.3.36/vendor/llama.cpp
 
-Writes OUT/hf (config.json + model.safetensors in bfloat16: no tokenizer, so `bench` draws its
-prompts as token ids) and OUT/qwen3-moe-a3b-small.Q8_0.gguf. Then:
+Writes OUT/qwen3-moe-a3b-small (config.json + model.safetensors in bfloat16, no tokenizer: `bench`
+draws its prompts as token ids) and OUT/qwen3-moe-a3b-small.Q8_0.gguf. Then
 
     pagedllm bench --model OUT/qwen3-moe-a3b-small.Q8_0.gguf --compare llama.cpp --llama-python PY
 
-runs both engines on the GGUF's Q8_0 weights as stored (``--gguf`` defaults to ``--model``'s file).
+runs both engines on the GGUF's Q8_0 weights as stored (``--gguf`` defaults to ``--model``'s file);
+the GGUF carries SmolLM2's tokenizer, so there the prompts are the usual chat-formatted ones. In
+either case both engines get the same token ids.
 
 The shapes against Qwen3-30B-A3B's (benchmarks/configs/qwen3-30b-a3b.json):
 
@@ -39,11 +41,11 @@ lm_head included; A3B by this sum: 30.5B total, 3.35B active):
 The vocabulary is the embedded default model's (SmolLM2, 49152 tokens), not Qwen's 151936:
 llama.cpp's converter refuses a directory without a tokenizer, and accepts only tokenizers whose
 pre-tokenizer it recognises (by a hash of their output), which SmolLM2's is. Its files are linked
-beside the weights in a folder made for the conversion only and removed after, so OUT/hf stays
-tokenizer-free and the GGUF carries a real tokenizer. 49152 also keeps the lm_head's share of the
-weights each output token reads (the active ones less the embedding table, of which a token reads
-one row) near A3B's: here 50M of 341M, 15%; A3B 311M of 3.04B, 10%; Qwen's vocabulary would make
-it 156M of 446M, 35%. ``--vocab-size`` above 49152 pads the GGUF's
+beside the weights in a folder made for the conversion only and removed after, so the checkpoint
+stays tokenizer-free and the GGUF carries a real tokenizer. 49152 also keeps the lm_head's share
+of the weights each output token reads (the active ones less the embedding table, of which a
+token reads one row) near A3B's: here 50M of 341M, 15%; A3B 311M of 3.04B, 10%; Qwen's
+vocabulary would make it 156M of 446M, 35%. ``--vocab-size`` above 49152 pads the GGUF's
 vocabulary with llama.cpp's [PAD] tokens.
 
 Weights: transformers' own init (normal(0, 0.02), unit norms) under ``torch.manual_seed(SEED)``;
@@ -178,7 +180,7 @@ def main() -> int:
         parser.error(f"{args.llama_cpp}: no convert_hf_to_gguf.py there (see the docstring: the sdist carries it)")
     if args.vocab_size < 49152:
         parser.error("--vocab-size: at least 49152, the GGUF's tokenizer's (llama.cpp's converter asserts it)")
-    hf_dir = args.out / "hf"
+    hf_dir = args.out / "qwen3-moe-a3b-small"  # the name bench prints
     hf_dir.mkdir(parents=True, exist_ok=True)
     cfg = write_checkpoint(hf_dir, args.vocab_size)
     total, active = parameter_counts(cfg)
