@@ -277,7 +277,11 @@ def _bench_flags(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--llama-python", default=None, help="python of a venv with llama-cpp-python (default: this one)"
     )
-    bench.add_argument("--gguf", default=None, help="GGUF file for the llama.cpp peer (default: the default model's)")
+    bench.add_argument(
+        "--gguf",
+        default=None,
+        help="GGUF file for the llama.cpp peer (default: --model's when it is one, or the default model's)",
+    )
     bench.add_argument("--hf-batch-size", type=int, default=32, help="static batch size of hf-static")
     bench.add_argument(
         "--variants",

@@ -1,6 +1,8 @@
 """`pagedllm bench` measures what it says: the workloads have the promised shapes, every engine
 gets the same token ids, the runner counts the tokens it generated, missing peers are skipped."""
 
+import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -43,6 +45,71 @@ def test_jsonl_workload(tmp_path, tokenizer):
     )
     w = workloads.from_jsonl(str(f), tokenizer, new_tokens=5)
     assert w.max_tokens == [5, 3, 5] and w.prompts[2] == [1, 2, 3]
+
+
+def test_without_a_tokenizer_the_workloads_are_token_ids_of_the_same_lengths(tmp_path):
+    """A weights-only checkpoint: prompts drawn from its vocabulary, never its special ids, at the
+    lengths the tokenized workloads aim for, the same on every run of the seed."""
+    vocab = workloads.Vocab(8, frozenset({0, 7}))  # so small that 199 draws would meet 0 and 7
+    w = workloads.standard(None, n=16, new_tokens=8, vocab=vocab)
+    assert sorted(len(p) for p in w.prompts) == [16 + (256 - 16) * i // 15 for i in range(16)]
+    assert [len(p) for p in w.prompts] != sorted(len(p) for p in w.prompts)  # shuffled
+    assert w.max_tokens == [8] * 16
+    assert set().union(*w.prompts) == {1, 2, 3, 4, 5, 6}
+    assert w.prompts == workloads.standard(None, n=16, new_tokens=8, vocab=vocab).prompts
+    assert w.prompts != workloads.standard(None, n=16, new_tokens=8, vocab=vocab, seed=1).prompts
+
+    one = workloads.single(None, vocab=workloads.Vocab(50_000))
+    assert [len(p) for p in one.prompts] == [199] and one.max_tokens == [128]
+    assert all(0 <= t < 50_000 for t in one.prompts[0]) and len(set(one.prompts[0])) > 190
+
+    shared = workloads.shared_prefix(None, n=4, new_tokens=8, vocab=workloads.Vocab(50_000))
+    assert [len(p) for p in shared.prompts] == [512 + 32] * 4
+    assert all(p[:512] == shared.prompts[0][:512] for p in shared.prompts)
+    assert len({tuple(p[512:]) for p in shared.prompts}) == 4  # each its own question
+
+    f = tmp_path / "w.jsonl"
+    f.write_text('{"prompt_token_ids": [1, 2, 3]}\n')
+    assert workloads.from_jsonl(str(f), None).prompts == [[1, 2, 3]]
+    f.write_text('{"prompt_token_ids": [1, 2, 3]}\n{"prompt": "Hello"}\n')
+    with pytest.raises(ValueError, match=r"w.jsonl:2: a text prompt .* needs the model's tokenizer"):
+        workloads.from_jsonl(str(f), None)
+
+
+def test_the_vocabulary_leaves_out_the_ids_the_config_names_special():
+    from test_memory_planner import small_cfg  # SmolLM2-135M's shapes: 49152 tokens
+
+    cfg = dataclasses.replace(small_cfg(), bos_token_id=1, eos_token_ids=(2, 49151))
+    assert workloads.Vocab.of(cfg) == workloads.Vocab(49152, frozenset({1, 2, 49151}))
+    assert workloads.Vocab.of(small_cfg()) == workloads.Vocab(49152)  # none named: none left out
+
+
+def test_the_llama_cpp_peer_runs_the_gguf_pagedllm_runs(tmp_path):
+    from pagedllm.bench.run import peer_gguf
+
+    args = argparse.Namespace(gguf=None, model=str(tmp_path / "m.gguf"))
+    assert peer_gguf(args) == str(tmp_path / "m.gguf")
+    assert peer_gguf(argparse.Namespace(gguf="other.gguf", model=str(tmp_path / "m.gguf"))) == "other.gguf"
+    assert peer_gguf(argparse.Namespace(gguf=None, model=str(tmp_path))) is None  # a directory: --gguf
+
+
+def test_bench_runs_a_checkpoint_without_a_tokenizer(tiny_checkpoints, tmp_path, monkeypatch, capsys):
+    """`pagedllm bench --model DIR` on config.json + safetensors alone (the tiny checkpoints carry
+    no tokenizer) reports its throughput."""
+    from pagedllm import cli
+    from pagedllm.bench import limits
+
+    model_dir = tiny_checkpoints["llama"][0]
+    assert not list(model_dir.glob("tokenizer*"))
+    measure = limits.measure
+    monkeypatch.setattr(limits, "measure", lambda *a: measure(*a, read_bytes=32 * 2**20))  # seconds saved
+    out = tmp_path / "r.json"
+    argv = ["bench", "--model", str(model_dir), "--workload", "standard", "--num-prompts", "4", "--new-tokens", "4"]
+    assert cli.main([*argv, "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["engine"] == "pagedllm" and row["requests"] == 4 and row["output_tokens"] == 16
+    assert row["output_tokens_per_s"] == pytest.approx(16 / row["elapsed_s"])
+    assert "no tokenizer: prompts drawn as random token ids" in capsys.readouterr().out
 
 
 def test_pagedllm_runner_counts_what_it_generated(tiny_checkpoints, tmp_path, capsys):
@@ -188,6 +255,20 @@ def test_the_work_counts_every_linear_weight_of_the_model():
     per_layer = 576 * 576 * 2 + 2 * 576 * 192 + 3 * 576 * 1536  # q and o, k and v, gate/up/down
     work = Work.of(cfg, prompt_tokens=10)
     assert (work.linear_weights, work.lm_head_weights) == (30 * per_layer, 49152 * 576)
+
+
+def test_the_work_of_a_mixture_counts_each_tokens_chosen_experts_only():
+    import json
+    from pathlib import Path
+
+    from pagedllm.bench.limits import Work
+    from pagedllm.config import ModelConfig
+
+    a3b = json.loads((Path(__file__).parents[1] / "benchmarks/configs/qwen3-30b-a3b.json").read_text())
+    cfg = ModelConfig.from_hf_dict(a3b)
+    per_layer = 2048 * 4096 * 2 + 2 * 2048 * 512 + 8 * 3 * 2048 * 768  # q and o, k and v, 8 of 128 experts
+    work = Work.of(cfg, prompt_tokens=10)
+    assert (work.linear_weights, work.lm_head_weights) == (48 * per_layer, 151936 * 2048)
 
 
 def test_the_machine_limits_are_measured():

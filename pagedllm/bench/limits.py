@@ -11,7 +11,10 @@ A row's **GEMM share** is the dense work its tokens need (2 FLOPs per weight of 
 linear layers for every prompt and output token, and of the lm_head for every output token) over
 its elapsed time, as a share of that rate; its **read share** (pagedllm's rows, which report their
 steps) is the weights read once per step over the elapsed time, as a share of the bandwidth. A
-batched workload is bound by the first, one request alone by the second.
+batched workload is bound by the first, one request alone by the second. In a mixture of experts a
+token's work is its top_k experts', but the read share still counts every expert's bytes each
+step: near right for a batch whose tokens touch most experts, an overstatement (up to experts /
+top_k on its experts) for one request alone.
 """
 
 from __future__ import annotations
@@ -80,15 +83,15 @@ def measure(hidden: int, intermediate: int, dtypes: list[str], read_bytes: int =
 class Work:
     """What a workload asks of the model's dense layers, whoever runs it."""
 
-    linear_weights: int  # the decoder layers' linear weights, each used by every token
+    linear_weights: int  # the decoder layers' linear weights each token uses (a mixture: its top_k experts)
     lm_head_weights: int  # used by every output token
     prompt_tokens: int
 
     @classmethod
     def of(cls, cfg, prompt_tokens: int) -> Work:
-        from ..memory.footprint import linear_shapes
+        from ..memory.footprint import active_linear_weights
 
-        return cls(linear_shapes(cfg)[0], cfg.vocab_size * cfg.hidden_size, prompt_tokens)
+        return cls(active_linear_weights(cfg), cfg.vocab_size * cfg.hidden_size, prompt_tokens)
 
     def flops(self, output_tokens: int) -> int:
         tokens = self.prompt_tokens + output_tokens

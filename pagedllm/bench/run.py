@@ -21,13 +21,16 @@ from .host import machine
 PEERS = ("hf-static", "hf-cb", "vllm", "llama.cpp")
 
 
-def build_workload(kind: str, tokenizer, n: int, new_tokens: int) -> workloads.Workload:
+def build_workload(
+    kind: str, tokenizer, n: int, new_tokens: int, vocab: workloads.Vocab | None = None
+) -> workloads.Workload:
+    """``tokenizer`` None (a checkpoint without one): the token ids are drawn from ``vocab``."""
     if kind == "single":
-        return workloads.single(tokenizer, new_tokens or 128)
+        return workloads.single(tokenizer, new_tokens or 128, vocab=vocab)
     if kind == "shared-prefix":
-        return workloads.shared_prefix(tokenizer, n, new_tokens or 64)
+        return workloads.shared_prefix(tokenizer, n, new_tokens or 64, vocab=vocab)
     if kind == "standard":
-        return workloads.standard(tokenizer, n, new_tokens or 64)
+        return workloads.standard(tokenizer, n, new_tokens or 64, vocab=vocab)
     return workloads.from_jsonl(kind, tokenizer, new_tokens or 64)
 
 
@@ -215,6 +218,18 @@ def peer_dtypes(args) -> list[str]:
     return [d for d in (getattr(args, "peer_dtypes", None) or args.dtype).split(",") if d]
 
 
+def peer_gguf(args) -> str | None:
+    """The file the llama.cpp peer runs: ``--gguf``; else the model's own when it is a .gguf file
+    (the very weights pagedllm runs) or the default model's; else none (that peer is skipped)."""
+    if args.gguf is not None:
+        return str(args.gguf)
+    if args.model is None:
+        from ..loading.default_model import default_gguf_path
+
+        return str(default_gguf_path())
+    return str(args.model) if str(args.model).endswith(".gguf") else None
+
+
 def main(args) -> int:
     from ..loading import load_tokenizer, resolve_model_dir
 
@@ -228,8 +243,9 @@ def main(args) -> int:
 
         return structured.main(args)
     model_dir, name = resolve_model_dir(args.model)
-    tokenizer = load_tokenizer(model_dir)
-    workload = build_workload(args.workload, tokenizer, args.num_prompts, args.new_tokens)
+    cfg = ModelConfig.from_file(model_dir)
+    tokenizer = load_tokenizer(model_dir)  # None: a weights-only checkpoint, its prompts drawn as ids
+    workload = build_workload(args.workload, tokenizer, args.num_prompts, args.new_tokens, workloads.Vocab.of(cfg))
     workload.one_at_a_time = args.one_at_a_time
     if args.serve:
         from . import serve
@@ -245,19 +261,14 @@ def main(args) -> int:
         json.dump(workload.to_json(), f)
         workload_file = f.name
     sizes = [int(n) for n in args.tensor_parallel_sizes.split(",") if n] or [args.tensor_parallel_size]
-    gguf = args.gguf
-    if gguf is None and args.model is None:
-        from ..loading.default_model import default_gguf_path
-
-        gguf = str(default_gguf_path())
-    peer_options: dict = {"batch_size": args.hf_batch_size, "gguf": gguf}
+    peer_options: dict = {"batch_size": args.hf_batch_size, "gguf": peer_gguf(args)}
     pythons = {"vllm": args.vllm_python, "llama.cpp": args.llama_python}
     print(
         f"# {name}, workload {workload.name}: {len(workload.prompts)} requests, {workload.prompt_tokens} "
         f"prompt tokens, {sum(workload.max_tokens)} new tokens, greedy, ignore_eos, {args.dtype}"
+        + ("" if tokenizer else "; no tokenizer: prompts drawn as random token ids")
     )
     print(f"# {machine()}", flush=True)
-    cfg = ModelConfig.from_file(model_dir)
     machine_limits = limits.measure(cfg.hidden_size, cfg.intermediate_size, _dtypes_of_rows(args, sizes, 1))
     print(f"# {machine_limits.describe()}", flush=True)
     work = limits.Work.of(cfg, workload.prompt_tokens)

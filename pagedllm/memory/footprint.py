@@ -135,6 +135,16 @@ def linear_shapes(cfg: ModelConfig) -> tuple[int, int]:
     return weights, rows
 
 
+def active_linear_weights(cfg: ModelConfig) -> int:
+    """The decoder layers' linear weights one token is multiplied by: ``linear_shapes``' less, in
+    each sparse layer, the experts its router did not choose (all but ``top_k``)."""
+    weights = linear_shapes(cfg)[0]
+    moe = cfg.moe
+    if moe is None:
+        return weights
+    return weights - sum(moe.layers) * (moe.num_experts - moe.top_k) * 3 * cfg.hidden_size * moe.expert_size
+
+
 def largest_mlp_width(cfg: ModelConfig) -> int:
     return max(max(_mlp_widths(cfg, layer)) for layer in range(cfg.num_layers))
 
