@@ -6,10 +6,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from test_models_match_transformers import hf_logits, our_logits
+from greedy import assert_greedy_matches, hf_greedy
+from test_models_match_transformers import hf_logits, our_logits, prompts
 from tiny_models import GGUF_ARCHS, MOE_ARCHS, save_tiny_gguf
 
-from pagedllm import UnsupportedModelError
+from pagedllm import LLM, SamplingParams, UnsupportedModelError
 from pagedllm.loading import gguf_convert, load
 
 # Expert widths that are whole Q8_0 blocks of 32 values (the tiny models' 48 is not: llama.cpp
@@ -50,6 +51,23 @@ def test_moe_gguf_logits_equal_transformers(moe_gguf, arch, experts, kernels):
     assert loaded.model.quantized() == (experts != "F32")
     batch, logits = our_logits(path)
     torch.testing.assert_close(logits, hf_logits(hf, batch), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral"])
+def test_q8_0_experts_decode_as_transformers_greedy_alone_and_batched(moe_gguf, arch, kernels):
+    """Decode steps (one token a sequence: a request alone, then several at once) through the
+    experts as stored: the compiled path runs each layer's chosen experts in one call
+    (kernels/csrc/moe.cpp), the PyTorch path loops; both greedy = transformers on the values gguf
+    dequantizes them to."""
+    path, hf = moe_gguf(arch, "Q8_0")
+    llm = LLM(str(path), block_size=8, num_blocks=128)
+    batch = prompts(llm.loaded.config.vocab_size, seed=3)[:3]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = llm.generate(batch[:1], params)
+    together = llm.generate(batch, params)
+    refs = [hf_greedy(hf, p, 12) for p in batch]
+    assert_greedy_matches([o.token_ids for o in alone], refs[:1])
+    assert_greedy_matches([o.token_ids for o in together], refs)
 
 
 @pytest.mark.parametrize("arch", [a for a in MOE_ARCHS if a in GGUF_ARCHS])

@@ -23,6 +23,7 @@ from .facts import PlanFacts
 if TYPE_CHECKING:
     from ..config import ModelConfig
     from ..engine.step import StepInput
+    from ..layers.moe import SparseMoE
     from ..layers.quantized import QuantizedWeight
     from ..models.decoder import DecoderLM
     from .cpu.attention import StepLayout
@@ -129,6 +130,13 @@ class Backend:
         """Whether ``quantized_matmul`` of this many rows runs the packed-weight kernel (no
         dequantized copy of the layer): the compiled decode step runs only such steps."""
         return False
+
+    def sparse_experts(
+        self, moe: SparseMoE, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor | None:
+        """A sparse layer's chosen experts on their tokens, weighted and summed, in one call; None
+        where this device has no such kernel for the layer (``moe`` then loops in PyTorch)."""
+        return None
 
     def int8_matmul(self, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
         """x @ w^T in integers (``quantization="w8a8"``): x's rows rounded to int8 per row, ``w``

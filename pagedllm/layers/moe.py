@@ -35,6 +35,8 @@ class SparseMoE(nn.Module):
         super().__init__()
         moe = cfg.moe
         assert moe is not None
+        self.backend = backend
+        self.kernel_cache: dict = {}  # what the backend's sparse_experts prepared for this layer, once
         self.top_k, self.normalize, self.softmax_after_topk = moe.top_k, moe.normalize, moe.softmax_after_topk
         self.router = Linear(cfg.hidden_size, [moe.num_experts], bias=moe.router_bias, backend=backend)
         self.router.keep_float = self.router.in_float32 = True
@@ -68,6 +70,16 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
+        out = self.backend.sparse_experts(self, x, weights, experts)
+        if out is None:
+            out = self._expert_loop(x, weights, experts)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            gate = torch.sigmoid(self.shared_expert_gate(x))
+            out += gate * self.shared_expert(x)
+        return out
+
+    def _expert_loop(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The reference: each chosen expert on its gathered rows, one at a time."""
         out = torch.zeros_like(x)
         chosen = experts.flatten()
         order = torch.argsort(chosen, stable=True)  # the (token, expert) pairs grouped by expert
@@ -80,7 +92,4 @@ class SparseMoE(nn.Module):
                 # unnamed: no expert's output outlives its add (the planner counts one at a time)
                 out.index_add_(0, rows, expert(x.index_select(0, rows)).mul_(pair_weights[start : start + count, None]))
                 start += count
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            gate = torch.sigmoid(self.shared_expert_gate(x))
-            out += gate * self.shared_expert(x)
         return out

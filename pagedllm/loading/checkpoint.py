@@ -90,31 +90,7 @@ def load_decoder(
     def keep_dtype(name: str) -> bool:
         return name.endswith((QWEIGHT, SCALE, ZERO))
 
-    def place(path: Path, name: str, value: torch.Tensor | QuantizedWeight) -> None:
-        """One checkpoint tensor into its slot, converted as the slot holds it."""
-        if name not in slots:
-            raise ModelLoadError(f"{path}: unexpected tensor {name!r} for {cfg.architecture}")
-        module, leaf, part = slots[name]
-        stacked = module if isinstance(module, StackedRows) else None
-        want = stacked.part_shape(leaf, part or 0) if stacked is not None else tuple(getattr(module, leaf).shape)
-        if shard is not None:
-            value = _fit_to_rank(value, shard.slice_of(name), want)
-        if tuple(value.shape) != tuple(want):
-            raise ModelLoadError(f"{path}: tensor {name!r} has shape {tuple(value.shape)}, config.json implies {want}")
-        if isinstance(value, QuantizedWeight) and getattr(module, "requantize", False):
-            value = backend.dequantize(value, torch.float32)  # quantized again by load_part
-        if isinstance(value, QuantizedWeight):
-            if isinstance(module, (QuantizedLinear, QuantizedEmbedding)) and leaf == "weight":
-                module.load_quantized_part(part or 0, value)
-                loaded.add(name)
-                return
-            value = backend.dequantize(value, dtype)  # a float layer: "none", or a stack not all quantized
-        if stacked is not None:
-            stacked.load_part(leaf, part or 0, value)
-        else:
-            module._parameters[leaf] = nn.Parameter(value.to(dtype), requires_grad=False)
-        loaded.add(name)
-
+    place = _placer(cfg, slots, loaded, dtype, backend, shard)
     select = _rank_slices(path_of=model_dir, shard=shard) if shard is not None else None
     unfuse = cfg.family.unfuse or (lambda name, value: None)
     for path, header, start in headers:
@@ -142,6 +118,40 @@ def load_decoder(
     model.pack()
     return_freed_heap()  # the plain copies packing replaced
     return model.eval()
+
+
+def _placer(
+    cfg: ModelConfig, slots: dict, loaded: set[str], dtype: torch.dtype, backend: Backend, shard: RankShard | None
+):
+    """What puts one checkpoint tensor into its slot (``DecoderLM.checkpoint_slots``), recording
+    its name in ``loaded``."""
+
+    def place(path: Path, name: str, value: torch.Tensor | QuantizedWeight) -> None:
+        """One checkpoint tensor into its slot, converted as the slot holds it."""
+        if name not in slots:
+            raise ModelLoadError(f"{path}: unexpected tensor {name!r} for {cfg.architecture}")
+        module, leaf, part = slots[name]
+        stacked = module if isinstance(module, StackedRows) else None
+        want = stacked.part_shape(leaf, part or 0) if stacked is not None else tuple(getattr(module, leaf).shape)
+        if shard is not None:
+            value = _fit_to_rank(value, shard.slice_of(name), want)
+        if tuple(value.shape) != tuple(want):
+            raise ModelLoadError(f"{path}: tensor {name!r} has shape {tuple(value.shape)}, config.json implies {want}")
+        if isinstance(value, QuantizedWeight) and getattr(module, "requantize", False):
+            value = backend.dequantize(value, torch.float32)  # quantized again by load_part
+        if isinstance(value, QuantizedWeight):
+            if isinstance(module, (QuantizedLinear, QuantizedEmbedding)) and leaf == "weight":
+                module.load_quantized_part(part or 0, value)
+                loaded.add(name)
+                return
+            value = backend.dequantize(value, dtype)  # a float layer: "none", or a stack not all quantized
+        if stacked is not None:
+            stacked.load_part(leaf, part or 0, value)
+        else:
+            module._parameters[leaf] = nn.Parameter(value.to(dtype), requires_grad=False)
+        loaded.add(name)
+
+    return place
 
 
 def _default_backend() -> Backend:

@@ -18,6 +18,7 @@ from .torch_backend import CPUTorchBackend
 from .workspace import QUANT_KERNEL_MAX_ROWS, tile_packable
 
 if TYPE_CHECKING:
+    from ...layers.moe import SparseMoE
     from ...models.decoder import DecoderLM
     from ..base import DecodeProgram
 
@@ -100,6 +101,21 @@ class CPUCompiledBackend(CPUTorchBackend):
 
         return build(model, torch.classes.pagedllm.DecodeStep)
 
+    def sparse_experts(
+        self, moe: SparseMoE, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor | None:
+        """``kernels/csrc/moe.cpp``: the layer's loop over its chosen experts in one call, where
+        every expert is quantized in one format (as stored or at load; no biases, no clamp) and
+        the step's rows are few enough for the packed-weight kernel."""
+        if not self.quant_kernel_takes(x.shape[0], x.dtype):
+            return None
+        if "quant_experts" not in moe.kernel_cache:
+            moe.kernel_cache["quant_experts"] = _quantized_expert_arguments(moe)
+        arguments = moe.kernel_cache["quant_experts"]
+        if arguments is None:
+            return None
+        return self.ops.moe_quant_experts(x.contiguous(), experts, weights, *arguments)
+
     def int8_matmul(self, x: torch.Tensor, w: quant.QuantizedWeight) -> torch.Tensor:
         """One op (int8_gemm.cpp): x rounded per row in one pass, oneDNN's int8 GEMM, the sums
         scaled straight into the float output; the same integers as the PyTorch path."""
@@ -127,3 +143,32 @@ class CPUCompiledBackend(CPUTorchBackend):
             amx_tiles=self.amx_tiles,
             quant_float_max_rows=self.quant_float_max_rows,
         )
+
+
+def _quantized_expert_arguments(moe: SparseMoE) -> tuple | None:
+    """moe_quant_experts' weight arguments (gate/up's and down's qweights, scales, zeros, bits and
+    group, one of each per expert), or None where an expert is not one quantized matrix each of a
+    format shared by the layer."""
+    columns: list[tuple] = []
+    for name in ("gate_up_proj", "down_proj"):
+        layers = [getattr(expert, name) for expert in moe.expert_mlps()]
+        if any(e.limit is not None for e in moe.expert_mlps()):
+            return None
+        if not all(
+            isinstance(q, quant.QuantizedLinear) and len(q.segments) == 1 and q.bias is None and not q.int8_activations
+            for q in layers
+        ):
+            return None
+        segments = [q.segments[0] for q in layers]
+        if len({(s.bits, s.group) for s in segments}) != 1:
+            return None
+        columns.append(
+            (
+                [s.qweight for s in segments],
+                [s.scale for s in segments],
+                [s.zero for s in segments],
+                segments[0].bits,
+                segments[0].group,
+            )
+        )
+    return (*columns[0], *columns[1])

@@ -11,6 +11,10 @@ TORCH_LIBRARY(pagedllm, m) {
       "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor query_start, "
       "Tensor context_lens, Tensor block_tables, int block_size, float scale, int window, int pairs_budget, "
       "Tensor(c!)? k_scales=None, Tensor(d!)? v_scales=None, Tensor? sinks=None) -> Tensor");
+  m.def(
+      "moe_quant_experts(Tensor x, Tensor experts, Tensor weights, Tensor[] gate_up_q, Tensor[] gate_up_scale, "
+      "Tensor?[] gate_up_zero, int gate_up_bits, int gate_up_group, Tensor[] down_q, Tensor[] down_scale, "
+      "Tensor?[] down_zero, int down_bits, int down_group) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
@@ -35,6 +39,7 @@ TORCH_LIBRARY(pagedllm, m) {
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
   m.impl("paged_attention", &pagedllm::paged_attention);
+  m.impl("moe_quant_experts", &pagedllm::moe_quant_experts);
   m.impl("rms_norm", &pagedllm::rms_norm);
   m.impl("add_rms_norm", &pagedllm::add_rms_norm);
   m.impl("silu_mul", &pagedllm::silu_mul);

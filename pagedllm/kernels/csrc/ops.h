@@ -34,6 +34,14 @@ int64_t quant_float_max_rows();  // the most float32 rows quant_linear beats deq
 Tensor dequantize(const Tensor& qweight, const Tensor& scale, const c10::optional<Tensor>& zero, int64_t bits,
                   int64_t group, const c10::optional<Tensor>& rows, at::ScalarType dtype);
 
+// moe.cpp: a sparse MLP's chosen experts (quantized, one format a layer) on their tokens, weighted
+// by the router and summed: layers/moe.py's loop in one call.
+Tensor moe_quant_experts(const Tensor& x, const Tensor& experts, const Tensor& weights, at::TensorList gate_up_q,
+                         at::TensorList gate_up_scale, const c10::List<c10::optional<Tensor>>& gate_up_zero,
+                         int64_t gate_up_bits, int64_t gate_up_group, at::TensorList down_q,
+                         at::TensorList down_scale, const c10::List<c10::optional<Tensor>>& down_zero,
+                         int64_t down_bits, int64_t down_group);
+
 // int8_gemm.cpp: x rounded to int8 per row, times int8 weights per output row, in integers (w8a8).
 Tensor w8a8_linear(const Tensor& x, const Tensor& qweight, const Tensor& scale);
 
