@@ -184,14 +184,86 @@ void tile_vnni(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, int64_t n
   }
 }
 
+// The 32 x `groups` (1-4) bytes of an 8-bit row at p as two vectors: each group's first 16
+// bytes (lo) and its last 16 (hi), group l in 128-bit lane l, as Int8Rows keeps x; flipped to
+// unsigned (+128) for dpbusd, which the caller takes back out with 128 x the group's sum of x.
+inline void load_groups8(const uint8_t* p, int64_t groups, __m512i& lo, __m512i& hi) {
+  const __m512i a = groups >= 2 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8((__mmask64(1) << 32) - 1, p);
+  const __m512i b = groups == 4   ? _mm512_loadu_si512(p + 64)
+                    : groups == 3 ? _mm512_maskz_loadu_epi8((__mmask64(1) << 32) - 1, p + 64)
+                                  : _mm512_setzero_si512();
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  lo = _mm512_xor_si512(_mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(2, 0, 2, 0)), flip);
+  hi = _mm512_xor_si512(_mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(3, 1, 3, 1)), flip);
+}
+
+// Sum over a row's groups of per-group weights (its scales or offsets) x the groups' scaled sums of x.
+inline float group_sums(const float* w, const float* sums, int64_t G) {
+  __m512 z = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; g += 16) {
+    const __mmask16 k = G - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (G - g)) - 1);
+    z = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, w + g), _mm512_maskz_loadu_ps(k, sums + g), z);
+  }
+  return _mm512_reduce_add_ps(z);
+}
+
+// As tile_vnni for 8-bit weights in groups of 32 (Q8_0 as stored): per 4 groups, 128 bytes of
+// weights, two dpbusd per row, as llama.cpp's Q8_0 x Q8 dot product sums them.
+template <int NC, int MR>
+void tile_vnni8(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, int64_t n0, float* Y, int64_t ldy) {
+  __m512 acc[NC][MR];
+  for (int c = 0; c < NC; ++c)
+    for (int r = 0; r < MR; ++r) acc[c][r] = _mm512_setzero_ps();
+  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  const int64_t width = xr.padded_groups * 16, G = m.groups();
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    const int64_t n_groups = std::min<int64_t>(4, G - g0);
+    __m512i xlo[MR], xhi[MR];
+    __m512 xs[MR];
+    for (int r = 0; r < MR; ++r) {
+      xlo[r] = _mm512_loadu_si512(xr.lo.data() + (row0 + r) * width + g0 * 16);
+      xhi[r] = _mm512_loadu_si512(xr.hi.data() + (row0 + r) * width + g0 * 16);
+      xs[r] = _mm512_loadu_ps(xr.scale16.data() + ((row0 + r) * xr.padded_groups + g0) * 4);
+    }
+    for (int c = 0; c < NC; ++c) {
+      const int64_t n = n0 + c;
+      __m512i lo, hi;
+      load_groups8(m.q + n * m.row_bytes() + g0 * 32, n_groups, lo, hi);
+      const __m512 s = _mm512_permutexvar_ps(spread, load_scales(m.scale + n * G + g0, n_groups));
+      for (int r = 0; r < MR; ++r) {
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo[r]);
+        dot = _mm512_dpbusd_epi32(dot, hi, xhi[r]);
+        acc[c][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, xs[r]), acc[c][r]);
+      }
+    }
+  }
+  for (int c = 0; c < NC; ++c) {
+    const int64_t n = n0 + c;
+    for (int r = 0; r < MR; ++r) {
+      const float* sums = xr.block_sums.data() + (row0 + r) * xr.padded_groups;
+      float y = _mm512_reduce_add_ps(acc[c][r]) - 128.f * group_sums(m.scale + n * G, sums, G);
+      if (m.zero) y += group_sums(m.zero + n * G, sums, G);
+      Y[r * ldy + n] = y;
+    }
+  }
+}
+
+template <int NC, int MR>
+inline void tile_any_vnni(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, int64_t n0, float* Y, int64_t ldy) {
+  if (m.bits == 8)
+    tile_vnni8<NC, MR>(m, xr, row0, n0, Y, ldy);
+  else
+    tile_vnni<NC, MR>(m, xr, row0, n0, Y, ldy);
+}
+
 template <int NC>
 void tile_rows_vnni(const QuantMatrix& m, const Int8Rows& xr, int64_t n0, float* Y) {
   int64_t r = 0;
-  for (; r + 4 <= xr.rows; r += 4) tile_vnni<NC, 4>(m, xr, r, n0, Y + r * m.n, m.n);
+  for (; r + 4 <= xr.rows; r += 4) tile_any_vnni<NC, 4>(m, xr, r, n0, Y + r * m.n, m.n);
   switch (xr.rows - r) {
-    case 3: tile_vnni<NC, 3>(m, xr, r, n0, Y + r * m.n, m.n); break;
-    case 2: tile_vnni<NC, 2>(m, xr, r, n0, Y + r * m.n, m.n); break;
-    case 1: tile_vnni<NC, 1>(m, xr, r, n0, Y + r * m.n, m.n); break;
+    case 3: tile_any_vnni<NC, 3>(m, xr, r, n0, Y + r * m.n, m.n); break;
+    case 2: tile_any_vnni<NC, 2>(m, xr, r, n0, Y + r * m.n, m.n); break;
+    case 1: tile_any_vnni<NC, 1>(m, xr, r, n0, Y + r * m.n, m.n); break;
     default: break;
   }
 }
