@@ -269,6 +269,12 @@ def test_the_work_of_a_mixture_counts_each_tokens_chosen_experts_only():
     per_layer = 2048 * 4096 * 2 + 2 * 2048 * 512 + 8 * 3 * 2048 * 768  # q and o, k and v, 8 of 128 experts
     work = Work.of(cfg, prompt_tokens=10)
     assert (work.linear_weights, work.lm_head_weights) == (48 * per_layer, 151936 * 2048)
+    # a step reads the experts its rows chose: one row, 8 of 128 in each layer; 16 rows routed
+    # evenly, 1 - (120/128)**16 of them; every other weight in full
+    experts = 48 * 128 * 3 * 2048 * 768
+    share = experts / 30_532_122_624  # A3B's parameters (test_memory_planner pins the count)
+    assert work.read_fraction(1) == pytest.approx(1 - share + share * 8 / 128)
+    assert work.read_fraction(16) == pytest.approx(1 - share + share * (1 - (120 / 128) ** 16))
 
 
 def test_the_machine_limits_are_measured():

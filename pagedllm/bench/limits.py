@@ -12,15 +12,15 @@ linear layers for every prompt and output token, and of the lm_head for every ou
 its elapsed time, as a share of that rate; its **read share** (pagedllm's rows, which report their
 steps) is the weights read once per step over the elapsed time, as a share of the bandwidth. A
 batched workload is bound by the first, one request alone by the second. In a mixture of experts a
-token's work is its top_k experts', but the read share still counts every expert's bytes each
-step: near right for a batch whose tokens touch most experts, an overstatement (up to experts /
-top_k on its experts) for one request alone.
+token's work is its top_k experts', and a step reads the experts its rows chose: with the step's
+mean rows (output tokens / steps) routed evenly, 1 - (1 - top_k / experts) ** rows of each layer's
+experts (one request: top_k / experts of them; a wide batch: nearly all).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -86,12 +86,24 @@ class Work:
     linear_weights: int  # the decoder layers' linear weights each token uses (a mixture: its top_k experts)
     lm_head_weights: int  # used by every output token
     prompt_tokens: int
+    expert_share: float = 0.0  # of the model's weights, the routed experts'
+    top_k_share: float = 1.0  # of a layer's experts, those one token chooses
 
     @classmethod
     def of(cls, cfg, prompt_tokens: int) -> Work:
-        from ..memory.footprint import active_linear_weights
+        from ..memory.footprint import active_linear_weights, parameter_count
 
-        return cls(active_linear_weights(cfg), cfg.vocab_size * cfg.hidden_size, prompt_tokens)
+        work = cls(active_linear_weights(cfg), cfg.vocab_size * cfg.hidden_size, prompt_tokens)
+        moe = cfg.moe
+        if moe is None:
+            return work
+        experts = sum(moe.layers) * moe.num_experts * 3 * cfg.hidden_size * moe.expert_size
+        return replace(work, expert_share=experts / parameter_count(cfg), top_k_share=moe.top_k / moe.num_experts)
+
+    def read_fraction(self, rows_per_step: float) -> float:
+        """Of the weights, those a step of this many rows reads (every one, but unchosen experts)."""
+        touched = 1 - (1 - self.top_k_share) ** max(rows_per_step, 1.0)
+        return 1 - self.expert_share + self.expert_share * touched
 
     def flops(self, output_tokens: int) -> int:
         tokens = self.prompt_tokens + output_tokens
@@ -105,5 +117,6 @@ def shares(result: dict, limits: MachineLimits, dtype: str, work: Work) -> dict[
     if dtype in limits.gemm_flops:
         out["gemm"] = work.flops(result["output_tokens"]) / result["elapsed_s"] / limits.gemm_flops[dtype]
     if "steps" in result and "weights_bytes" in result:
-        out["read"] = result["weights_bytes"] * result["steps"] / result["elapsed_s"] / limits.read_bytes_per_s
+        read = result["weights_bytes"] * work.read_fraction(result["output_tokens"] / max(result["steps"], 1))
+        out["read"] = read * result["steps"] / result["elapsed_s"] / limits.read_bytes_per_s
     return out
