@@ -82,8 +82,7 @@ def test_routing_ties_fall_as_in_transformers_and_unused_experts_are_never_read(
 
 
 def test_what_is_not_implemented_is_refused_with_the_reason():
-    """README: gpt-oss's MXFP4 safetensors are not read yet; a mixture of experts does not split
-    over ranks yet."""
+    """README: gpt-oss's MXFP4 safetensors are not read yet, nor does gpt-oss split over ranks."""
     from pathlib import Path
 
     from pagedllm.models.gpt_oss.spec import unfuse
@@ -91,8 +90,8 @@ def test_what_is_not_implemented_is_refused_with_the_reason():
     with pytest.raises(UnsupportedModelError, match="MXFP4"):
         unfuse("model.layers.0.mlp.experts.gate_up_proj_blocks", torch.zeros(2, 4, 3, 16, dtype=torch.uint8))
 
-    cfg = ModelConfig.from_file(Path(__file__).parent.parent / "benchmarks/configs/mixtral-8x7b.json")
-    with pytest.raises(TensorParallelError, match="mixture of experts.*tensor_parallel_size=1"):
+    cfg = ModelConfig.from_file(Path(__file__).parent.parent / "benchmarks/configs/gpt-oss-20b.json")
+    with pytest.raises(TensorParallelError, match="fuse each layer's experts.*tensor_parallel_size=1"):
         shard_layout(cfg, 2)
     assert shard_layout(cfg, 1).tp == 1
 

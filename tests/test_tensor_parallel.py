@@ -41,6 +41,10 @@ VARIANTS = {
     "mistral": ("mistral", {}),  # sliding window, head_dim other than hidden / heads
     "qwen2-odd-vocab": ("qwen2", {"vocab_size": 317}),  # q/k/v bias, tied, a vocabulary padded per rank
     "qwen3": ("qwen3", {}),  # per-head q/k norms
+    # mixtures of experts: each expert's columns split like the MLP's; a shared expert and a dense
+    # layer among the sparse ones (Qwen2-MoE), Mixtral's names for its experts
+    "qwen2-moe": ("qwen2-moe", {}),
+    "mixtral": ("mixtral", {}),
 }
 TIGHT = dict(block_size=4, num_blocks=40, max_batch_tokens=16, max_num_seqs=8, max_model_len=160, threads=1)
 
@@ -167,7 +171,7 @@ def plain_weight(layer) -> torch.Tensor:
     return layer.backend.linear(eye, layer.weight, None, layer.packed).T
 
 
-@pytest.mark.parametrize("name", ["llama-one-kv-head", "qwen2-odd-vocab", "qwen3"])
+@pytest.mark.parametrize("name", ["llama-one-kv-head", "qwen2-odd-vocab", "qwen3", "qwen2-moe"])
 def test_each_rank_holds_exactly_its_slice_of_every_tensor(checkpoints, name):
     directory, hf = checkpoints[name]
     state = {k: v.float() for k, v in hf.state_dict().items()}

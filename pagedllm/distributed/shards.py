@@ -13,15 +13,21 @@ config.json alone, and the loader asks which rows of each checkpoint tensor a ra
   ``VOCAB_ALIGN * tp`` (each rank's rows a multiple of 16, as the packed GEMM wants), each rank
   holds one contiguous range of rows, and the padding rows are masked out of the logits. A tied
   LM head shares its rank's embedding rows.
+- A mixture of experts splits every expert as the MLP is split (gate/up by their output rows,
+  down by its input columns), so each rank computes its columns of whichever experts a token
+  chose and the one all-reduce after the layer sums them; the router is replicated (every rank
+  routes alike). Whole experts dealt to ranks instead would leave a rank idle whenever a token's
+  experts all sit elsewhere (at one decode token, most ranks); not measured against it yet.
 - Norms (and Qwen3's per-head q/k norms) are replicated; so are the biases of the row-parallel
   layers (added once, after the all-reduce).
 
 A tensor-parallel size that does not divide the heads, the KV heads (or is not a multiple of
-them) or the MLP width is refused at once, naming the numbers and the sizes that would work.
+them), the MLP width or an expert's width is refused at once, naming the numbers and the sizes that would work.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 from ..config import ModelConfig
@@ -44,6 +50,8 @@ class ShardLayout:
     kv_heads: int  # KV heads per rank
     kv_replicas: int  # ranks that hold each KV head (1 unless the model has fewer than tp)
     intermediate: int  # the MLP's inner width per rank
+    expert: int  # each routed expert's inner width per rank (a mixture of experts; else 0)
+    shared_expert: int  # Qwen2-MoE's shared expert's, likewise
     vocab: int  # embedding / LM-head rows per rank
     padded_vocab: int  # vocab * tp: the model's vocabulary plus the masked padding rows
 
@@ -73,8 +81,8 @@ def shard_layout(cfg: ModelConfig, tp: int) -> ShardLayout:
         raise TensorParallelError(f"tensor_parallel_size must be 1 or more, got {tp}")
     if tp > 1 and not cfg.family.tensor_parallel:
         raise TensorParallelError(
-            f"tensor_parallel_size={tp}: {cfg.architecture} is a mixture of experts, which pagedllm does not "
-            "split over ranks yet; run it with tensor_parallel_size=1"
+            f"tensor_parallel_size={tp}: {cfg.architecture}'s checkpoints fuse each layer's experts in one "
+            "tensor, which pagedllm does not split over ranks yet; run it with tensor_parallel_size=1"
         )
     problems = []
     if cfg.num_heads % tp:
@@ -84,6 +92,9 @@ def shard_layout(cfg: ModelConfig, tp: int) -> ShardLayout:
         problems.append(f"its {kv} KV heads (tp must divide them, or be a multiple of them)")
     if cfg.intermediate_size % tp:
         problems.append(f"its MLP width of {cfg.intermediate_size}")
+    for width, what in _expert_widths(cfg):
+        if width % tp:
+            problems.append(f"its {what} width of {width}")
     if problems:
         fits = [n for n in range(1, 65) if _divides(cfg, n)]
         raise TensorParallelError(
@@ -97,6 +108,8 @@ def shard_layout(cfg: ModelConfig, tp: int) -> ShardLayout:
         kv_heads=max(1, kv // tp),
         kv_replicas=max(1, tp // kv),
         intermediate=cfg.intermediate_size // tp,
+        expert=cfg.moe.expert_size // tp if cfg.moe is not None else 0,
+        shared_expert=cfg.moe.shared_expert_size // tp if cfg.moe is not None else 0,
         vocab=vocab,
         padded_vocab=vocab * tp,
     )
@@ -105,7 +118,19 @@ def shard_layout(cfg: ModelConfig, tp: int) -> ShardLayout:
 def _divides(cfg: ModelConfig, tp: int) -> bool:
     kv = cfg.num_kv_heads
     kv_ok = kv % tp == 0 if kv >= tp else tp % kv == 0
-    return cfg.num_heads % tp == 0 and cfg.intermediate_size % tp == 0 and kv_ok
+    experts_ok = all(width % tp == 0 for width, _ in _expert_widths(cfg))
+    return cfg.num_heads % tp == 0 and cfg.intermediate_size % tp == 0 and kv_ok and experts_ok
+
+
+def _expert_widths(cfg: ModelConfig) -> list[tuple[int, str]]:
+    """A mixture's expert widths that each rank takes a share of (every expert is split, not
+    dealt out whole: each rank reads its columns of whichever experts a token chose)."""
+    moe = cfg.moe
+    if moe is None:
+        return []
+    return [(moe.expert_size, "experts'")] + (
+        [(moe.shared_expert_size, "shared expert's")] if moe.shared_expert_size else []
+    )
 
 
 def rank_config(cfg: ModelConfig, tp: int) -> ModelConfig:
@@ -115,8 +140,9 @@ def rank_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     if tp == 1:
         return cfg
     s = shard_layout(cfg, tp)
+    moe = cfg.moe and replace(cfg.moe, expert_size=s.expert, shared_expert_size=s.shared_expert)
     return replace(
-        cfg, num_heads=s.heads, num_kv_heads=s.kv_heads, intermediate_size=s.intermediate, vocab_size=s.vocab
+        cfg, num_heads=s.heads, num_kv_heads=s.kv_heads, intermediate_size=s.intermediate, vocab_size=s.vocab, moe=moe
     )
 
 
@@ -135,8 +161,18 @@ class Slice:
 
 # Roles of a layer's tensors (``models/family.py``) split by output rows (column-parallel) or by
 # input columns (row-parallel), and by what: query heads, KV heads or the MLP's width.
-_COLUMN_PARALLEL = {"q": "heads", "k": "kv", "v": "kv", "gate": "mlp", "up": "mlp"}
-_ROW_PARALLEL = {"o": "heads", "down": "mlp"}
+_COLUMN_PARALLEL = {
+    "q": "heads",
+    "k": "kv",
+    "v": "kv",
+    "gate": "mlp",
+    "up": "mlp",
+    "expert_gate": "expert",
+    "expert_up": "expert",
+    "shared_expert_gate": "shared",
+    "shared_expert_up": "shared",
+}
+_ROW_PARALLEL = {"o": "heads", "down": "mlp", "expert_down": "expert", "shared_expert_down": "shared"}
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -171,7 +207,8 @@ class RankShard:
             r = self.vocab_range()
             return Slice(0, r.start, r.stop, self.cfg.vocab_size)
         tensor, _, leaf = name.rpartition(".")
-        role = self._roles.get(tensor.split(".", 3)[-1] if tensor.startswith("model.layers.") else "")
+        within = tensor.split(".", 3)[-1] if tensor.startswith("model.layers.") else ""
+        role = self._roles.get(re.sub(r"\.\d+\.", ".{e}.", within))  # an expert's tensor: its role's template
         if role in _COLUMN_PARALLEL:
             r, total = self._range(_COLUMN_PARALLEL[role])
             return Slice(0, r.start, r.stop, total)
@@ -189,5 +226,9 @@ class RankShard:
         s, c, d = self.layout, self.cfg, self.cfg.head_dim
         if kind == "mlp":
             return s.intermediate_range(self.rank), c.intermediate_size
+        if kind in ("expert", "shared"):
+            width = s.expert if kind == "expert" else s.shared_expert
+            assert c.moe is not None
+            return range(self.rank * width, (self.rank + 1) * width), width * s.tp
         heads = s.head_range(self.rank) if kind == "heads" else s.kv_head_range(self.rank)
         return range(heads.start * d, heads.stop * d), (c.num_heads if kind == "heads" else c.num_kv_heads) * d

@@ -94,8 +94,9 @@ class Family:
 
     @property
     def tensor_parallel(self) -> bool:
-        """Whether ``distributed.shards`` can split it: not a mixture of experts yet."""
-        return self.experts is None
+        """Whether ``distributed.shards`` can split it: not where the checkpoint fuses the experts
+        (gpt-oss: read whole, then split per expert; not per rank yet)."""
+        return self.unfuse is None
 
     def name_of(self, role: str, layer: int, expert: int | None = None) -> str:
         """The checkpoint name (without ``.weight``) of a layer's tensor by its role."""
