@@ -35,16 +35,19 @@ class MLP(nn.Module):
         self.limit, self.alpha = swiglu_limit, swiglu_alpha
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        # gate/up's output is a temporary of the activation's call, gone before down runs
         if self.limit is not None:
-            return self.down_proj(clamped_swiglu(gate_up, self.alpha, self.limit))
-        return self.down_proj(self.backend.silu_mul(gate_up))
+            return self.down_proj(clamped_swiglu(self.gate_up_proj(x), self.alpha, self.limit))
+        return self.down_proj(self.backend.silu_mul(self.gate_up_proj(x)))
 
 
 def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """gpt-oss's activation, in transformers' order: the gate clamped below ``limit``, up within
-    +-``limit``, then (up + 1) * gate * sigmoid(alpha * gate). Plain PyTorch on every backend."""
+    """gpt-oss's activation: the gate clamped below ``limit``, up within +-``limit``, then
+    (up + 1) * gate * sigmoid(alpha * gate), the same products as transformers'. Plain PyTorch on
+    every backend, clamped in place in ``gate_up`` (this step's own output), so it holds one new
+    [rows, width] tensor, as silu_mul does: the planner's phases are the same."""
     gate, up = gate_up.chunk(2, dim=-1)
-    gate = gate.clamp(max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    gate.clamp_(max=limit)
+    up.clamp_(min=-limit, max=limit).add_(1)
+    out = gate * alpha
+    return out.sigmoid_().mul_(gate).mul_(up)

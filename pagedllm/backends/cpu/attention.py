@@ -333,9 +333,14 @@ def _softmax(
         scores.masked_fill_(masked, float("-inf"))
     if sinks is None:
         return torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
-    sink_column = sinks.to(scores.dtype).view(1, -1, 1).expand(*scores.shape[:-1], 1)
-    with_sinks = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1, dtype=torch.float32)
-    return with_sinks[..., :-1].to(scores.dtype)
+    # the softmax over [scores, sink] written out, in the float32 copy softmax would make (in
+    # place on scores when they are float32 already): no [rows, keys + 1] concatenation beside it
+    sink = sinks.to(scores.dtype).float().view(1, -1, 1)
+    probs = scores.float()
+    top = torch.maximum(probs.amax(dim=-1, keepdim=True), sink)
+    probs.sub_(top).exp_()
+    probs.div_(probs.sum(dim=-1, keepdim=True).add_((sink - top).exp_()))
+    return probs.to(scores.dtype)
 
 
 def _causal_mask(first: int, end: int, context_len: int, window: int | None, device) -> torch.Tensor:
