@@ -130,6 +130,28 @@ inline __m512 load_scales(const float* p, int64_t groups) {
   }
 }
 
+// Sum over a row's groups of per-group weights (its scales or offsets) x the groups' scaled sums of x.
+inline float group_sums(const float* w, const float* sums, int64_t G) {
+  __m512 z = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; g += 16) {
+    const __mmask16 k = G - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (G - g)) - 1);
+    z = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, w + g), _mm512_maskz_loadu_ps(k, sums + g), z);
+  }
+  return _mm512_reduce_add_ps(z);
+}
+
+// Rows row0 .. row0 + MR of x in 8 bits for groups g0 .. g0 + 3: each group's first 16 values
+// (lo), its last 16 (hi), and its scale once per dpbusd lane.
+template <int MR>
+inline void load_x_groups(const Int8Rows& xr, int64_t row0, int64_t g0, __m512i* lo, __m512i* hi, __m512* scales) {
+  const int64_t width = xr.padded_groups * 16;
+  for (int r = 0; r < MR; ++r) {
+    lo[r] = _mm512_loadu_si512(xr.lo.data() + (row0 + r) * width + g0 * 16);
+    hi[r] = _mm512_loadu_si512(xr.hi.data() + (row0 + r) * width + g0 * 16);
+    scales[r] = _mm512_loadu_ps(xr.scale16.data() + ((row0 + r) * xr.padded_groups + g0) * 4);
+  }
+}
+
 // Y[r][n0 + c] for NC channels of 4-bit weights and MR rows: per 4 groups, 64 bytes of weights
 // unpacked once into low and high nibbles, then two dpbusd per row.
 template <int NC, int MR>
@@ -139,16 +161,12 @@ void tile_vnni(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, int64_t n
     for (int r = 0; r < MR; ++r) acc[c][r] = _mm512_setzero_ps();
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  const int64_t width = xr.padded_groups * 16, G = m.groups();
+  const int64_t G = m.groups();
   for (int64_t g0 = 0; g0 < G; g0 += 4) {
     const int64_t n_groups = std::min<int64_t>(4, G - g0);
     __m512i xlo[MR], xhi[MR];
     __m512 xs[MR];
-    for (int r = 0; r < MR; ++r) {
-      xlo[r] = _mm512_loadu_si512(xr.lo.data() + (row0 + r) * width + g0 * 16);
-      xhi[r] = _mm512_loadu_si512(xr.hi.data() + (row0 + r) * width + g0 * 16);
-      xs[r] = _mm512_loadu_ps(xr.scale16.data() + ((row0 + r) * xr.padded_groups + g0) * 4);
-    }
+    load_x_groups<MR>(xr, row0, g0, xlo, xhi, xs);
     for (int c = 0; c < NC; ++c) {
       const int64_t n = n0 + c;
       const __m512i v = load_groups(m.q + n * m.row_bytes() + g0 * 16, n_groups);
@@ -166,19 +184,8 @@ void tile_vnni(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, int64_t n
     const int64_t n = n0 + c;
     for (int r = 0; r < MR; ++r) {
       float y = _mm512_reduce_add_ps(acc[c][r]);
-      if (m.zero) {  // sum over groups of offset x the group's sum of x
-        const float* sums = xr.block_sums.data() + (row0 + r) * xr.padded_groups;
-        __m512 z = _mm512_setzero_ps();
-        for (int64_t g = 0; g < G; g += 16) {
-          if (G - g >= 16) {
-            z = _mm512_fmadd_ps(_mm512_loadu_ps(m.zero + n * G + g), _mm512_loadu_ps(sums + g), z);
-          } else {
-            const __mmask16 k = __mmask16((1u << (G - g)) - 1);
-            z = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, m.zero + n * G + g), _mm512_maskz_loadu_ps(k, sums + g), z);
-          }
-        }
-        y += _mm512_reduce_add_ps(z);
-      }
+      if (m.zero)  // sum over groups of offset x the group's sum of x
+        y += group_sums(m.zero + n * G, xr.block_sums.data() + (row0 + r) * xr.padded_groups, G);
       Y[r * ldy + n] = y;
     }
   }
@@ -197,16 +204,6 @@ inline void load_groups8(const uint8_t* p, int64_t groups, __m512i& lo, __m512i&
   hi = _mm512_xor_si512(_mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(3, 1, 3, 1)), flip);
 }
 
-// Sum over a row's groups of per-group weights (its scales or offsets) x the groups' scaled sums of x.
-inline float group_sums(const float* w, const float* sums, int64_t G) {
-  __m512 z = _mm512_setzero_ps();
-  for (int64_t g = 0; g < G; g += 16) {
-    const __mmask16 k = G - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (G - g)) - 1);
-    z = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, w + g), _mm512_maskz_loadu_ps(k, sums + g), z);
-  }
-  return _mm512_reduce_add_ps(z);
-}
-
 // As tile_vnni for 8-bit weights in groups of 32 (Q8_0 as stored): per 4 groups, 128 bytes of
 // weights, two dpbusd per row, as llama.cpp's Q8_0 x Q8 dot product sums them.
 template <int NC, int MR>
@@ -215,16 +212,12 @@ void tile_vnni8(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, int64_t 
   for (int c = 0; c < NC; ++c)
     for (int r = 0; r < MR; ++r) acc[c][r] = _mm512_setzero_ps();
   const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  const int64_t width = xr.padded_groups * 16, G = m.groups();
+  const int64_t G = m.groups();
   for (int64_t g0 = 0; g0 < G; g0 += 4) {
     const int64_t n_groups = std::min<int64_t>(4, G - g0);
     __m512i xlo[MR], xhi[MR];
     __m512 xs[MR];
-    for (int r = 0; r < MR; ++r) {
-      xlo[r] = _mm512_loadu_si512(xr.lo.data() + (row0 + r) * width + g0 * 16);
-      xhi[r] = _mm512_loadu_si512(xr.hi.data() + (row0 + r) * width + g0 * 16);
-      xs[r] = _mm512_loadu_ps(xr.scale16.data() + ((row0 + r) * xr.padded_groups + g0) * 4);
-    }
+    load_x_groups<MR>(xr, row0, g0, xlo, xhi, xs);
     for (int c = 0; c < NC; ++c) {
       const int64_t n = n0 + c;
       __m512i lo, hi;
