@@ -11,14 +11,23 @@ from typing import Any
 from .errors import RequestRejected
 
 
-def encode(tokenizer: Any, text: str) -> list[int]:
-    """Text to token ids; a prompt the tokenizer fails on is rejected, like any bad input."""
+def encode(tokenizer: Any, text: str, special: bool = False) -> list[int]:
+    """Text to token ids; a prompt the tokenizer fails on is rejected, like any bad input.
+    ``special``: with the tokenizer's own special tokens (its post-processor's: Gemma's and
+    Llama 3's <bos>), as a plain prompt is encoded (``encode_prompt``); a chat template's text
+    already holds them."""
     if tokenizer is None:
         raise RequestRejected("this model directory has no tokenizer: pass token ids instead of text")
     try:
-        return tokenizer.encode(text, add_special_tokens=False)
+        return tokenizer.encode(text, add_special_tokens=special)
     except Exception as e:
         raise RequestRejected(f"the tokenizer cannot encode this prompt: {type(e).__name__}: {e}") from None
+
+
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    """A plain prompt's ids, the tokenizer's special tokens added as vLLM and transformers add
+    them (Gemma answers nonsense without its <bos>); none where the tokenizer adds none."""
+    return encode(tokenizer, text, special=True)
 
 
 def apply_chat_template(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None) -> list[int]:

@@ -137,7 +137,7 @@ class LLMEngine:
 
     def encode(self, prompt: str) -> list[int]:
         """Text to token ids; a prompt the tokenizer fails on is rejected, like any bad input."""
-        return prompts.encode(self.tokenizer, prompt)
+        return prompts.encode_prompt(self.tokenizer, prompt)
 
     def add_request(
         self,

@@ -170,7 +170,7 @@ class EngineProcess:
         return self.limits.max_model_len
 
     def encode(self, text: str) -> list[int]:
-        return prompts.encode(self.tokenizer, text)
+        return prompts.encode_prompt(self.tokenizer, text)
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         return prompts.apply_chat_template(self.tokenizer, messages, tools)

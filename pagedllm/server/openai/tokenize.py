@@ -7,6 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from ... import prompts
 from ...errors import RequestRejected
 from .. import tool_calls
 from ..openapi import ERROR_BODY
@@ -65,7 +66,8 @@ def prompt_ids(model: ServedModel, req: TokenizeRequest) -> list[int]:
     else:
         raise RequestRejected("give a prompt (text) or messages (a chat) to tokenize", param="prompt")
     if not special or model.tokenizer is None:
-        return model.encode(text)  # RequestRejected without a tokenizer, or for text it cannot encode
+        # RequestRejected without a tokenizer, or for text it cannot encode
+        return prompts.encode(model.tokenizer, text)
     try:
         return model.tokenizer.encode(text, add_special_tokens=True)
     except Exception as e:  # (as prompts.encode: text the tokenizer cannot encode is the client's fault)
