@@ -91,9 +91,19 @@ def test_what_is_not_implemented_is_refused_with_the_reason():
         unfuse("model.layers.0.mlp.experts.gate_up_proj_blocks", torch.zeros(2, 4, 3, 16, dtype=torch.uint8))
 
     cfg = ModelConfig.from_file(Path(__file__).parent.parent / "benchmarks/configs/gpt-oss-20b.json")
-    with pytest.raises(TensorParallelError, match="fuse each layer's experts.*tensor_parallel_size=1"):
+    with pytest.raises(TensorParallelError, match="fuse several weights in one tensor.*tensor_parallel_size=1"):
         shard_layout(cfg, 2)
     assert shard_layout(cfg, 1).tp == 1
+
+
+def test_olmoe_does_not_split_over_ranks():
+    """OLMoE norms q and k over every head at once: a rank holding half the heads would norm by
+    half the sum of squares. Refused, not run wrong (README)."""
+    from pathlib import Path
+
+    cfg = ModelConfig.from_file(Path(__file__).parent.parent / "benchmarks/configs/olmoe-1b-7b.json")
+    with pytest.raises(TensorParallelError, match="normed over all heads.*tensor_parallel_size=1"):
+        shard_layout(cfg, 2)
 
 
 @pytest.mark.parametrize("quantization", [None, "int8", "int4", "w8a8"])

@@ -79,10 +79,10 @@ def shard_layout(cfg: ModelConfig, tp: int) -> ShardLayout:
     """The split of ``cfg`` over ``tp`` ranks, or TensorParallelError naming what does not divide."""
     if tp < 1:
         raise TensorParallelError(f"tensor_parallel_size must be 1 or more, got {tp}")
-    if tp > 1 and not cfg.family.tensor_parallel:
+    if tp > 1 and (why := cfg.family.not_split_because) is not None:
         raise TensorParallelError(
-            f"tensor_parallel_size={tp}: {cfg.architecture}'s checkpoints fuse each layer's experts in one "
-            "tensor, which pagedllm does not split over ranks yet; run it with tensor_parallel_size=1"
+            f"tensor_parallel_size={tp}: {cfg.architecture}'s {why}, which pagedllm does not split over "
+            "ranks yet; run it with tensor_parallel_size=1"
         )
     problems = []
     if cfg.num_heads % tp:

@@ -87,16 +87,34 @@ class Family:
     layer_names: dict[str, str] = field(default_factory=lambda: dict(DENSE_LAYER_NAMES))
     gguf_permuted_qk: bool = False  # llama.cpp's converter permutes q/k rows for its rope layout
     attention_sinks: bool = False  # gpt-oss: a learned logit per head (``self_attn.sinks``)
-    # checkpoint tensors that hold several of the model's (gpt-oss's fused experts) -> those, by
-    # their names; None (or a function returning None for a tensor): every tensor is one of its own
-    unfuse: Callable[[str, object], list[tuple[str, object]] | None] | None = None
+    # checkpoint tensors that hold several of the model's (gpt-oss's fused experts, Phi-3's q/k/v)
+    # -> those, by their names, given the ``ModelConfig``; None (or a function returning None for a
+    # tensor): every tensor is one of its own
+    unfuse: Callable[[str, object, object], list[tuple[str, object]] | None] | None = None
     transformers_reads_gguf: bool = True  # whether transformers reads its GGUF config (for the tokenizer's class)
+    # Gemma: every RMSNorm multiplies by (1 + weight): the loader adds this to each norm's
+    # checkpoint weight once, so the norms compute as Llama's do
+    norm_weight_offset: float = 0.0
+    embedding_scaled: bool = False  # Gemma: the token embeddings times sqrt(hidden_size), in the activation dtype
+    # Gemma: the attention's and the MLP's outputs normed before their residual adds, the MLP's
+    # input by a norm of its own (``mlp_norm`` then names it, ``attn_out_norm``/``mlp_out_norm`` the others)
+    sandwich_norms: bool = False
+    # the HF config fields a GGUF file of it implies beyond the common ones, from its metadata
+    # (``get(key, default)`` reads ``<arch>.<key>``): what llama.cpp hard-codes for the architecture
+    gguf_config: Callable[[Callable], dict] | None = None
+    gguf_rope_scalings: tuple[str, ...] = ()  # the GGUF rope scaling types its gguf_config reads
 
     @property
-    def tensor_parallel(self) -> bool:
-        """Whether ``distributed.shards`` can split it: not where the checkpoint fuses the experts
-        (gpt-oss: read whole, then split per expert; not per rank yet)."""
-        return self.unfuse is None
+    def not_split_because(self) -> str | None:
+        """Why ``distributed.shards`` cannot split it over ranks, or None where it can: not where
+        the checkpoint fuses tensors (gpt-oss's experts, Phi-3's q/k/v: read whole, then split;
+        not per rank yet), nor where q and k are normed over the whole projection (OLMoE: each
+        rank holds only its heads' share of the sum of squares)."""
+        if self.unfuse is not None:
+            return "checkpoints fuse several weights in one tensor (a layer's experts, or q/k/v)"
+        if self.qk_norm == "all":
+            return "q and k are normed over all heads at once"
+        return None
 
     def name_of(self, role: str, layer: int, expert: int | None = None) -> str:
         """The checkpoint name (without ``.weight``) of a layer's tensor by its role."""
