@@ -19,7 +19,7 @@ from .models.registry import family_of_config
 if TYPE_CHECKING:
     from .models.family import Family
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,11 @@ class RopeConfig:
     beta_slow: float = 1.0
     truncate: bool = True
     attention_factor: float | None = None
+    # LongRoPE only (Phi-3/3.5): each rotary pair's wavelength stretched by its factor, the
+    # short ones for a context within ``original_max_position_embeddings``, the long beyond
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    max_position_embeddings: int = 0  # the config's, whose ratio to the original sets LongRoPE's scale
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,23 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: MoeConfig | None = None  # a mixture of experts' routing and sizes; None: every layer dense
+    activation: str = "silu"  # the MLP's gate activation: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
+    # q.k's multiplier; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    attention_scale: float | None = None
+    embedding_multiplier: float = 1.0  # Gemma: sqrt(hidden_size), applied in the activation dtype
+    sandwich_norms: bool = False  # Gemma: attention and MLP outputs normed before their residual adds
+    # the rope of the sliding-window layers where it is not the full layers' (Gemma 3's local base)
+    local_rope: RopeConfig | None = None
+    # per layer: whether q and k are rotated (SmolLM3 leaves every fourth layer without positions); () all are
+    rope_layers: tuple[bool, ...] = ()
+
+    def rope_of_layer(self, layer: int) -> str | None:
+        """Which rotary tables a layer's q and k take: "global", "local" (a sliding layer with a
+        rope of its own) or None (no positions: SmolLM3's NoPE layers)."""
+        if self.rope_layers and not self.rope_layers[layer]:
+            return None
+        sliding = bool(self.sliding_windows) and self.sliding_windows[layer] is not None
+        return "local" if sliding and self.local_rope is not None else "global"
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and self.moe.layers[layer]
@@ -101,6 +123,12 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict, source: str = "config") -> ModelConfig:
         fam = family_of_config(d, source)
+        for key in ("attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention"):
+            if d.get(key):
+                raise UnsupportedModelError(
+                    f"{source}: {key} = {d[key]!r} is not supported (Gemma 2's softcaps, "
+                    "EmbeddingGemma's bidirectional attention)"
+                )
         try:
             hidden = int(d["hidden_size"])
             heads = int(d["num_attention_heads"])
@@ -116,7 +144,7 @@ class ModelConfig:
                 head_dim=int(d.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
                 max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-                rope=_rope_from_hf(d, source),
+                rope=_rope_from_hf(d, source, "full_attention"),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 qkv_bias=fam.qkv_bias == "always" or bool(d.get("attention_bias")),
                 o_bias=fam.qkv_bias != "always" and bool(d.get("attention_bias")),
@@ -129,6 +157,12 @@ class ModelConfig:
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_ids=_as_tuple(d.get("eos_token_id")),
                 moe=_moe_from_hf(d, fam, layers),
+                activation=_activation_from_hf(d, source),
+                attention_scale=float(d["query_pre_attn_scalar"]) ** -0.5 if d.get("query_pre_attn_scalar") else None,
+                embedding_multiplier=hidden**0.5 if fam.embedding_scaled else 1.0,
+                sandwich_norms=fam.sandwich_norms,
+                local_rope=_local_rope_from_hf(d, source),
+                rope_layers=tuple(bool(x) for x in d["no_rope_layers"]) if d.get("no_rope_layers") else (),
             )
         except KeyError as e:
             raise ModelLoadError(f"{source}: required field {e.args[0]!r} is missing") from None
@@ -191,13 +225,42 @@ def _as_tuple(v) -> tuple[int, ...]:
     return tuple(v) if isinstance(v, (list, tuple)) else (int(v),)
 
 
-def _rope_from_hf(d: dict, source: str) -> RopeConfig:
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
+def _activation_from_hf(d: dict, source: str) -> str:
+    named = d.get("hidden_activation") or d.get("hidden_act") or "silu"  # Gemma names it hidden_activation
+    if named not in _ACTIVATIONS:
+        raise UnsupportedModelError(
+            f"{source}: MLP activation {named!r} is not supported; supported: {', '.join(_ACTIVATIONS)}"
+        )
+    return _ACTIVATIONS[named]
+
+
+def _local_rope_from_hf(d: dict, source: str) -> RopeConfig | None:
+    """Gemma 3's sliding layers' rope: ``rope_parameters["sliding_attention"]`` (transformers 5)
+    or ``rope_local_base_freq`` (the configs Google published); None where the config has neither."""
+    if "sliding_attention" in (d.get("rope_parameters") or {}):
+        return _rope_from_hf(d, source, "sliding_attention")
+    if d.get("rope_local_base_freq") is not None:
+        return RopeConfig(theta=float(d["rope_local_base_freq"]))
+    return None
+
+
+def _rope_from_hf(d: dict, source: str, layer_type: str) -> RopeConfig:
+    """``layer_type``: which entry of a per-layer-type ``rope_parameters`` (Gemma 3's) to read."""
     # transformers >= 5 writes rope_parameters; older checkpoints rope_theta + rope_scaling.
     params = dict(d.get("rope_parameters") or {})
+    if isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
     scaling = d.get("rope_scaling") or {}
     merged = {**scaling, **params}
     theta = merged.get("rope_theta", d.get("rope_theta", 10000.0))
     rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if float(merged.get("partial_rotary_factor", d.get("partial_rotary_factor")) or 1.0) != 1.0:
+        raise UnsupportedModelError(
+            f"{source}: rotary positions on part of each head (partial_rotary_factor, Phi-4-mini) are not supported yet"
+        )
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(
             f"{source}: rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
@@ -215,6 +278,9 @@ def _rope_from_hf(d: dict, source: str) -> RopeConfig:
         beta_slow=float(merged.get("beta_slow") or 1.0),
         truncate=bool(merged.get("truncate", True)),
         attention_factor=float(merged["attention_factor"]) if merged.get("attention_factor") is not None else None,
+        short_factor=tuple(float(f) for f in merged.get("short_factor") or ()),
+        long_factor=tuple(float(f) for f in merged.get("long_factor") or ()),
+        max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
     )
 
 
@@ -223,6 +289,12 @@ def _sliding_windows_from_hf(d: dict, fam: Family, layers: int) -> tuple[int | N
     if fam.sliding == "every layer":
         return (int(window) if window else None,) * layers
     types = d.get("layer_types")
+    if not types and d.get("sliding_window_pattern") and window:
+        # Gemma 3 as Google published it: every pattern-th layer full, the others sliding
+        types = [
+            "full_attention" if (i + 1) % int(d["sliding_window_pattern"]) == 0 else "sliding_attention"
+            for i in range(layers)
+        ]
     if types and window and d.get("use_sliding_window", True):
         return tuple(int(window) if t == "sliding_attention" else None for t in types)
     if d.get("use_sliding_window") and window:

@@ -35,13 +35,18 @@ def noisy_copy(arch: str, directory, noise: float, **overrides):
     return model
 
 
+# Phi-3's LongRoPE sharpens its scores: at 0.03 its copy agreed with none of its guesses (0/40),
+# at 0.01 with a third (45/135)
+DRAFT_NOISE = {"phi3": 0.01}
+
+
 @pytest.fixture(scope="module")
 def drafts(tmp_path_factory):
     """{arch: directory of its noisy copy}."""
     out = {}
     for arch in ARCHS:
         out[arch] = tmp_path_factory.mktemp(f"draft-{arch}")
-        noisy_copy(arch, out[arch], noise=0.03)
+        noisy_copy(arch, out[arch], noise=DRAFT_NOISE.get(arch, 0.03))
     return out
 
 

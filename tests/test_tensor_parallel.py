@@ -41,6 +41,10 @@ VARIANTS = {
     "mistral": ("mistral", {}),  # sliding window, head_dim other than hidden / heads
     "qwen2-odd-vocab": ("qwen2", {"vocab_size": 317}),  # q/k/v bias, tied, a vocabulary padded per rank
     "qwen3": ("qwen3", {}),  # per-head q/k norms
+    # sliding and full layers with rope bases of their own, norms around both sub-layers, GELU,
+    # scaled embeddings; layers without positions
+    "gemma3": ("gemma3", {}),
+    "smollm3": ("smollm3", {}),
     # mixtures of experts: each expert's columns split like the MLP's; a shared expert and a dense
     # layer among the sparse ones (Qwen2-MoE), Mixtral's names for its experts
     "qwen2-moe": ("qwen2-moe", {}),

@@ -43,6 +43,40 @@ ARCHS = {
     "mistral": ("MistralConfig", dict(sliding_window=24, head_dim=16)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=False, attention_bias=False)),
+    # sliding and full layers with rope bases of their own, the window shorter than a cache block
+    # (8) and than the prompts; linear rope scaling on the full layers only. Untied: tied, the
+    # scaled embeddings make a random model repeat its last token (the tied head is pinned by
+    # the GGUF copies, tied as Google's are: test_gguf_families.py)
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            tie_word_embeddings=False,
+            head_dim=16,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            query_pre_attn_scalar=24,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        ),
+    ),
+    "smollm3": ("SmolLM3Config", dict(no_rope_layers=[1, 0, 1], tie_word_embeddings=True)),
+    # q/k/v and gate/up fused in the checkpoint; LongRoPE (the short factors within the original
+    # context), a sliding window on every layer
+    "phi3": (
+        "Phi3Config",
+        dict(
+            sliding_window=20,
+            original_max_position_embeddings=128,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0 + 0.25 * i for i in range(8)],
+                "long_factor": [2.0 + i for i in range(8)],
+            },
+        ),
+    ),
 }
 # Each expert is a shared matrix plus its own N(0, EXPERT_SPREAD) part: every expert differs from
 # every other by far more than fp32 rounding (a wrong expert or a dropped router weight moves
@@ -130,6 +164,8 @@ def build_hf_model(name: str, seed: int = 0, **overrides):
                 p.normal_(0.0, 0.15)
             elif "bias" in p_name:
                 p.normal_(0.0, 0.1)
+            elif model.config.model_type.startswith("gemma"):  # its norms multiply by (1 + weight)
+                p.uniform_(-0.2, 0.2)
             else:  # norm weights
                 p.uniform_(0.8, 1.2)
     return model.eval()
@@ -170,6 +206,24 @@ GGUF_ARCHS = {
     "qwen3-moe": "QWEN3MOE",
     "olmoe": "OLMOE",
     "mixtral": "LLAMA",
+    "gemma3": "GEMMA3",
+    "smollm3": "SMOLLM3",
+}
+# What llama.cpp assumes of a gemma3 file and its metadata does not say (one full layer in six,
+# the sliding layers' rope base 10k, scores scaled by 1/sqrt(head_dim)): a tiny Gemma 3 written
+# as GGUF is built so (``save_tiny_gguf``), six layers, the full one last.
+GGUF_OVERRIDES = {
+    "gemma3": dict(
+        num_hidden_layers=6,
+        layer_types=None,
+        query_pre_attn_scalar=16,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),
+    # llama.cpp's smollm3: every fourth layer without positions
+    "smollm3": dict(num_hidden_layers=4, no_rope_layers=None),
 }
 
 
@@ -190,7 +244,7 @@ def save_tiny_gguf(name: str, path: Path, seed: int = 0, experts: str = "F32", *
     refuses such a model); OLMoE's eps is the model's, where llama.cpp writes 1e-5."""
     import gguf
 
-    model = build_hf_model(name, seed, **overrides)
+    model = build_hf_model(name, seed, **{**GGUF_OVERRIDES.get(name, {}), **overrides})
     cfg = model.config
     arch = getattr(gguf.MODEL_ARCH, GGUF_ARCHS[name])
     names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
@@ -205,7 +259,10 @@ def save_tiny_gguf(name: str, path: Path, seed: int = 0, experts: str = "F32", *
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
+    if getattr(cfg, "sliding_window", None) and name == "gemma3":
+        writer.add_sliding_window(cfg.sliding_window)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     moe = name in MOE_ARCHS
     if moe:
@@ -249,7 +306,9 @@ def save_tiny_gguf(name: str, path: Path, seed: int = 0, experts: str = "F32", *
             continue
         gguf_base = names.get_name(base) or dense_names.get_name(base)
         values = tensor.to(torch.float32).numpy()
-        if arch == gguf.MODEL_ARCH.LLAMA and base.endswith(("q_proj", "k_proj")):
+        if name == "gemma3" and suffix == "weight" and base.endswith("norm"):
+            values = values + 1  # llama.cpp's converter stores Gemma's (1 + weight)
+        if arch in (gguf.MODEL_ARCH.LLAMA, gguf.MODEL_ARCH.SMOLLM3) and base.endswith(("q_proj", "k_proj")):
             heads = cfg.num_attention_heads if base.endswith("q_proj") else cfg.num_key_value_heads
             values = _llama_cpp_rope_rows(values, heads)
         writer.add_tensor(f"{gguf_base}.{suffix}", values)

@@ -52,7 +52,7 @@ class DecodeProgram(Protocol):
 
     def takes(self, tokens: int, sequences: int, dtype: torch.dtype) -> bool: ...
 
-    def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Any) -> torch.Tensor: ...
+    def run(self, h: torch.Tensor, ropes: dict[str, tuple[torch.Tensor, torch.Tensor]], attn: Any) -> torch.Tensor: ...
 
 
 class ThreadPolicy(Protocol):
@@ -106,6 +106,9 @@ class Backend:
         raise NotImplementedError
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def rotary_(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

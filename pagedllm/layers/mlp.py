@@ -33,12 +33,13 @@ class MLP(nn.Module):
         self.down_proj = Linear(i, [h], bias=b, backend=backend)
         self.backend = backend
         self.limit, self.alpha = swiglu_limit, swiglu_alpha
+        self.activation = backend.gelu_tanh_mul if cfg.activation == "gelu_tanh" else backend.silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # gate/up's output is a temporary of the activation's call, gone before down runs
         if self.limit is not None:
             return self.down_proj(clamped_swiglu(self.gate_up_proj(x), self.alpha, self.limit))
-        return self.down_proj(self.backend.silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.activation(self.gate_up_proj(x)))
 
 
 def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:

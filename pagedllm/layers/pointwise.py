@@ -23,6 +23,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out.mul_(gate_up[:, inner:])
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, tanh approximation) * up for gate_up = [gate | up] (Gemma's GeGLU), as silu_mul."""
+    inner = gate_up.shape[-1] // 2
+    out = F.gelu(gate_up[:, :inner], approximate="tanh")
+    return out.mul_(gate_up[:, inner:])
+
+
 def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """In place on q [T, H, D] and k [T, KVH, D] (views of one qkv row are fine):
     x = x * cos + rotate_half(x) * sin."""

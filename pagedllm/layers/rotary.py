@@ -9,10 +9,10 @@ import math
 import torch
 from torch import nn
 
-from ..config import ModelConfig, RopeConfig
+from ..config import RopeConfig
 
 
-def rope_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
+def rope_inv_freq(rope: RopeConfig, dim: int, long: bool = False) -> torch.Tensor:
     """Inverse frequencies for ``dim`` rotary dims, with the checkpoint's scaling applied.
 
     Always on the CPU, even while a model is built on the meta device: arithmetic on meta
@@ -33,6 +33,8 @@ def rope_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
         return torch.where(medium, blended, scaled)
     if rope.type == "yarn":
         return _yarn_inv_freq(rope, dim, inv)
+    if rope.type == "longrope":  # each pair's wavelength stretched by its own factor
+        return inv / torch.tensor(rope.long_factor if long else rope.short_factor, dtype=torch.float32, device="cpu")
     return inv
 
 
@@ -58,7 +60,15 @@ def _yarn_inv_freq(rope: RopeConfig, dim: int, inv: torch.Tensor) -> torch.Tenso
 
 
 def rope_attention_factor(rope: RopeConfig) -> float:
-    """What cos and sin are multiplied by: YaRN's 0.1 ln(factor) + 1 unless the config says."""
+    """What cos and sin are multiplied by: YaRN's 0.1 ln(factor) + 1, LongRoPE's
+    sqrt(1 + ln(factor) / ln(original context)) with its factor the ratio of the two contexts,
+    unless the config says."""
+    if rope.type == "longrope":
+        if rope.attention_factor is not None:
+            return rope.attention_factor
+        original = rope.original_max_position_embeddings
+        factor = rope.max_position_embeddings / original
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
     if rope.type != "yarn":
         return 1.0
     if rope.attention_factor is not None:
@@ -71,14 +81,33 @@ class Rotary(nn.Module):
 
     inv_freq: torch.Tensor
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, rope: RopeConfig, head_dim: int):
         super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
-        self.attention_factor = rope_attention_factor(cfg.rope)
+        self.register_buffer("inv_freq", rope_inv_freq(rope, head_dim), persistent=False)
+        self.attention_factor = rope_attention_factor(rope)
+        # LongRoPE: the long factors' frequencies, for a sequence longer than the original context
+        self.long_inv_freq = rope_inv_freq(rope, head_dim, long=True) if rope.type == "longrope" else None
+        self.original_context = rope.original_max_position_embeddings
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin: [T, D] in ``dtype`` (HF computes them in float32, then casts)."""
+    def long_rows(self, query_start: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor | None:
+        """LongRoPE: which of the step's rows take the long factors: those of a sequence whose
+        context is now longer than the original, as transformers and vLLM decide it (by the
+        length so far: a sequence's keys cached before it grew keep the short rotation). None
+        where no row does."""
+        if self.long_inv_freq is None or not bool((context_lens > self.original_context).any()):
+            return None
+        per_sequence = context_lens > self.original_context
+        return per_sequence.repeat_interleave((query_start[1:] - query_start[:-1]).long())
+
+    def tables(
+        self, positions: torch.Tensor, dtype: torch.dtype, long_rows: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin: [T, D] in ``dtype`` (HF computes them in float32, then casts); ``long_rows``
+        [T]: LongRoPE's rows that take the long factors."""
         freqs = torch.outer(positions.float(), self.inv_freq)
+        if long_rows is not None and self.long_inv_freq is not None:
+            long = torch.outer(positions.float(), self.long_inv_freq)
+            freqs = torch.where(long_rows[:, None], long, freqs)
         emb = torch.cat((freqs, freqs), dim=-1)
         del freqs
         if self.attention_factor != 1.0:

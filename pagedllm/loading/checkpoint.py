@@ -26,6 +26,7 @@ from ..distributed.shards import RankShard, Slice
 from ..errors import ModelLoadError
 from ..layers.linear import Linear, StackedRows
 from ..layers.moe import ROUTER_SUFFIXES
+from ..layers.norm import RMSNorm
 from ..layers.quantized import INT8_COMPUTE, QuantizedEmbedding, QuantizedLinear, QuantizedWeight
 from ..memory.machine import return_freed_heap
 from ..models import DecoderLM
@@ -92,7 +93,7 @@ def load_decoder(
 
     place = _placer(cfg, slots, loaded, dtype, backend, shard)
     select = _rank_slices(path_of=model_dir, shard=shard) if shard is not None else None
-    unfuse = cfg.family.unfuse or (lambda name, value: None)
+    unfuse = cfg.family.unfuse or (lambda name, value, cfg: None)
     for path, header, start in headers:
         for name, tensor in iter_tensors(path, header, start, dtype, destination, keep_dtype, select):
             value: torch.Tensor | QuantizedWeight = tensor
@@ -104,8 +105,8 @@ def load_decoder(
                 name, value = base, _quantized_weight(path, base, pieces.pop(base))
             if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
                 continue
-            if isinstance(value, torch.Tensor) and (parts := unfuse(name, value)) is not None:
-                for part_name, part in parts:  # gpt-oss's fused experts, one expert's tensor at a time
+            if isinstance(value, torch.Tensor) and (parts := unfuse(name, value, cfg)) is not None:
+                for part_name, part in parts:  # gpt-oss's fused experts, Phi-3's q/k/v and gate/up
                     place(path, part_name, cast(torch.Tensor, part))
             else:
                 place(path, name, value)
@@ -125,6 +126,8 @@ def _placer(
 ):
     """What puts one checkpoint tensor into its slot (``DecoderLM.checkpoint_slots``), recording
     its name in ``loaded``."""
+
+    offset = cfg.family.norm_weight_offset
 
     def place(path: Path, name: str, value: torch.Tensor | QuantizedWeight) -> None:
         """One checkpoint tensor into its slot, converted as the slot holds it."""
@@ -148,6 +151,8 @@ def _placer(
         if stacked is not None:
             stacked.load_part(leaf, part or 0, value)
         else:
+            if isinstance(module, RMSNorm) and offset:
+                value = value.float() + offset  # Gemma's (1 + weight), added in float32 as transformers does
             module._parameters[leaf] = nn.Parameter(value.to(dtype), requires_grad=False)
         loaded.add(name)
 

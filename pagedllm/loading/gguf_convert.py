@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 _GGUF_ROLES = {
     "attn_norm": "attn_norm",
     "ffn_norm": "mlp_norm",
+    "post_attention_norm": "attn_out_norm",
+    "post_ffw_norm": "mlp_out_norm",
     "attn_q": "q",
     "attn_k": "k",
     "attn_v": "v",
@@ -91,7 +93,8 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
     arch = str(meta.get("general.architecture"))
     tensors = {t.name: t for t in reader.tensors}
     family = family_of_gguf(arch, int(meta.get(f"{arch}.expert_count") or 0) > 0, str(gguf_path))
-    if "rope_freqs.weight" in tensors or meta.get(f"{arch}.rope.scaling.type", "none") not in ("none",):
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if "rope_freqs.weight" in tensors or scaling not in ("none", *family.gguf_rope_scalings):
         raise UnsupportedModelError(f"{gguf_path}: GGUF rope scaling is not supported; load the HF checkpoint instead")
     if "token_embd.weight" not in tensors:
         raise ModelLoadError(f"{gguf_path}: GGUF file has no token_embd.weight tensor")
@@ -107,6 +110,8 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
     permute = family.gguf_permuted_qk
     unpacked: dict[str, gguf_quants.QuantizedTensor] = {}  # the one quantized tensor being written
 
+    offset = family.norm_weight_offset
+
     def produce(spec_name: str) -> torch.Tensor:
         for suffix, field in ((QWEIGHT, "qweight"), (SCALE, "scale"), (ZERO, "zero")):
             if spec_name.endswith(suffix):
@@ -115,7 +120,9 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
                     unpacked.clear()
                     unpacked[hf_name] = _unpack(*sources[hf_name], hf_name, config, permute, gguf_path)
                 return torch.from_numpy(np.ascontiguousarray(getattr(unpacked[hf_name], field)))
-        return _dequantize(*sources[spec_name], spec_name, config, permute)
+        w = _dequantize(*sources[spec_name], spec_name, config, permute)
+        # Gemma: llama.cpp stores each norm's (1 + weight); the checkpoint holds the weight
+        return w - offset if offset and spec_name.endswith("norm.weight") else w
 
     write_streaming(out_dir / "model.safetensors", specs, produce, {"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
@@ -178,6 +185,8 @@ def _hf_config(meta: dict, arch: str, family: Family, tensors: dict, path: Path)
         "tie_word_embeddings": "output.weight" not in tensors,
         "torch_dtype": "float32",
     }
+    if family.gguf_config is not None:
+        cfg.update(family.gguf_config(get))
     if family.experts is not None:
         cfg.update(_moe_config(get, family, family.experts, int(get("block_count")), tensors, path, arch))
     for key, hf in (("tokenizer.ggml.bos_token_id", "bos_token_id"), ("tokenizer.ggml.eos_token_id", "eos_token_id")):

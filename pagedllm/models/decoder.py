@@ -47,7 +47,8 @@ class Attention(nn.Module):
         self.layer = layer
         self.backend = backend
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_scale or cfg.head_dim**-0.5
+        self.rope = cfg.rope_of_layer(layer)  # which of the step's rotary tables; None: no positions
         self.window = cfg.sliding_windows[layer] if cfg.sliding_windows else None
         h, d = cfg.hidden_size, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
@@ -61,7 +62,8 @@ class Attention(nn.Module):
         # gpt-oss: a logit per head that joins every softmax's denominator (float32 when attending)
         self.sinks = nn.Parameter(torch.empty(cfg.num_heads), requires_grad=False) if cfg.attention_sinks else None
 
-    def forward(self, x, cos, sin, attn):
+    def forward(self, x, ropes: dict[str, tuple[torch.Tensor, torch.Tensor]], attn):
+        """``ropes``: the step's rotary tables (cos, sin) by kind (``ModelConfig.rope_of_layer``)."""
         t, dq, dk = x.shape[0], self.q_size, self.kv_size
         qkv = self.qkv_proj(x)
         q = qkv[:, :dq].view(t, self.num_heads, self.head_dim)
@@ -75,7 +77,8 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
         if self.clip is not None:
             q, k, v = (y.clamp(-self.clip, self.clip) for y in (q, k, v))
-        self.backend.rotary_(q, k, cos, sin)
+        if self.rope is not None:
+            self.backend.rotary_(q, k, *ropes[self.rope])
         sinks = self.sinks.float() if self.sinks is not None else None
         out = attn.attend(self.layer, q, k, v, self.scale, self.window, sinks)
         del q, k, v, qkv
@@ -83,12 +86,31 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Attention then an MLP, each after a norm and added to the residual stream. With
+    ``sandwich_norms`` (Gemma) each sub-layer's output is normed too before its add; the norms
+    keep the checkpoint's names (Gemma's ``post_attention_layernorm`` is the attention's output
+    norm, ``pre_feedforward_layernorm`` the MLP's input norm)."""
+
     def __init__(self, cfg: ModelConfig, layer: int, backend: Backend):
         super().__init__()
         self.self_attn = Attention(cfg, layer, backend)
         self.mlp: MLP | SparseMoE = SparseMoE(cfg, backend) if cfg.is_moe_layer(layer) else MLP(cfg, backend)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+
+        def norm() -> RMSNorm:
+            return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+
+        self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()
+        self.pre_feedforward_layernorm = norm() if cfg.sandwich_norms else None
+        self.post_feedforward_layernorm = norm() if cfg.sandwich_norms else None
+
+    @property
+    def mlp_norm(self) -> RMSNorm:
+        return self.pre_feedforward_layernorm or self.post_attention_layernorm
+
+    @property
+    def attn_out_norm(self) -> RMSNorm | None:
+        return self.post_attention_layernorm if self.pre_feedforward_layernorm is not None else None
 
 
 class DecoderBody(nn.Module):
@@ -101,7 +123,20 @@ class DecoderBody(nn.Module):
         )
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
-        self.rotary = Rotary(cfg)
+        self.rotary = Rotary(cfg.rope, cfg.head_dim)
+        self.local_rotary = Rotary(cfg.local_rope, cfg.head_dim) if cfg.local_rope is not None else None
+
+    def rope_tables(
+        self, positions: torch.Tensor, dtype: torch.dtype, layout
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The step's rotary tables by kind: "global", and "local" where sliding layers have
+        their own; ``layout`` (the step's ``StepLayout``) says which rows' sequences have outgrown
+        LongRoPE's original context."""
+        long_rows = self.rotary.long_rows(layout.query_start, layout.context_lens)
+        tables = {"global": self.rotary.tables(positions, dtype, long_rows)}
+        if self.local_rotary is not None:
+            tables["local"] = self.local_rotary.tables(positions, dtype)
+        return tables
 
     def decoder_layers(self) -> list[DecoderLayer]:
         return cast(list[DecoderLayer], list(self.layers))
@@ -238,11 +273,11 @@ class DecoderLM(nn.Module):
         pool); the K/V of every layer written to the cache on the way."""
         body = self.model
         h = self.embed(input_ids)  # the residual stream: this step's own buffer, added to in place
-        cos, sin = body.rotary.tables(positions, h.dtype)
+        ropes = body.rope_tables(positions, h.dtype, attn.layout)
         program = self.decode_program()
         if program is not None and program.takes(h.shape[0], attn.layout.query_start.numel() - 1, h.dtype):
-            return program.run(h, cos, sin, attn)
-        return self.layer_loop(h, cos, sin, attn)
+            return program.run(h, ropes, attn)
+        return self.layer_loop(h, ropes, attn)
 
     @torch.inference_mode()
     def logits(self, x: torch.Tensor, logits_rows: torch.Tensor) -> torch.Tensor:
@@ -257,7 +292,7 @@ class DecoderLM(nn.Module):
         whole = tp.gather_rows(logits)  # [R, padded vocabulary] on the driver, None elsewhere
         return whole[:, : self.vocab_size] if whole is not None else logits[:0]
 
-    def layer_loop(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
+    def layer_loop(self, h: torch.Tensor, ropes: dict[str, tuple[torch.Tensor, torch.Tensor]], attn) -> torch.Tensor:
         """Every decoder layer, then the final norm; ``h`` is added to in place."""
         body, tp = self.model, self.tensor_parallel
         layers = body.decoder_layers()
@@ -265,9 +300,15 @@ class DecoderLM(nn.Module):
         summed = tp.all_reduce_ if tp is not None else _whole
         for i, layer in enumerate(layers):
             # each sub-layer's residual add is fused with the norm that follows it
-            x = add_rms_norm(h, summed(layer.self_attn(x, cos, sin, attn)), layer.post_attention_layernorm)
+            x = summed(layer.self_attn(x, ropes, attn))
+            if layer.attn_out_norm is not None:
+                x = layer.attn_out_norm(x)
+            x = add_rms_norm(h, x, layer.mlp_norm)
             following = layers[i + 1].input_layernorm if i + 1 < len(layers) else body.norm
-            x = add_rms_norm(h, summed(layer.mlp(x)), following)
+            x = summed(layer.mlp(x))
+            if layer.post_feedforward_layernorm is not None:
+                x = layer.post_feedforward_layernorm(x)
+            x = add_rms_norm(h, x, following)
         return x
 
     def decode_program(self) -> DecodeProgram | None:
@@ -297,12 +338,19 @@ class DecoderLM(nn.Module):
         (zeros for the others) and the ranks' rows are summed."""
         embed_tokens = self.model.embed_tokens
         if self.tensor_parallel is None:
-            return embed_tokens(input_ids)
+            return self._scaled(embed_tokens(input_ids))
         local = input_ids - self.vocab_rows.start
         elsewhere = (local < 0) | (local >= len(self.vocab_rows))
         h = embed_tokens(local.masked_fill(elsewhere, 0))
         h.masked_fill_(elsewhere[:, None], 0)
-        return self.tensor_parallel.all_reduce_(h)
+        return self._scaled(self.tensor_parallel.all_reduce_(h))
+
+    def _scaled(self, h: torch.Tensor) -> torch.Tensor:
+        """Gemma's embeddings times sqrt(hidden), the multiplier rounded to the activation dtype
+        first, as transformers does; in place (``h`` is this step's own)."""
+        if self.config.embedding_multiplier != 1.0:
+            h.mul_(torch.tensor(self.config.embedding_multiplier, dtype=h.dtype))
+        return h
 
 
 def _expert_roles(moe: SparseMoE) -> dict[Linear, tuple[str, ...]]:

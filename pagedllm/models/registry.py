@@ -8,17 +8,33 @@ from __future__ import annotations
 
 from ..errors import UnsupportedModelError
 from .family import Family
+from .gemma3.spec import FAMILY as GEMMA3
 from .gpt_oss.spec import FAMILY as GPT_OSS
 from .llama.spec import FAMILY as LLAMA
 from .mistral.spec import FAMILY as MISTRAL
 from .mixtral.spec import FAMILY as MIXTRAL
 from .olmoe.spec import FAMILY as OLMOE
+from .phi3.spec import FAMILY as PHI3
 from .qwen2.spec import FAMILY as QWEN2
 from .qwen2_moe.spec import FAMILY as QWEN2_MOE
 from .qwen3.spec import FAMILY as QWEN3
 from .qwen3_moe.spec import FAMILY as QWEN3_MOE
+from .smollm3.spec import FAMILY as SMOLLM3
 
-FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, OLMOE, QWEN2_MOE, QWEN3_MOE, GPT_OSS)
+FAMILIES: tuple[Family, ...] = (
+    LLAMA,
+    MISTRAL,
+    QWEN2,
+    QWEN3,
+    GEMMA3,
+    SMOLLM3,
+    PHI3,
+    MIXTRAL,
+    OLMOE,
+    QWEN2_MOE,
+    QWEN3_MOE,
+    GPT_OSS,
+)
 
 _BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES}
 _BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES}

@@ -3,8 +3,10 @@
 At one request the Python between a layer's ~10 ops cost a large part of each token (one
 request as stored ran 1.44x faster without it: docs/benchmarks.md). ``DecodeProgram`` hands the
 compiled ``DecodeStep`` every layer's weights once, as the layers hold them (oneDNN-packed,
-tile-packed, plain, quantized or int8 segments, biases, Qwen3's q/k norms, sliding windows),
-and runs all layers of a step in one call with the kernels the layers call, in the same order.
+tile-packed, plain, quantized or int8 segments, biases, Qwen3's q/k norms, sliding windows,
+Gemma's norms around each sub-layer, its GELU and its two rotary tables, SmolLM3's layers
+without positions), and runs all layers of a step in one call with the kernels the layers call,
+in the same order.
 It runs a step whose every row decodes (one new token per sequence) or of at most
 ``SMALL_STEP_TOKENS`` tokens (rows with speculative guesses, a short prompt); longer steps, the
 PyTorch backend and a split model keep the Python layer loop, which stays the reference.
@@ -30,6 +32,8 @@ SMALL_STEP_TOKENS = 64
 
 # The compiled program's linear kinds (decode_step.cpp's LinearKind).
 PLAIN, ONEDNN, TILES, QUANT, INT8 = range(5)
+# A layer's rotary tables (``ModelConfig.rope_of_layer``) as decode_step.cpp's RopeKind.
+ROPE_KINDS = {None: 0, "global": 1, "local": 2}
 
 
 class NotProgrammable(Exception):
@@ -65,15 +69,18 @@ class DecodeProgram:
             raise NotProgrammable("sparse MLPs and OLMoE's attention run in the Python layer loop")
         layers = model.model.decoder_layers()
         attn0 = layers[0].self_attn
-        self.step = step_class(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, attn0.scale)
+        self.step = step_class(
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, attn0.scale, cfg.activation == "gelu_tanh"
+        )
         self.backend = model.backend
         self.packed_quantized = False  # any layer on quant_linear, whose row rule the backend keeps
         none = torch.empty(0)
         for layer in layers:
             a = layer.self_attn
-            norms = [layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data]
-            norms += [n.weight.data if n is not None else none for n in (a.q_norm, a.k_norm)]
-            self.step.add_layer(norms, a.window or 0)
+            norms = [layer.input_layernorm.weight.data, layer.mlp_norm.weight.data]
+            optional = (a.q_norm, a.k_norm, layer.attn_out_norm, layer.post_feedforward_layernorm)
+            norms += [n.weight.data if n is not None else none for n in optional]
+            self.step.add_layer(norms, a.window or 0, ROPE_KINDS[a.rope])
             mlp: Any = layer.mlp  # dense: a sparse one raised NotProgrammable above
             for which, linear in enumerate((a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)):
                 kind, tensors, ints, bias = _linear_args(linear)
@@ -89,15 +96,21 @@ class DecodeProgram:
         small = tokens == sequences or tokens <= SMALL_STEP_TOKENS
         return small and (not self.packed_quantized or self.backend.quant_kernel_takes(tokens, dtype))
 
-    def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: CompiledPagedAttention) -> torch.Tensor:
-        """h: the step's embeddings (the residual stream, added to in place). Returns the final
-        norm of the last layer's output, as the Python loop does."""
+    def run(
+        self, h: torch.Tensor, ropes: dict[str, tuple[torch.Tensor, torch.Tensor]], attn: CompiledPagedAttention
+    ) -> torch.Tensor:
+        """h: the step's embeddings (the residual stream, added to in place); ropes: the rotary
+        tables by kind (``DecoderBody.rope_tables``). Returns the final norm of the last layer's
+        output, as the Python loop does."""
         lay, cache = attn.layout, attn.cache
         scales = (cache.k_scale, cache.v_scale) if cache.quantized else ([], [])
+        none = torch.empty(0)
+        local_cos, local_sin = ropes.get("local", (none, none))
         return self.step.run(
             h,
-            cos,
-            sin,
+            *ropes["global"],
+            local_cos,
+            local_sin,
             cache.k,
             cache.v,
             *scales,

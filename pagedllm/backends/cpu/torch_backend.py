@@ -66,6 +66,9 @@ class CPUTorchBackend(Backend):
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return pointwise.silu_mul(gate_up)
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return pointwise.gelu_tanh_mul(gate_up)  # the compiled backend too: no kernel of its own yet
+
     def rotary_(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         pointwise.rotary_(q, k, cos, sin)
 

@@ -7,6 +7,7 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/gelu.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/zeros.h>
 #include <torch/custom_class.h>
@@ -39,10 +40,15 @@ struct LinearW {
   c10::optional<Tensor> bias;
 };
 
+// Which rotary tables a layer's q and k take (ModelConfig.rope_of_layer).
+enum RopeKind : int64_t { kNoRope = 0, kGlobalRope = 1, kLocalRope = 2 };
+
 struct LayerW {
-  Tensor input_norm, post_norm;
-  c10::optional<Tensor> q_norm, k_norm;  // Qwen3's per-head norms
-  int64_t window = 0;  // sliding window (Mistral), 0: none
+  Tensor input_norm, mlp_norm;  // the attention's input norm, the MLP's
+  c10::optional<Tensor> q_norm, k_norm;  // Qwen3's and Gemma's per-head norms
+  c10::optional<Tensor> attn_out_norm, mlp_out_norm;  // Gemma: each sub-layer's output normed before its add
+  int64_t window = 0;  // sliding window (Mistral, Gemma's sliding layers), 0: none
+  int64_t rope = kGlobalRope;
   LinearW qkv, o, gate_up, down;
 };
 
@@ -93,22 +99,28 @@ c10::optional<Tensor> maybe(const Tensor& t) {
 struct DecodeStep : torch::CustomClassHolder {
   int64_t heads, kv_heads, head_dim;
   double eps, scale;
+  bool gelu;  // the MLP's gate through GELU (tanh; Gemma), else SiLU
   std::vector<LayerW> layers;
   Tensor final_norm;
 
-  // scale: the attention's (the model's own, head_dim ** -0.5 as Python computes it)
-  DecodeStep(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
-      : heads(heads), kv_heads(kv_heads), head_dim(head_dim), eps(eps), scale(scale) {}
+  // scale: the attention's (the model's own, as Python computes it)
+  DecodeStep(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale, bool gelu)
+      : heads(heads), kv_heads(kv_heads), head_dim(head_dim), eps(eps), scale(scale), gelu(gelu) {}
 
-  // norms: [input, post, q_norm or undefined, k_norm or undefined]; then layers get their linears.
-  void add_layer(std::vector<Tensor> norms, int64_t window) {
-    TORCH_CHECK(norms.size() == 4, "add_layer: four norm weights (q/k ones may be empty tensors)");
+  // norms: [input, mlp, q_norm, k_norm, attn_out_norm, mlp_out_norm], an empty tensor for one the
+  // layer lacks; rope: a RopeKind. Then the layer gets its linears.
+  void add_layer(std::vector<Tensor> norms, int64_t window, int64_t rope) {
+    TORCH_CHECK(norms.size() == 6, "add_layer: six norm weights (all but the first two may be empty tensors)");
+    TORCH_CHECK(rope >= kNoRope && rope <= kLocalRope, "add_layer: rope kind 0..2");
     LayerW l;
     l.input_norm = norms[0];
-    l.post_norm = norms[1];
+    l.mlp_norm = norms[1];
     l.q_norm = maybe(norms[2]);
     l.k_norm = maybe(norms[3]);
+    l.attn_out_norm = maybe(norms[4]);
+    l.mlp_out_norm = maybe(norms[5]);
     l.window = window;
+    l.rope = rope;
     layers.push_back(std::move(l));
   }
 
@@ -133,6 +145,10 @@ struct DecodeStep : torch::CustomClassHolder {
 
   void set_final_norm(Tensor w) { final_norm = w; }
 
+  struct Ropes {
+    const Tensor &cos, &sin, &local_cos, &local_sin;  // local: empty unless sliding layers have their own
+  };
+
   struct Cache {
     const std::vector<Tensor>&k, &v, &k_scales, &v_scales;  // per layer; scales empty unless 8-bit
     const Tensor &query_start, &context_lens, &block_tables;
@@ -141,7 +157,7 @@ struct DecodeStep : torch::CustomClassHolder {
 
   // Layer i's attention of x [T, hidden]: q/k/v, Qwen3's norms, rotary, the paged cache; its
   // output [T, heads * head_dim] in x's dtype (the q/k/v rows are freed before o_proj runs).
-  Tensor attention(int64_t i, const Tensor& x, const Tensor& cos, const Tensor& sin, const Cache& c) const {
+  Tensor attention(int64_t i, const Tensor& x, const Ropes& r, const Cache& c) const {
     const LayerW& l = layers[i];
     const int64_t t = x.size(0), dq = heads * head_dim, dk = kv_heads * head_dim;
     const Tensor qkv = apply(l.qkv, x);
@@ -152,7 +168,8 @@ struct DecodeStep : torch::CustomClassHolder {
       q = rms_norm(q.contiguous().view({t * heads, head_dim}), *l.q_norm, eps).view({t, heads, head_dim});
       k = rms_norm(k.contiguous().view({t * kv_heads, head_dim}), *l.k_norm, eps).view({t, kv_heads, head_dim});
     }
-    rotary(q, k, cos, sin);
+    if (l.rope == kGlobalRope) rotary(q, k, r.cos, r.sin);
+    if (l.rope == kLocalRope) rotary(q, k, r.local_cos, r.local_sin);
     const bool eight_bit = !c.k_scales.empty();
     const auto cache_dtype = c.k[i].scalar_type();
     if (!eight_bit && cache_dtype != x.scalar_type()) {  // the kernel computes in the cache's dtype
@@ -170,7 +187,8 @@ struct DecodeStep : torch::CustomClassHolder {
   // h: the step's embeddings [T, hidden], the residual stream (added to in place). Returns the
   // final norm of the last layer's output, [T, hidden]. k_scales/v_scales: empty lists unless the
   // cache is 8-bit.
-  Tensor run(Tensor h, const Tensor& cos, const Tensor& sin, std::vector<Tensor> k_cache, std::vector<Tensor> v_cache,
+  Tensor run(Tensor h, const Tensor& cos, const Tensor& sin, const Tensor& local_cos, const Tensor& local_sin,
+             std::vector<Tensor> k_cache, std::vector<Tensor> v_cache,
              std::vector<Tensor> k_scales, std::vector<Tensor> v_scales, const Tensor& query_start,
              const Tensor& context_lens, const Tensor& block_tables, int64_t block_size, int64_t pairs_budget) {
     const int64_t n = int64_t(layers.size());
@@ -178,15 +196,31 @@ struct DecodeStep : torch::CustomClassHolder {
                 "run: one K and one V cache per layer, and the final norm set");
     const Cache cache{k_cache, v_cache, k_scales, v_scales, query_start, context_lens, block_tables, block_size,
                       pairs_budget};
+    const Ropes ropes{cos, sin, local_cos, local_sin};
     Tensor x = rms_norm(h, layers[0].input_norm, eps);
     for (int64_t i = 0; i < n; ++i) {
       const LayerW& l = layers[i];
-      x = add_rms_norm(h, apply(l.o, attention(i, x, cos, sin, cache)), l.post_norm, eps);
+      {  // the attention's output goes before the MLP runs
+        Tensor attended = apply(l.o, attention(i, x, ropes, cache));
+        if (l.attn_out_norm.has_value()) attended = rms_norm(attended, *l.attn_out_norm, eps);
+        x = add_rms_norm(h, attended, l.mlp_norm, eps);
+      }
       const Tensor following = i + 1 < n ? layers[i + 1].input_norm : final_norm;
-      Tensor act = silu_mul(apply(l.gate_up, x));  // gate/up freed here, before down runs
-      x = add_rms_norm(h, apply(l.down, act), following, eps);
+      Tensor act = activation(apply(l.gate_up, x));  // gate/up freed here, before down runs
+      Tensor out = apply(l.down, act);
+      act.reset();
+      if (l.mlp_out_norm.has_value()) out = rms_norm(out, *l.mlp_out_norm, eps);
+      x = add_rms_norm(h, out, following, eps);
     }
     return x;
+  }
+
+  // gate_up = [gate | up]: silu(gate) * up (the kernel), or Gemma's gelu(gate, tanh) * up in
+  // ATen's ops, as layers/pointwise.py computes it.
+  Tensor activation(const Tensor& gate_up) const {
+    if (!gelu) return silu_mul(gate_up);
+    const int64_t inner = gate_up.size(1) / 2;
+    return at::gelu(gate_up.narrow(1, 0, inner), "tanh").mul_(gate_up.narrow(1, inner, inner));
   }
 };
 
@@ -194,7 +228,7 @@ struct DecodeStep : torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.class_<pagedllm::DecodeStep>("DecodeStep")
-      .def(torch::init<int64_t, int64_t, int64_t, double, double>())
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, bool>())
       .def("add_layer", &pagedllm::DecodeStep::add_layer)
       .def("add_linear", &pagedllm::DecodeStep::add_linear)
       .def("set_final_norm", &pagedllm::DecodeStep::set_final_norm)

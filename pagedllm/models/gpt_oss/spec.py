@@ -19,7 +19,7 @@ from ..family import DENSE_LAYER_NAMES, Experts, Family
 _EXPERTS = "mlp.experts"
 
 
-def unfuse(name: str, tensor) -> list[tuple[str, object]] | None:
+def unfuse(name: str, tensor, cfg=None) -> list[tuple[str, object]] | None:
     """The per-expert tensors of a fused one (``name`` under ``model.layers.N.``), or None for a
     tensor that is not fused. Slices only: works on any array type, torch's included."""
     prefix, _, leaf = name.rpartition(".")

@@ -1,0 +1,1 @@
+"""SmolLM3: Llama with every fourth layer's rotary positions left out (NoPE)."""
