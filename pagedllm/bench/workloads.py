@@ -77,6 +77,10 @@ class Workload:
 
 
 def _chat_ids(tokenizer, content: str, system: str | None = None) -> list[int]:
+    """A chat turn's prompt; for a base model (a tokenizer without a chat template) the text
+    itself, system text first, with the tokenizer's special tokens as a plain prompt has them."""
+    if not getattr(tokenizer, "chat_template", None):
+        return tokenizer.encode(f"{system}\n\n{content}" if system else content, add_special_tokens=True)
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return tokenizer.encode(text, add_special_tokens=False)
