@@ -399,7 +399,10 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
     # alive from its passes before the step to the step's sampling
     drafted = shape.sampled * (s.gathered_vocab or v) * 4 if s.draft_weights_bytes else 0
     x = step_buffers(shape, s.block_size, window_sizes, compiled) + SCALAR_SLACK + drafted
-    base = x + t * h * e + 2 * t * d * e  # buffers, residual stream, rotary tables (cos, sin)
+    # one (cos, sin) pair per kind of rotary table: "local" beside "global" (Gemma 3's sliding layers)
+    rope_kinds = 2 if cfg.local_rope is not None else 1
+    tables = rope_kinds * 2 * t * d * e
+    base = x + t * h * e + tables  # buffers, residual stream, rotary tables
     xn = th = t * h * e
     norm = 0 if compiled else _norm_transient(t, h, e)
     if compiled:  # the attention kernel's only tensor is its output; rotary works in place
@@ -415,7 +418,7 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
     qkv = qkv_out + (t * (dq + dk) * e if cfg.qk_norm else 0)  # normed q and k: new tensors
     phases = {
         "embedding": x + th + INDEX * t,
-        "rotary tables": x + th + 12 * t * d,
+        "rotary tables": x + th + tables - 2 * t * d * e + 12 * t * d,  # the last pair in float32
         "attention norm": base + xn + norm,
         "q/k/v projections": base + xn + gemm(t, h, dq + 2 * dk),
         "rotary": base + xn + qkv + rotary,

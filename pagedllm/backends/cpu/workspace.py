@@ -66,8 +66,9 @@ def gemm_scratch(
 
     - ``amx``: a bound, not a fit: oneDNN picks among kernels by shape, some of which pack the
       input (rows x k x 4 bytes, more with more threads) and, on plain weights, the weights
-      (k x n, blocked at 512 x 4096); per thread a few KiB of tiles up to 32 rows, then 128
-      bytes a row (measured on k in [64, 4096], n in [64, 49152], rows in [1, 512], 1-8 threads).
+      (k x n, blocked at 512 x 4096: only from 192 rows, or above 32 with k over 1024); per
+      thread a few KiB of tiles up to 32 rows, then 128 bytes a row (measured on k in [64, 4096],
+      n in [64, 49152], rows in [1, 512], 1-8 threads).
     - ``avx512_bf16`` (no AMX): each thread accumulates a block of up to 256 rows x 64 columns
       in fp32; plain weights add each thread's copy of an input block (k up to 512 columns, up to
       1024 above 1024) (measured on k in [64, 8192], n in [32, 49152], rows in [1, 512], 1-8 threads).
@@ -100,7 +101,7 @@ def gemm_scratch(
     if packed:
         return tiles + input_copy
     weight_copy = (64 if 1 < rows <= 32 else 128) * t * k  # plain weights are packed per call
-    if rows > 32:
+    if rows >= 192 or (rows > 32 and k > 1024):  # ... in blocks, by the kernels of these shapes only
         weight_copy += 4 * min(n, 4096) * min(k, 512) * ceil_div(t, 2)
     return tiles + input_copy + weight_copy
 
