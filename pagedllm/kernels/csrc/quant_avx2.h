@@ -72,8 +72,9 @@ void tile_of(const QuantMatrix& m, const float* X, int64_t ldx, int64_t n0, floa
   const int64_t bytes = m.row_bytes();
   const __m128i nibble = _mm_set1_epi8(15);
   for (int64_t k0 = 0; k0 < m.k; k0 += 8 * V) {  // m.step()
-    const int64_t group = m.group_of(k0);
+    const int64_t group = m.group_of(k0), at = m.byte_of(k0);
     for (int c = 0; c < NC; ++c) {
+      if ((at & 63) == 0) prefetch_ahead(m.q + (n0 + c) * bytes + at);
       if constexpr (MR == 1) {
         __m256 w[4];
         dequant_step(m, n0 + c, k0, w);

@@ -41,7 +41,9 @@ void tile(const QuantMatrix& m, const float* X, int64_t ldx, int64_t n0, float* 
       xlo[r] = _mm512_loadu_ps(X + r * ldx + k0);
       if (four) xhi[r] = _mm512_loadu_ps(X + r * ldx + k0 + 16);
     }
+    const int64_t at = m.byte_of(k0);
     for (int c = 0; c < NC; ++c) {
+      if ((at & 63) == 0) prefetch_ahead(m.q + (n0 + c) * m.row_bytes() + at);
       __m512 lo, hi = _mm512_setzero_ps();
       dequant_step(m, n0 + c, k0, lo, hi);
       for (int r = 0; r < MR; ++r) {
@@ -169,7 +171,9 @@ void tile_vnni(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, int64_t n
     load_x_groups<MR>(xr, row0, g0, xlo, xhi, xs);
     for (int c = 0; c < NC; ++c) {
       const int64_t n = n0 + c;
-      const __m512i v = load_groups(m.q + n * m.row_bytes() + g0 * 16, n_groups);
+      const uint8_t* p = m.q + n * m.row_bytes() + g0 * 16;
+      prefetch_ahead(p);
+      const __m512i v = load_groups(p, n_groups);
       const __m512i lo = _mm512_and_si512(v, nibble);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
       const __m512 s = _mm512_permutexvar_ps(spread, load_scales(m.scale + n * G + g0, n_groups));
@@ -221,7 +225,10 @@ void tile_vnni8(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, int64_t 
     for (int c = 0; c < NC; ++c) {
       const int64_t n = n0 + c;
       __m512i lo, hi;
-      load_groups8(m.q + n * m.row_bytes() + g0 * 32, n_groups, lo, hi);
+      const uint8_t* p = m.q + n * m.row_bytes() + g0 * 32;
+      prefetch_ahead(p);
+      prefetch_ahead(p + 64);
+      load_groups8(p, n_groups, lo, hi);
       const __m512 s = _mm512_permutexvar_ps(spread, load_scales(m.scale + n * G + g0, n_groups));
       for (int r = 0; r < MR; ++r) {
         __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo[r]);
