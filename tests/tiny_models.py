@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 COMMON = dict(
@@ -208,6 +209,7 @@ GGUF_ARCHS = {
     "mixtral": "LLAMA",
     "gemma3": "GEMMA3",
     "smollm3": "SMOLLM3",
+    "phi3": "PHI3",
 }
 # What llama.cpp assumes of a gemma3 file and its metadata does not say (one full layer in six,
 # the sliding layers' rope base 10k, scores scaled by 1/sqrt(head_dim)): a tiny Gemma 3 written
@@ -227,7 +229,7 @@ GGUF_OVERRIDES = {
 }
 
 
-def save_tiny_gguf(name: str, path: Path, seed: int = 0, experts: str = "F32", **overrides):
+def save_tiny_gguf(name: str, path: Path, seed: int = 0, experts: str = "F32", weights: str = "F32", **overrides):
     """A tiny model of ``name`` (a key of GGUF_ARCHS) as a GGUF file, named and laid out the way
     llama.cpp's converter writes that architecture, with a byte-level BPE tokenizer; returns the
     transformers model, holding the values the file does.
@@ -239,6 +241,9 @@ def save_tiny_gguf(name: str, path: Path, seed: int = 0, experts: str = "F32", *
     the transformers model then holds the values ``gguf.quants.dequantize`` gives back), its
     router float32 as llama.cpp keeps it, and its keys llama.cpp's: expert_count,
     expert_used_count, expert_feed_forward_length and expert_shared_feed_forward_length (Qwen).
+    ``weights``: the type of every layer's 2-D weight (its attention's and MLP's), so too.
+    Phi-3 is written as llama.cpp's phi3: q/k/v and gate/up fused as the checkpoint fuses them,
+    the LongRoPE factors as two tensors, the original context and the window in its metadata.
     Two liberties: a dense layer of a Qwen mixture (mlp_only_layers) is written under the dense
     names (ffn_gate/up/down), which llama.cpp's qwen2moe/qwen3moe maps lack (its converter
     refuses such a model); OLMoE's eps is the model's, where llama.cpp writes 1e-5."""
@@ -261,8 +266,14 @@ def save_tiny_gguf(name: str, path: Path, seed: int = 0, experts: str = "F32", *
     writer.add_value_length(head_dim)
     rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
     writer.add_rope_freq_base(float(rope["rope_theta"]))
-    if getattr(cfg, "sliding_window", None) and name == "gemma3":
+    if getattr(cfg, "sliding_window", None) and name in ("gemma3", "phi3"):
         writer.add_sliding_window(cfg.sliding_window)
+    if name == "phi3":
+        writer.add_rope_dimension_count(head_dim)
+        if rope.get("long_factor"):
+            writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+            writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+            writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     moe = name in MOE_ARCHS
     if moe:
@@ -306,6 +317,13 @@ def save_tiny_gguf(name: str, path: Path, seed: int = 0, experts: str = "F32", *
             continue
         gguf_base = names.get_name(base) or dense_names.get_name(base)
         values = tensor.to(torch.float32).numpy()
+        if weights != "F32" and base.startswith("model.layers.") and values.ndim == 2:
+            quant = gguf.GGMLQuantizationType[weights]
+            blocks = gguf.quants.quantize(values, quant)
+            writer.add_tensor(f"{gguf_base}.{suffix}", blocks, raw_dtype=quant)
+            with torch.no_grad():  # transformers runs on what the file holds
+                tensor.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, quant)))
+            continue
         if name == "gemma3" and suffix == "weight" and base.endswith("norm"):
             values = values + 1  # llama.cpp's converter stores Gemma's (1 + weight)
         if arch in (gguf.MODEL_ARCH.LLAMA, gguf.MODEL_ARCH.SMOLLM3) and base.endswith(("q_proj", "k_proj")):

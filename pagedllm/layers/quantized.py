@@ -64,6 +64,13 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scale, self.zero) if t is not None)
 
+    def __getitem__(self, rows: slice) -> QuantizedWeight:
+        """Rows of it, as a tensor's ``[lo:hi]``: a fused checkpoint tensor's parts (``Family.unfuse``)."""
+        start, stop, step = rows.indices(self.shape[0])
+        if step != 1:
+            raise ValueError("a quantized weight's rows are sliced in order only")
+        return self.rows(start, stop)
+
     def rows(self, start: int, stop: int) -> QuantizedWeight:
         zero = None if self.zero is None else self.zero[start:stop]
         return QuantizedWeight(self.qweight[start:stop], self.scale[start:stop], zero, self.bits, self.group)

@@ -105,9 +105,9 @@ def load_decoder(
                 name, value = base, _quantized_weight(path, base, pieces.pop(base))
             if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
                 continue
-            if isinstance(value, torch.Tensor) and (parts := unfuse(name, value, cfg)) is not None:
+            if (parts := unfuse(name, value, cfg)) is not None:
                 for part_name, part in parts:  # gpt-oss's fused experts, Phi-3's q/k/v and gate/up
-                    place(path, part_name, cast(torch.Tensor, part))
+                    place(path, part_name, cast(torch.Tensor | QuantizedWeight, part))
             else:
                 place(path, name, value)
     missing = sorted(set(slots) - loaded)

@@ -103,6 +103,8 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
     specs: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     sources: dict[str, tuple[object, int | None, tuple[int, ...]]] = {}  # (GGUF tensor, expert, shape)
     for name, t in tensors.items():
+        if name in family.gguf_config_tensors:  # read into config.json
+            continue
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         for hf, expert, part_shape in _hf_parts(name, shape, arch, family, config, gguf_path):
             _add_specs(specs, hf, t.tensor_type.name, part_shape, name, gguf_path)
@@ -186,7 +188,11 @@ def _hf_config(meta: dict, arch: str, family: Family, tensors: dict, path: Path)
         "torch_dtype": "float32",
     }
     if family.gguf_config is not None:
-        cfg.update(family.gguf_config(get))
+
+        def tensor(name: str) -> list[float] | None:
+            return [float(v) for v in np.asarray(tensors[name].data).ravel()] if name in tensors else None
+
+        cfg.update(family.gguf_config(get, tensor))
     if family.experts is not None:
         cfg.update(_moe_config(get, family, family.experts, int(get("block_count")), tensors, path, arch))
     for key, hf in (("tokenizer.ggml.bos_token_id", "bos_token_id"), ("tokenizer.ggml.eos_token_id", "eos_token_id")):
@@ -250,6 +256,8 @@ def _hf_parts(
         return [(_GLOBAL_NAMES[name], None, shape)]
     layer, _, rest = name.removeprefix("blk.").partition(".")
     gguf_role, _, leaf = rest.rpartition(".")
+    if name.startswith("blk.") and gguf_role in family.gguf_fused:  # split on loading (Family.unfuse)
+        return [(f"model.layers.{int(layer)}.{family.gguf_fused[gguf_role]}.{leaf}", None, shape)]
     role = _GGUF_ROLES.get(gguf_role)
     if not name.startswith("blk.") or role is None or role not in family.layer_names or leaf not in ("weight", "bias"):
         if re.fullmatch(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight", name):

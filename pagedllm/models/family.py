@@ -100,8 +100,13 @@ class Family:
     # input by a norm of its own (``mlp_norm`` then names it, ``attn_out_norm``/``mlp_out_norm`` the others)
     sandwich_norms: bool = False
     # the HF config fields a GGUF file of it implies beyond the common ones, from its metadata
-    # (``get(key, default)`` reads ``<arch>.<key>``): what llama.cpp hard-codes for the architecture
-    gguf_config: Callable[[Callable], dict] | None = None
+    # (``get(key, default)`` reads ``<arch>.<key>``) and the ``gguf_config_tensors`` it carries
+    # (``tensor(name)``: a float list, or None where the file has none): what llama.cpp
+    # hard-codes for the architecture, or writes as tensors (Phi-3's LongRoPE factors)
+    gguf_config: Callable[[Callable, Callable], dict] | None = None
+    gguf_config_tensors: tuple[str, ...] = ()
+    # llama.cpp's names of a layer's fused tensors -> the checkpoint's (``unfuse`` splits them)
+    gguf_fused: dict[str, str] = field(default_factory=dict)
     gguf_rope_scalings: tuple[str, ...] = ()  # the GGUF rope scaling types its gguf_config reads
 
     @property

@@ -17,7 +17,7 @@ LOCAL_ROPE_BASE = 10000.0
 GEMMA3_27B_HIDDEN = 5376
 
 
-def gguf_config(get) -> dict:
+def gguf_config(get, tensor) -> dict:
     layers, hidden = int(get("block_count")), int(get("embedding_length"))
     heads = int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", hidden // heads))

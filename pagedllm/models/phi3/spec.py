@@ -3,7 +3,11 @@ tensor (``self_attn.qkv_proj``) and gate/up in another (``mlp.gate_up_proj``, ga
 sliding window on every layer where the config sets one, and LongRoPE (short and long factors
 per rotary pair; ``layers/rotary.py``) on the long-context models. ``unfuse`` splits the fused
 tensors by rows into the roles the decoder stacks again. Phi-4-mini's rotary positions on part
-of each head (``partial_rotary_factor``) are refused by the config reader."""
+of each head (``partial_rotary_factor``) are refused by the config reader.
+
+llama.cpp writes its GGUF files as ``phi3`` with the same fused tensors (``attn_qkv``, and
+``ffn_up`` holding gate then up), q/k rows as HF keeps them, the LongRoPE factors as two tensors
+and the sliding window in its metadata (0: none, Phi-4)."""
 
 from __future__ import annotations
 
@@ -24,10 +28,35 @@ def unfuse(name: str, tensor, cfg) -> list[tuple[str, object]] | None:
     return None
 
 
+ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")
+
+
+def gguf_config(get, tensor) -> dict:
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    head_dim = hidden // heads
+    config: dict = {"sliding_window": int(get("attention.sliding_window", 0)) or None}
+    rotary = int(get("rope.dimension_count", head_dim))
+    if rotary != head_dim:  # refused by name by the config reader
+        config["partial_rotary_factor"] = rotary / head_dim
+    short, long = (tensor(name) for name in ROPE_FACTORS)
+    if long is not None:
+        config["rope_parameters"] = {
+            "rope_type": "longrope",
+            "rope_theta": float(get("rope.freq_base", 10000.0)),
+            "short_factor": short,
+            "long_factor": long,
+            "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
+        }
+    return config
+
+
 FAMILY = Family(
     architecture="Phi3ForCausalLM",
     model_type="phi3",
-    gguf_architecture=None,  # its GGUF files ("phi3": fused tensors, rope factors as tensors) are not read yet
+    gguf_architecture="phi3",
     sliding="every layer",
     unfuse=unfuse,
+    gguf_config=gguf_config,
+    gguf_config_tensors=ROPE_FACTORS,
+    gguf_fused={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
 )

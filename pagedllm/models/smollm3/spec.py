@@ -9,7 +9,7 @@ from ..family import Family
 NO_ROPE_EVERY = 4  # llama.cpp's n_no_rope_layer_step for smollm3
 
 
-def gguf_config(get) -> dict:
+def gguf_config(get, tensor) -> dict:
     layers = int(get("block_count"))
     return {"no_rope_layers": [0 if (i + 1) % NO_ROPE_EVERY == 0 else 1 for i in range(layers)]}
 
