@@ -20,6 +20,10 @@ from pagedllm.memory.planner import OVERHEAD_BYTES
 from pagedllm.structured import GRAMMAR_CACHE_BYTES
 
 MiB = 1024**2
+# What the same process's peak moves by with what ran before it on the machine (pages mapped or
+# not; no byte of the plan): the default model at 700 and 540 MiB peaked at 577 and 420-421 MiB
+# run alone, at 571 and 413 MiB after the suite's other serial tests (a 2-core AMX Xeon, Dec 4).
+RESIDENT_JITTER = 10 * MiB
 
 pytestmark = pytest.mark.serial  # peak resident memory against the budget: measured alone
 
@@ -103,11 +107,12 @@ def run_library(
 def check_within_and_used(r: dict, budget: int) -> None:
     """Within the budget; and the budget is used: the plan takes all of it, and everything the
     plan itemises is really resident, so only the overhead term's margin (with structured
-    output's grammar caches at their bound) can be left idle."""
+    output's grammar caches at their bound, and RESIDENT_JITTER) can be left idle."""
     print(f"peak RSS {r['hwm'] / MiB:.0f} MiB, plan {r['plan'] / MiB:.0f} MiB, budget {budget / MiB:.0f} MiB")
     assert r["budget"] == budget and r["plan"] >= 0.99 * budget
     assert r["hwm"] <= budget, f"peak RSS {r['hwm'] / MiB:.0f} MiB over the budget {budget / MiB:.0f} MiB"
-    assert r["hwm"] >= r["plan"] - r["overhead"], f"peak RSS {r['hwm'] / MiB:.0f} MiB leaves the budget idle"
+    least = r["plan"] - r["overhead"] - RESIDENT_JITTER
+    assert r["hwm"] >= least, f"peak RSS {r['hwm'] / MiB:.0f} MiB leaves the budget idle"
 
 
 WORKLOAD = [16 + 15 * i for i in range(16)]  # 16..241 tokens, like the benchmark's spread
