@@ -110,7 +110,7 @@ class CPUCompiledBackend(CPUTorchBackend):
         if not self.quant_kernel_takes(x.shape[0], x.dtype):
             return None
         if "quant_experts" not in moe.kernel_cache:
-            moe.kernel_cache["quant_experts"] = _quantized_expert_arguments(moe)
+            moe.kernel_cache["quant_experts"] = quantized_expert_arguments(moe)
         arguments = moe.kernel_cache["quant_experts"]
         if arguments is None:
             return None
@@ -145,7 +145,7 @@ class CPUCompiledBackend(CPUTorchBackend):
         )
 
 
-def _quantized_expert_arguments(moe: SparseMoE) -> tuple | None:
+def quantized_expert_arguments(moe: SparseMoE) -> tuple | None:
     """moe_quant_experts' weight arguments (gate/up's and down's qweights, scales, zeros, bits and
     group, one of each per expert), or None where an expert is not one quantized matrix each of a
     format shared by the layer."""

@@ -5,8 +5,11 @@ request as stored ran 1.44x faster without it: docs/benchmarks.md). ``DecodeProg
 compiled ``DecodeStep`` every layer's weights once, as the layers hold them (oneDNN-packed,
 tile-packed, plain, quantized or int8 segments, biases, Qwen3's q/k norms, sliding windows,
 Gemma's norms around each sub-layer, its GELU and its two rotary tables, SmolLM3's layers
-without positions), and runs all layers of a step in one call with the kernels the layers call,
-in the same order.
+without positions, a mixture's router and quantized experts), and runs all layers of a step in
+one call with the kernels the layers call, in the same order. A sparse layer runs in it where
+the backend's expert kernel would run it (``moe_quant_experts``: every expert quantized in one
+format, no biases, no clamp) and the router is a plain softmax over top_k (Qwen3-MoE, Mixtral);
+a shared expert (Qwen2-MoE), gpt-oss's routing and OLMoE's q/k norm keep the loop.
 It runs a step whose every row decodes (one new token per sequence) or of at most
 ``SMALL_STEP_TOKENS`` tokens (rows with speculative guesses, a short prompt); longer steps, the
 PyTorch backend and a split model keep the Python layer loop, which stays the reference.
@@ -20,6 +23,7 @@ import torch
 
 from ... import env
 from ...layers.linear import Linear
+from ...layers.moe import SparseMoE
 from ...layers.quantized import QuantizedLinear
 
 if TYPE_CHECKING:
@@ -60,13 +64,39 @@ def _linear_args(layer: torch.nn.Module) -> tuple[int, list[torch.Tensor], list[
     raise NotProgrammable(f"a {type(layer).__name__}")
 
 
+def _experts_args(moe: SparseMoE) -> tuple:
+    """``DecodeStep.add_experts``' arguments for a sparse layer the program runs, else NotProgrammable."""
+    from .compiled_backend import quantized_expert_arguments
+
+    if moe.shared_expert is not None or moe.router.bias is not None or moe.softmax_after_topk:
+        raise NotProgrammable("a shared expert, a biased router or gpt-oss's routing")
+    arguments = quantized_expert_arguments(moe)
+    if arguments is None:
+        raise NotProgrammable("experts the expert kernel does not take (float, mixed formats, biases)")
+    gu_q, gu_scale, gu_zero, gu_bits, gu_group, d_q, d_scale, d_zero, d_bits, d_group = arguments
+    none = torch.empty(0)
+
+    def triples(q, scale, zero) -> list[torch.Tensor]:
+        return [t for e in zip(q, scale, zero) for t in (e[0], e[1], none if e[2] is None else e[2])]
+
+    router = moe.router.weight.data
+    return (
+        router,
+        moe.top_k,
+        moe.normalize,
+        triples(gu_q, gu_scale, gu_zero),
+        triples(d_q, d_scale, d_zero),
+        [gu_bits, gu_group, d_bits, d_group],
+    )
+
+
 class DecodeProgram:
     """The compiled decode step of one model, built once its weights are loaded and packed."""
 
     def __init__(self, model: DecoderLM, step_class: Any):
         cfg = model.config
-        if cfg.moe is not None or cfg.qk_norm_scope != "head" or cfg.qkv_clip is not None:
-            raise NotProgrammable("sparse MLPs and OLMoE's attention run in the Python layer loop")
+        if cfg.qk_norm_scope != "head" or cfg.qkv_clip is not None:
+            raise NotProgrammable("OLMoE's attention runs in the Python layer loop")
         layers = model.model.decoder_layers()
         attn0 = layers[0].self_attn
         self.step = step_class(
@@ -81,8 +111,14 @@ class DecodeProgram:
             optional = (a.q_norm, a.k_norm, layer.attn_out_norm, layer.post_feedforward_layernorm)
             norms += [n.weight.data if n is not None else none for n in optional]
             self.step.add_layer(norms, a.window or 0, ROPE_KINDS[a.rope])
-            mlp: Any = layer.mlp  # dense: a sparse one raised NotProgrammable above
-            for which, linear in enumerate((a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+            mlp: Any = layer.mlp
+            linears = [a.qkv_proj, a.o_proj]
+            if isinstance(mlp, SparseMoE):
+                self.step.add_experts(*_experts_args(mlp))
+                self.packed_quantized = True  # its experts take the backend's row rule too
+            else:
+                linears += [mlp.gate_up_proj, mlp.down_proj]
+            for which, linear in enumerate(linears):
                 kind, tensors, ints, bias = _linear_args(linear)
                 self.packed_quantized |= kind == QUANT
                 self.step.add_linear(which, kind, tensors, ints, bias)

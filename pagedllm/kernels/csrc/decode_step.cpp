@@ -9,6 +9,8 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/topk.h>
 #include <ATen/ops/zeros.h>
 #include <torch/custom_class.h>
 
@@ -40,6 +42,18 @@ struct LinearW {
   c10::optional<Tensor> bias;
 };
 
+// A sparse MLP (layers/moe.py) whose experts moe_quant_experts runs: a float32 router, its
+// top_k experts renormalised or not, every expert's gate/up and down one quantized matrix each,
+// in one format per projection.
+struct ExpertsW {
+  Tensor router;  // float32 [experts, hidden]
+  int64_t top_k = 0;
+  bool normalize = false;
+  std::vector<Tensor> gate_up_q, gate_up_scale, down_q, down_scale;
+  c10::List<c10::optional<Tensor>> gate_up_zero, down_zero;
+  int64_t gate_up_bits = 0, gate_up_group = 0, down_bits = 0, down_group = 0;
+};
+
 // Which rotary tables a layer's q and k take (ModelConfig.rope_of_layer).
 enum RopeKind : int64_t { kNoRope = 0, kGlobalRope = 1, kLocalRope = 2 };
 
@@ -49,7 +63,8 @@ struct LayerW {
   c10::optional<Tensor> attn_out_norm, mlp_out_norm;  // Gemma: each sub-layer's output normed before its add
   int64_t window = 0;  // sliding window (Mistral, Gemma's sliding layers), 0: none
   int64_t rope = kGlobalRope;
-  LinearW qkv, o, gate_up, down;
+  LinearW qkv, o, gate_up, down;  // gate_up and down unused where experts is set
+  c10::optional<ExpertsW> experts;
 };
 
 // Rows a prepacked oneDNN GEMM runs on (layers/workspace.py padded_rows: one kernel per bucket).
@@ -143,6 +158,33 @@ struct DecodeStep : torch::CustomClassHolder {
     }
   }
 
+  // The last layer added is sparse: its router, and per expert [qweight, scale, zero (empty:
+  // none)] of gate/up then of down; formats: gate/up's bits and group, down's.
+  void add_experts(Tensor router, int64_t top_k, bool normalize, std::vector<Tensor> gate_up, std::vector<Tensor> down,
+                   std::vector<int64_t> formats) {
+    TORCH_CHECK(!layers.empty() && router.scalar_type() == at::kFloat, "add_experts: add a layer first; a float32 router");
+    const size_t experts = size_t(router.size(0));
+    TORCH_CHECK(gate_up.size() == 3 * experts && down.size() == 3 * experts && formats.size() == 4,
+                "add_experts: three tensors per expert for each projection, four formats");
+    ExpertsW m;
+    m.router = router;
+    m.top_k = top_k;
+    m.normalize = normalize;
+    for (size_t e = 0; e < experts; ++e) {
+      m.gate_up_q.push_back(gate_up[3 * e]);
+      m.gate_up_scale.push_back(gate_up[3 * e + 1]);
+      m.gate_up_zero.push_back(maybe(gate_up[3 * e + 2]));
+      m.down_q.push_back(down[3 * e]);
+      m.down_scale.push_back(down[3 * e + 1]);
+      m.down_zero.push_back(maybe(down[3 * e + 2]));
+    }
+    m.gate_up_bits = formats[0];
+    m.gate_up_group = formats[1];
+    m.down_bits = formats[2];
+    m.down_group = formats[3];
+    layers.back().experts = std::move(m);
+  }
+
   void set_final_norm(Tensor w) { final_norm = w; }
 
   struct Ropes {
@@ -206,13 +248,28 @@ struct DecodeStep : torch::CustomClassHolder {
         x = add_rms_norm(h, attended, l.mlp_norm, eps);
       }
       const Tensor following = i + 1 < n ? layers[i + 1].input_norm : final_norm;
-      Tensor act = activation(apply(l.gate_up, x));  // gate/up freed here, before down runs
-      Tensor out = apply(l.down, act);
-      act.reset();
+      Tensor out;
+      if (l.experts.has_value()) {
+        out = sparse(*l.experts, x);
+      } else {
+        Tensor act = activation(apply(l.gate_up, x));  // gate/up freed here, before down runs
+        out = apply(l.down, act);
+      }
       if (l.mlp_out_norm.has_value()) out = rms_norm(out, *l.mlp_out_norm, eps);
       x = add_rms_norm(h, out, following, eps);
     }
     return x;
+  }
+
+  // SparseMoE.route's arithmetic in its order (float32 logits, softmax, top_k, renormalised
+  // where the model does, then x's dtype), and the backend's sparse_experts kernel.
+  static Tensor sparse(const ExpertsW& m, const Tensor& x) {
+    const Tensor probs = at::softmax(at::linear(x.to(at::kFloat), m.router), -1);
+    auto [weights, experts] = at::topk(probs, m.top_k, -1);
+    if (m.normalize) weights.div_(weights.sum(-1, true));
+    return moe_quant_experts(x.contiguous(), experts, weights.to(x.scalar_type()), m.gate_up_q, m.gate_up_scale,
+                             m.gate_up_zero, m.gate_up_bits, m.gate_up_group, m.down_q, m.down_scale, m.down_zero,
+                             m.down_bits, m.down_group);
   }
 
   // gate_up = [gate | up]: silu(gate) * up (the kernel), or Gemma's gelu(gate, tanh) * up in
@@ -231,6 +288,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
       .def(torch::init<int64_t, int64_t, int64_t, double, double, bool>())
       .def("add_layer", &pagedllm::DecodeStep::add_layer)
       .def("add_linear", &pagedllm::DecodeStep::add_linear)
+      .def("add_experts", &pagedllm::DecodeStep::add_experts)
       .def("set_final_norm", &pagedllm::DecodeStep::set_final_norm)
       .def("run", &pagedllm::DecodeStep::run);
 }
