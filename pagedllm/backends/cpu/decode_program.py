@@ -25,6 +25,7 @@ from ... import env
 from ...layers.linear import Linear
 from ...layers.moe import SparseMoE
 from ...layers.quantized import QuantizedLinear
+from .expert_kernel import quantized_expert_arguments
 
 if TYPE_CHECKING:
     from ...models.decoder import DecoderLM
@@ -66,8 +67,6 @@ def _linear_args(layer: torch.nn.Module) -> tuple[int, list[torch.Tensor], list[
 
 def _experts_args(moe: SparseMoE) -> tuple:
     """``DecodeStep.add_experts``' arguments for a sparse layer the program runs, else NotProgrammable."""
-    from .compiled_backend import quantized_expert_arguments
-
     if moe.shared_expert is not None or moe.router.bias is not None or moe.softmax_after_topk:
         raise NotProgrammable("a shared expert, a biased router or gpt-oss's routing")
     arguments = quantized_expert_arguments(moe)
