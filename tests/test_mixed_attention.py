@@ -47,13 +47,9 @@ def test_gguf_logits_equal_transformers(tiny_gguf, arch, kernels):
     torch.testing.assert_close(ours, hf_logits(hf, batch), atol=1e-4, rtol=0)
 
 
-def test_phi3_gguf_fused_and_quantized_with_longrope_equals_transformers(tmp_path, kernels):
-    """Phi-3 as llama.cpp writes it: q/k/v in one Q8_0 tensor and gate/up in another, split by
-    rows as stored; the LongRoPE factors read from the file's two tensors, a prompt past the
-    original context (128) on the long ones, one within it on the short; transformers on the
-    values the file holds."""
-    path = tmp_path / "tiny-phi3.gguf"
-    hf = save_tiny_gguf("phi3", path, weights="Q8_0")
+def assert_longrope_logits_equal(hf, path) -> None:
+    """Logits of one prompt past Phi-3's original context (128 here) and one within it, in one
+    step of ours, against transformers run on each prompt alone (it picks the factors per forward)."""
     lengths = matching.PROMPT_LENGTHS
     matching.PROMPT_LENGTHS = [150, 20]
     try:
@@ -64,19 +60,22 @@ def test_phi3_gguf_fused_and_quantized_with_longrope_equals_transformers(tmp_pat
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
 
 
+def test_phi3_gguf_fused_and_quantized_with_longrope_equals_transformers(tmp_path, kernels):
+    """Phi-3 as llama.cpp writes it: q/k/v in one Q8_0 tensor and gate/up in another, split by
+    rows as stored; the LongRoPE factors read from the file's two tensors, a prompt past the
+    original context (128) on the long ones, one within it on the short; transformers on the
+    values the file holds."""
+    path = tmp_path / "tiny-phi3.gguf"
+    hf = save_tiny_gguf("phi3", path, weights="Q8_0")
+    assert_longrope_logits_equal(hf, path)
+
+
 def test_longrope_takes_the_long_factors_for_a_sequence_past_the_original_context(tmp_path, kernels):
     """Phi-3's LongRoPE: a prompt longer than the original context (128 here) rotates with the
     long factors, one within it with the short, as transformers decides per forward; both in
     one step of ours."""
     hf = save_tiny_model("phi3", tmp_path)
-    lengths = matching.PROMPT_LENGTHS
-    matching.PROMPT_LENGTHS = [150, 20]
-    try:
-        batch, ours = our_logits(tmp_path)
-    finally:
-        matching.PROMPT_LENGTHS = lengths
-    theirs = torch.cat([hf_logits(hf, [p]) for p in batch])
-    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    assert_longrope_logits_equal(hf, tmp_path)
 
 
 @pytest.mark.parametrize(
