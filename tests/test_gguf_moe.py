@@ -1,6 +1,7 @@
 """Mixtures of experts from GGUF files as llama.cpp's converter writes them (Qwen3-MoE, Qwen2-MoE,
-OLMoE, and Mixtral as llama with experts): each layer's stacked experts split into one weight per
-expert, float or kept quantized as stored, give the logits transformers gives on the same weights."""
+OLMoE, gpt-oss, and Mixtral as llama with experts): each layer's stacked experts split into one
+weight per expert, float or kept quantized as stored, give the logits transformers gives on the
+same weights."""
 
 import gguf
 import numpy as np
@@ -21,6 +22,7 @@ WIDTHS = {
     "qwen2-moe": {"moe_intermediate_size": 96},
     "olmoe": {"intermediate_size": 96},
     "mixtral": {},  # its experts are 96 wide already
+    "gpt-oss": {},  # 64 wide, as hidden is: its experts' weights are read transposed (down [width, hidden])
 }
 
 
@@ -39,12 +41,16 @@ def moe_gguf(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("experts", ["F32", "Q8_0"])
-@pytest.mark.parametrize("arch", [a for a in MOE_ARCHS if a in GGUF_ARCHS])
+@pytest.mark.parametrize(
+    "arch, experts",
+    [(a, t) for a in MOE_ARCHS if a in GGUF_ARCHS for t in ("F32", "Q8_0")] + [("gpt-oss", "MXFP4")],
+)
 def test_moe_gguf_logits_equal_transformers(moe_gguf, arch, experts, kernels):
     """fp32 logits at every position equal transformers' (atol 1e-4, as for the safetensors
-    checkpoints). Q8_0 experts run as stored (the model holds them quantized), against
-    transformers on the values gguf dequantizes them to."""
+    checkpoints). Q8_0 experts (and gpt-oss's MXFP4, as OpenAI ships them) run as stored (the
+    model holds them quantized), against transformers on the values gguf dequantizes them to.
+    gpt-oss's file is written as llama.cpp's: the sinks, biased experts, YaRN and the window in
+    its metadata, the clamp (7) acting (``tiny_models.GPT_OSS_GGUF_MLP_INPUT_SCALE``)."""
     path, hf = moe_gguf(arch, experts)
     loaded = load(path)
     assert loaded.config.moe is not None and loaded.config.architecture == type(hf).__name__
@@ -98,7 +104,7 @@ def write_refused(path, arch: str, tensors: dict[str, tuple[int, ...]]) -> None:
 @pytest.mark.parametrize(
     "arch, tensors, named",
     [
-        ("gpt-oss", {}, ["'gpt-oss'", "qwen3moe", "olmoe"]),
+        ("deepseek2", {}, ["'deepseek2'", "qwen3moe", "olmoe", "gpt-oss"]),
         # experts one tensor each: the layout llama.cpp wrote before it stacked them
         (
             "llama",
@@ -106,7 +112,7 @@ def write_refused(path, arch: str, tensors: dict[str, tuple[int, ...]]) -> None:
             ["llama", "'blk.0.ffn_gate.0.weight'", "ffn_gate_exps"],
         ),
     ],
-    ids=["gpt-oss", "per-expert-tensors"],
+    ids=["deepseek2", "per-expert-tensors"],
 )
 def test_a_moe_gguf_we_do_not_read_is_refused_naming_it(tmp_path, monkeypatch, arch, tensors, named):
     monkeypatch.setattr(gguf_convert, "_save_tokenizer", lambda *a: None)

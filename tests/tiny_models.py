@@ -210,6 +210,7 @@ GGUF_ARCHS = {
     "gemma3": "GEMMA3",
     "smollm3": "SMOLLM3",
     "phi3": "PHI3",
+    "gpt-oss": "GPT_OSS",
 }
 # What llama.cpp assumes of a gemma3 file and its metadata does not say (one full layer in six,
 # the sliding layers' rope base 10k, scores scaled by 1/sqrt(head_dim)): a tiny Gemma 3 written
@@ -226,7 +227,11 @@ GGUF_OVERRIDES = {
     ),
     # llama.cpp's smollm3: every fourth layer without positions
     "smollm3": dict(num_hidden_layers=4, no_rope_layers=None),
+    # llama.cpp's gpt-oss: its clamp and alpha (7, 1.702), the sliding layers first (the tiny
+    # model's own order); save_tiny_gguf scales the experts' input up so that the clamp acts
+    "gpt-oss": dict(swiglu_limit=7.0),
 }
+GPT_OSS_GGUF_MLP_INPUT_SCALE = 8.0
 
 
 def save_tiny_gguf(name: str, path: Path, seed: int = 0, experts: str = "F32", weights: str = "F32", **overrides):
@@ -251,6 +256,10 @@ def save_tiny_gguf(name: str, path: Path, seed: int = 0, experts: str = "F32", w
 
     model = build_hf_model(name, seed, **{**GGUF_OVERRIDES.get(name, {}), **overrides})
     cfg = model.config
+    if name == "gpt-oss":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.post_attention_layernorm.weight.mul_(GPT_OSS_GGUF_MLP_INPUT_SCALE)
     arch = getattr(gguf.MODEL_ARCH, GGUF_ARCHS[name])
     names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
     dense_names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
@@ -266,8 +275,14 @@ def save_tiny_gguf(name: str, path: Path, seed: int = 0, experts: str = "F32", w
     writer.add_value_length(head_dim)
     rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
     writer.add_rope_freq_base(float(rope["rope_theta"]))
-    if getattr(cfg, "sliding_window", None) and name in ("gemma3", "phi3"):
+    if getattr(cfg, "sliding_window", None) and name in ("gemma3", "phi3", "gpt-oss"):
         writer.add_sliding_window(cfg.sliding_window)
+    if rope.get("rope_type") == "yarn":  # as llama.cpp's converter writes it
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
     if name == "phi3":
         writer.add_rope_dimension_count(head_dim)
         if rope.get("long_factor"):
@@ -279,8 +294,8 @@ def save_tiny_gguf(name: str, path: Path, seed: int = 0, experts: str = "F32", w
     if moe:
         writer.add_expert_count(getattr(cfg, "num_local_experts", None) or cfg.num_experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
-        if getattr(cfg, "moe_intermediate_size", None):
-            writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if getattr(cfg, "moe_intermediate_size", None) or name == "gpt-oss":
+            writer.add_expert_feed_forward_length(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
         if getattr(cfg, "shared_expert_intermediate_size", None):
             writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     tokens, merges = _byte_level_vocab(cfg.vocab_size)
@@ -295,17 +310,18 @@ def save_tiny_gguf(name: str, path: Path, seed: int = 0, experts: str = "F32", w
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         base, _, suffix = hf_name.rpartition(".")
-        if suffix in ("gate_up_proj", "down_proj") and base.endswith("mlp.experts"):
+        if suffix in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias") and base.endswith(
+            "mlp.experts"
+        ):
             layer = int(hf_name.split(".")[2])
-            width = tensor.shape[1] // 2
-            parts = (
-                {"FFN_GATE_EXP": tensor[:, :width], "FFN_UP_EXP": tensor[:, width:]}
-                if suffix == "gate_up_proj"
-                else {"FFN_DOWN_EXP": tensor}
-            )
+            parts = _stacked_experts(name, suffix, tensor)
             for kind, stacked in parts.items():
-                gguf_name = gguf.TENSOR_NAMES[getattr(gguf.MODEL_TENSOR, kind)].format(bid=layer) + ".weight"
-                values = stacked.to(torch.float32).numpy()
+                leaf = "bias" if suffix.endswith("_bias") else "weight"
+                gguf_name = gguf.TENSOR_NAMES[getattr(gguf.MODEL_TENSOR, kind)].format(bid=layer) + "." + leaf
+                values = np.ascontiguousarray(stacked.to(torch.float32).numpy())
+                if leaf == "bias":  # llama.cpp keeps them float32
+                    writer.add_tensor(gguf_name, values)
+                    continue
                 if experts != "F32":
                     quant = gguf.GGMLQuantizationType[experts]
                     blocks = gguf.quants.quantize(values, quant)
@@ -315,6 +331,8 @@ def save_tiny_gguf(name: str, path: Path, seed: int = 0, experts: str = "F32", w
                 else:
                     writer.add_tensor(gguf_name, values)
             continue
+        if suffix == "sinks":  # gpt-oss: a parameter of its own, attn_sinks.weight to llama.cpp
+            base, suffix = hf_name, "weight"
         gguf_base = names.get_name(base) or dense_names.get_name(base)
         values = tensor.to(torch.float32).numpy()
         if weights != "F32" and base.startswith("model.layers.") and values.ndim == 2:
@@ -335,6 +353,25 @@ def save_tiny_gguf(name: str, path: Path, seed: int = 0, experts: str = "F32", w
     writer.write_tensors_to_file()
     writer.close()
     return model
+
+
+def _stacked_experts(name: str, suffix: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A layer's fused expert tensor as llama.cpp's stacked ones ([experts, rows, cols], biases
+    [experts, rows]), by gguf tensor kind. Views of ``tensor``: a copy into one reaches it.
+    transformers keeps gate and up in halves of gate_up_proj [experts, 2 x width, hidden], and
+    gpt-oss in alternate columns of [experts, hidden, 2 x width] with down [experts, width, hidden]."""
+    if name != "gpt-oss":
+        width = tensor.shape[1] // 2
+        if suffix == "gate_up_proj":
+            return {"FFN_GATE_EXP": tensor[:, :width], "FFN_UP_EXP": tensor[:, width:]}
+        return {"FFN_DOWN_EXP": tensor}
+    if suffix == "gate_up_proj":
+        return {"FFN_GATE_EXP": tensor[:, :, 0::2].transpose(1, 2), "FFN_UP_EXP": tensor[:, :, 1::2].transpose(1, 2)}
+    if suffix == "gate_up_proj_bias":
+        return {"FFN_GATE_EXP": tensor[:, 0::2], "FFN_UP_EXP": tensor[:, 1::2]}
+    if suffix == "down_proj":
+        return {"FFN_DOWN_EXP": tensor.transpose(1, 2)}
+    return {"FFN_DOWN_EXP": tensor}
 
 
 def _llama_cpp_rope_rows(w, heads: int):

@@ -63,7 +63,11 @@ _GGUF_ROLES = {
     "ffn_gate_shexp": "shared_expert_gate",
     "ffn_up_shexp": "shared_expert_up",
     "ffn_down_shexp": "shared_expert_down",
+    "attn_sinks": "sinks",
 }
+# Roles whose checkpoint tensor is a parameter of its own, named without ``.weight`` (gpt-oss's
+# ``self_attn.sinks``, which llama.cpp names ``attn_sinks.weight``)
+_BARE_ROLES = frozenset({"sinks"})
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -251,14 +255,15 @@ def _hf_parts(
 ) -> list[tuple[str, int | None, tuple[int, ...]]]:
     """The checkpoint tensors one GGUF tensor becomes: (name, the expert it is of a stacked
     tensor or None, shape). A stacked [experts, rows, cols] tensor becomes one [rows, cols]
-    tensor per expert, in the order llama.cpp stacked them (expert 0 first)."""
+    tensor per expert, in the order llama.cpp stacked them (expert 0 first), and a stacked bias
+    [experts, rows] one [rows] per expert (gpt-oss)."""
     if name in _GLOBAL_NAMES:
         return [(_GLOBAL_NAMES[name], None, shape)]
     layer, _, rest = name.removeprefix("blk.").partition(".")
     gguf_role, _, leaf = rest.rpartition(".")
     if name.startswith("blk.") and gguf_role in family.gguf_fused:  # split on loading (Family.unfuse)
         return [(f"model.layers.{int(layer)}.{family.gguf_fused[gguf_role]}.{leaf}", None, shape)]
-    role = _GGUF_ROLES.get(gguf_role)
+    role = family.gguf_roles.get(gguf_role, _GGUF_ROLES.get(gguf_role))
     if not name.startswith("blk.") or role is None or role not in family.layer_names or leaf not in ("weight", "bias"):
         if re.fullmatch(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight", name):
             raise UnsupportedModelError(
@@ -267,13 +272,15 @@ def _hf_parts(
             )
         raise UnsupportedModelError(f"{path}: unexpected tensor {name!r} for {arch}")
     if not role.startswith("expert_"):
-        hf = f"{family.name_of(role, int(layer))}.{leaf}"
+        hf = family.name_of(role, int(layer)) + ("" if role in _BARE_ROLES else f".{leaf}")
         if role == "shared_gate" and len(shape) == 1:  # [1, hidden] in the checkpoint, [hidden] in llama.cpp
             shape = (1, *shape)
         return [(hf, None, shape)]
     experts = int(config.get(family.experts.count_key, 0)) if family.experts is not None else 0
-    if len(shape) != 3 or shape[0] != experts:
-        raise ModelLoadError(f"{path}: tensor {name!r} has shape {list(shape)}, not [{experts} experts, rows, cols]")
+    dims = 2 if leaf == "bias" else 3  # gpt-oss's expert biases: [experts, rows]
+    if len(shape) != dims or shape[0] != experts:
+        wanted = "rows" if leaf == "bias" else "rows, cols"
+        raise ModelLoadError(f"{path}: tensor {name!r} has shape {list(shape)}, not [{experts} experts, {wanted}]")
     return [(f"{family.name_of(role, int(layer), e)}.{leaf}", e, shape[1:]) for e in range(experts)]
 
 

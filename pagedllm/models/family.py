@@ -108,6 +108,9 @@ class Family:
     # llama.cpp's names of a layer's fused tensors -> the checkpoint's (``unfuse`` splits them)
     gguf_fused: dict[str, str] = field(default_factory=dict)
     gguf_rope_scalings: tuple[str, ...] = ()  # the GGUF rope scaling types its gguf_config reads
+    # llama.cpp's names of a layer's tensors whose role differs for this family from the common
+    # reading (``gguf_convert._GGUF_ROLES``): gpt-oss's ``post_attention_norm`` is the MLP's input norm
+    gguf_roles: dict[str, str] = field(default_factory=dict)
 
     @property
     def not_split_because(self) -> str | None:

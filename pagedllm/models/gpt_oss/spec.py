@@ -9,12 +9,25 @@ hidden, 2 x width] with gate and up in alternate columns, its bias [experts, 2 x
 expert under the names the roles give (each [out, in], as a ``Linear`` holds it), so they load
 like any family's. OpenAI's own checkpoints store the experts in MXFP4 (``_blocks``/``_scales``),
 which the loader refuses by name.
+
+llama.cpp writes its GGUF files as ``gpt-oss``: the experts stacked per projection as for every
+mixture (gate and up already apart, each with a bias tensor [experts, rows]), the sinks as
+``attn_sinks``, the MLP's input norm as ``post_attention_norm``, and in its metadata the window
+and the YaRN rope; the alternation (sliding first), the clamp (7) and the activation's alpha
+(1.702) it hard-codes. Its experts are MXFP4 as OpenAI stored them (or what ``--outtype`` made of
+float ones).
 """
 
 from __future__ import annotations
 
 from ...errors import UnsupportedModelError
 from ..family import DENSE_LAYER_NAMES, Experts, Family
+
+# What llama.cpp assumes of every gpt-oss GGUF and its metadata does not say (its
+# ``llama_model_openai_moe``: a swa pattern of 2, ``LLM_FFN_SWIGLU_OAI_MOE``'s constants)
+SLIDING_PATTERN = 2
+SWIGLU_LIMIT = 7.0
+SWIGLU_ALPHA = 1.702
 
 _EXPERTS = "mlp.experts"
 
@@ -49,10 +62,38 @@ def unfuse(name: str, tensor, cfg=None) -> list[tuple[str, object]] | None:
     return out
 
 
+def gguf_config(get, tensor) -> dict:
+    """The config fields of a gpt-oss GGUF beyond the common ones. YaRN's dimension bounds are
+    not rounded (``truncate``: False), as every gpt-oss config.json says; llama.cpp rounds them
+    (ggml's ``ggml_rope_yarn_corr_dims``), which moves a few of the 32 frequencies slightly."""
+    layers = int(get("block_count"))
+    config: dict = {
+        "layer_types": [
+            "sliding_attention" if i % SLIDING_PATTERN == 0 else "full_attention" for i in range(layers)
+        ],
+        "sliding_window": int(get("attention.sliding_window")),
+        "intermediate_size": int(get("expert_feed_forward_length", get("feed_forward_length"))),
+        "attention_bias": True,
+        "swiglu_limit": SWIGLU_LIMIT,
+        "swiglu_alpha": SWIGLU_ALPHA,
+    }
+    if get("rope.scaling.type", "none") == "yarn":
+        config["rope_parameters"] = {
+            "rope_type": "yarn",
+            "rope_theta": float(get("rope.freq_base", 10000.0)),
+            "factor": float(get("rope.scaling.factor")),
+            "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
+            "beta_fast": float(get("rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(get("rope.scaling.yarn_beta_slow", 1.0)),
+            "truncate": False,
+        }
+    return config
+
+
 FAMILY = Family(
     architecture="GptOssForCausalLM",
     model_type="gpt_oss",
-    gguf_architecture=None,  # its GGUF files ("gpt-oss") are not read yet: refused as an unknown architecture
+    gguf_architecture="gpt-oss",
     experts=Experts(
         every_layer=True,
         always_renormalise=False,
@@ -72,4 +113,8 @@ FAMILY = Family(
     },
     attention_sinks=True,
     unfuse=unfuse,
+    transformers_reads_gguf=False,
+    gguf_config=gguf_config,
+    gguf_rope_scalings=("yarn",),
+    gguf_roles={"post_attention_norm": "mlp_norm"},
 )
