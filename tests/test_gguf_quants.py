@@ -17,6 +17,8 @@ _F16_FIELDS = {
     "Q5_0": [0],
     "Q5_1": [0, 2],
     "MXFP4": [],
+    "IQ4_NL": [0],
+    "IQ4_XS": [0],
     "Q4_K": [0, 2],
     "Q5_K": [0, 2],
     "Q6_K": [208],
@@ -24,14 +26,18 @@ _F16_FIELDS = {
 # MXFP4's scale byte e (2^(e-127)) at the ends of its range, where gguf's scale is subnormal
 # (0, 1), overflows a product to inf (253..255) or reads 255 as a number, and around 1.
 _E8M0_EDGES = np.array([0, 1, 2, 126, 127, 128, 252, 253, 254, 255], dtype=np.uint8)
-# bits, group, qweight dtype, qweight columns per weight column, has a zero
+# bits, group, qweight dtype, qweight columns per weight column, has a zero (the coded types:
+# their codebook in _CODEBOOK)
+_CODEBOOK = {"MXFP4": "mxfp4", "IQ4_NL": "iq4_nl", "IQ4_XS": "iq4_nl"}
 _FORMAT = {
     "Q4_0": (4, 32, np.uint8, 0.5, True),
     "Q4_1": (4, 32, np.uint8, 0.5, True),
     "Q8_0": (8, 32, np.int8, 1, False),
     "Q5_0": (8, 32, np.int8, 1, False),
     "Q5_1": (8, 32, np.int8, 1, True),
-    "MXFP4": (8, 32, np.int8, 1, False),
+    "MXFP4": (4, 32, np.uint8, 0.5, False),
+    "IQ4_NL": (4, 32, np.uint8, 0.5, False),
+    "IQ4_XS": (4, 32, np.uint8, 0.5, False),
     "Q4_K": (4, 32, np.uint8, 0.5, True),
     "Q5_K": (8, 32, np.int8, 1, True),
     "Q6_K": (8, 16, np.int8, 1, False),
@@ -71,7 +77,7 @@ def test_every_supported_type_unpacks_to_gguf_values_bit_for_bit(type_name):
         assert_exact(type_name, dequantize(qt), raw)
 
     bits, group, dtype, per_col, has_zero = _FORMAT[type_name]
-    assert (qt.bits, qt.group, qt.shape) == (bits, group, (rows, cols))
+    assert (qt.bits, qt.group, qt.shape, qt.codebook) == (bits, group, (rows, cols), _CODEBOOK.get(type_name))
     assert qt.qweight.dtype == dtype and qt.qweight.shape == (rows, int(cols * per_col))
     assert qt.scale.dtype == np.float32 and qt.scale.shape == (rows, cols // group)
     assert (qt.zero is not None) == has_zero
@@ -90,7 +96,9 @@ def test_q_stays_in_its_range(type_name):
         "Q8_0": (-128, 127),
         "Q5_0": (-16, 15),
         "Q5_1": (0, 31),
-        "MXFP4": (-12, 12),
+        "MXFP4": (0, 15),  # codes
+        "IQ4_NL": (0, 15),
+        "IQ4_XS": (0, 15),
         "Q5_K": (0, 31),
         "Q6_K": (-32, 31),
     }[type_name]
@@ -98,6 +106,23 @@ def test_q_stays_in_its_range(type_name):
     if qt.bits == 4:
         q = np.concatenate([q & 0x0F, q >> 4])
     assert q.min() == lo and q.max() == hi
+
+
+def test_the_codebooks_are_the_gguf_packages_and_the_kernels_read_the_same(ops):
+    """layers/codebooks.py against gguf's kvalues, and the kernels' own tables (quant.h) against
+    those: each code's value comes out of the compiled dequantize as the table says."""
+    import torch
+    from gguf.quants import IQ4_NL, MXFP4
+
+    from pagedllm.layers.codebooks import CODEBOOKS
+    from pagedllm.layers.quantized import QuantizedWeight
+
+    assert CODEBOOKS == {"mxfp4": tuple(MXFP4.kvalues), "iq4_nl": tuple(IQ4_NL.kvalues)}
+    codes = torch.tensor([j | ((15 - j) << 4) for j in range(16)], dtype=torch.uint8)[None, :]
+    for name, table in CODEBOOKS.items():
+        w = QuantizedWeight(codes, torch.ones(1, 1), None, 4, 32, name)
+        got = ops.dequantize(w.qweight, w.scale, w.zero, w.layout, w.group, None, torch.float32)
+        assert got[0].tolist() == [float(v) for v in table + table[::-1]]
 
 
 @pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1"])
@@ -112,7 +137,7 @@ def test_q5_types_match_gguf_for_non_finite_scales_too(type_name):
         assert_exact(type_name, dequantize(unpack(type_name, raw, 2, 256)), raw)
 
 
-@pytest.mark.parametrize("type_name", sorted(SUPPORTED & {"Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "MXFP4"}))
+@pytest.mark.parametrize("type_name", sorted(SUPPORTED & {"Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "MXFP4"}))  # gguf quantizes
 def test_weights_quantized_by_gguf_unpack_exactly(type_name):
     weights = np.random.default_rng(1).standard_normal((4, 96)).astype(np.float32)
     raw = gguf_quantize(weights, GGMLQuantizationType[type_name])
@@ -166,7 +191,7 @@ def test_permute_rows_moves_every_array_with_its_row(type_name):
         permute_rows(qt, np.array([0, 0, 1, 2, 3, 4]))
 
 
-@pytest.mark.parametrize("type_name", ["Q2_K", "IQ4_NL", "F16", "Q3_K"])
+@pytest.mark.parametrize("type_name", ["Q2_K", "IQ3_S", "F16", "Q3_K"])
 def test_an_unsupported_type_is_refused_by_name(type_name):
     with pytest.raises(ValueError, match=type_name):
         unpack(type_name, np.zeros((1, 256), dtype=np.uint8), 1, 256)

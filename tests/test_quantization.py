@@ -14,6 +14,7 @@ from test_models_match_transformers import BF16_WEIGHTS
 
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.layers import quantized as Q
+from pagedllm.layers.codebooks import CODEBOOKS
 from pagedllm.loading import gguf_convert
 from pagedllm.loading.checkpoint import checkpoint_weights, load_decoder
 from pagedllm.memory.footprint import weight_bytes
@@ -38,12 +39,20 @@ def test_quantize_keeps_every_weight_within_half_a_step(scheme):
     assert qw.nbytes() < w.numel() * (1.26 if scheme == "int8" else 0.76)
 
 
-# (bits, group, with offsets): our int8/int4 and the layouts GGUF types unpack to (Q8_0, Q5_0 and
-# MXFP4; Q6_K; Q5_K and Q5_1)
-FORMATS = [(8, 256, False), (4, 32, True), (8, 32, False), (8, 16, False), (8, 32, True)]
+# (bits, group, with offsets, codebook): our int8/int4 and the layouts GGUF types unpack to (Q8_0
+# and Q5_0; Q6_K; Q5_K and Q5_1; MXFP4's and IQ4_NL/IQ4_XS's 4-bit codes)
+FORMATS = [
+    (8, 256, False, None),
+    (4, 32, True, None),
+    (8, 32, False, None),
+    (8, 16, False, None),
+    (8, 32, True, None),
+    (4, 32, False, "mxfp4"),
+    (4, 32, False, "iq4_nl"),
+]
 
 
-def random_quantized(rows, cols, bits, group, zero, seed=0):
+def random_quantized(rows, cols, bits, group, zero, codebook=None, seed=0):
     g = torch.Generator().manual_seed(seed)
     if bits == 4:
         q = torch.randint(0, 256, (rows, cols // 2), generator=g, dtype=torch.uint8)
@@ -51,22 +60,24 @@ def random_quantized(rows, cols, bits, group, zero, seed=0):
         q = torch.randint(-128, 128, (rows, cols), generator=g, dtype=torch.int8)
     scale = torch.rand(rows, cols // group, generator=g) / 50
     offset = torch.randn(rows, cols // group, generator=g) / 10 if zero else None
-    return Q.QuantizedWeight(q, scale, offset, bits, group)
+    if codebook is not None:  # the codes' values reach 127: scales as small as a 4-bit step's
+        scale /= max(abs(v) for v in CODEBOOKS[codebook]) / 15
+    return Q.QuantizedWeight(q, scale, offset, bits, group, codebook)
 
 
-@pytest.mark.parametrize("bits, group, zero", FORMATS)
+@pytest.mark.parametrize("bits, group, zero, codebook", FORMATS)
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 17])
-def test_quantized_matmul_equals_dequantize_then_gemm(ops, bits, group, zero, rows):
+def test_quantized_matmul_equals_dequantize_then_gemm(ops, bits, group, zero, codebook, rows):
     """fp32 activations: the kernel computes with the exact weight values. bf16 ones on 4- or
     8-bit weights in groups of 32 also quantize each row of x to 8 bits per 32 columns (integer
     dot products): within
     1% of the exact product. Row counts and 37 channels that leave every remainder of the
     kernels' row blocks and channel tiles; the kernel itself for every count (the backend may
     take dequantize + GEMM from a few rows on)."""
-    w = random_quantized(37, 512, bits, group, zero)
+    w = random_quantized(37, 512, bits, group, zero, codebook)
     x = torch.randn(rows, 512)
     exact = x @ torch_backend().dequantize(w, torch.float32).T
-    kernel = ops.quant_linear(x, w.qweight, w.scale, w.zero, w.bits, w.group)
+    kernel = ops.quant_linear(x, w.qweight, w.scale, w.zero, w.layout, w.group)
     torch.testing.assert_close(kernel, exact, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(compiled_backend().quantized_matmul(x, w), exact, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(torch_backend().quantized_matmul(x, w), exact, rtol=1e-4, atol=1e-4)
@@ -75,8 +86,8 @@ def test_quantized_matmul_equals_dequantize_then_gemm(ops, bits, group, zero, ro
 
 
 def test_dequantize_kernel_equals_the_torch_path_and_picks_rows(ops):
-    for bits, group, zero in FORMATS:
-        w = random_quantized(40, 256, bits, group, zero)
+    for bits, group, zero, codebook in FORMATS:
+        w = random_quantized(40, 256, bits, group, zero, codebook)
         full = torch_backend().dequantize(w, torch.float32)
         torch.testing.assert_close(compiled_backend().dequantize(w, torch.float32), full, rtol=1e-6, atol=1e-7)
         rows = torch.tensor([39, 0, 7, 7])
@@ -101,9 +112,10 @@ TYPES = {
     "token_embd": "Q8_0",
     "output": "F32",
 }
-# The types read since, in a second file of the same shape: q/k/v of Q5_0, Q5_1 and MXFP4 (three
-# 8-bit segments, the middle one with offsets), MXFP4 in a row-parallel layer, and float
-# tensors stored in 16 bits.
+# The types read since, in a second file of the same shape: q/k/v of Q5_0, Q5_1 and MXFP4 (two
+# 8-bit segments, the second with offsets, then 4-bit codes), MXFP4 in a row-parallel layer, and
+# float tensors stored in 16 bits; and in a third, IQ4_NL and IQ4_XS (gate and up: two coded
+# segments of one codebook, stacked into one).
 LATER_TYPES = {
     **TYPES,
     "attn_q": "Q5_0",
@@ -113,6 +125,7 @@ LATER_TYPES = {
     "token_embd": "BF16",
     "output": "F16",
 }
+CODED_TYPES = {**TYPES, "attn_q": "IQ4_NL", "ffn_gate": "IQ4_XS", "ffn_up": "IQ4_NL", "token_embd": "IQ4_XS"}
 
 
 def gguf_blocks(type_name, rows, cols, rng):
@@ -126,6 +139,9 @@ def gguf_blocks(type_name, rows, cols, rng):
         raw[..., offset : offset + 2] = d[..., None].view(np.uint8)
     if type_name == "MXFP4":  # its scale byte e: 2^(e - 127) of 1/512 to 1/128
         raw[..., 0] = rng.integers(118, 121, raw.shape[:2])
+    if type_name in ("IQ4_NL", "IQ4_XS"):  # codes reach 127: d of 1/16 of a 4-bit type's
+        d = (rng.random(raw.shape[:2]) * 0.0003 + 0.0001).astype(np.float16)
+        raw[..., 0:2] = d[..., None].view(np.uint8)
     return raw.reshape(rows, -1)
 
 
@@ -218,9 +234,10 @@ def logits_of(model, ids, dtype=torch.float32):
     "types, qkv_formats",
     [
         (TYPES, [(4, 32, True), (8, 32, False), (8, 16, False)]),
-        (LATER_TYPES, [(8, 32, False), (8, 32, True), (8, 32, False)]),
+        (LATER_TYPES, [(8, 32, False), (8, 32, True), (260, 32, False)]),
+        (CODED_TYPES, [(516, 32, False), (8, 32, False), (8, 16, False)]),
     ],
-    ids=["first-six", "q5-mxfp4-f16"],
+    ids=["first-six", "q5-mxfp4-f16", "iq4"],
 )
 def test_every_supported_gguf_type_runs_quantized_as_the_gguf_package_dequantizes_it(
     converted, kernels, types, qkv_formats
@@ -263,7 +280,7 @@ def test_f16_and_bf16_tensors_load_as_the_values_written(tmp_path, monkeypatch):
     assert torch.equal(lm_head, torch.from_numpy(written["output.weight"]))
 
 
-@pytest.mark.parametrize("kind", ["Q2_K", "IQ4_NL", "Q3_K"])
+@pytest.mark.parametrize("kind", ["Q2_K", "IQ3_S", "Q3_K"])
 def test_a_gguf_type_we_do_not_load_is_named_in_the_error(converted, kind):
     with pytest.raises(UnsupportedModelError, match=kind) as e:
         converted({**TYPES, "ffn_down": kind})

@@ -1,8 +1,10 @@
 """Weights kept quantized: int8 and int4 matrices, and the linear and embedding layers that read them.
 
 A ``QuantizedWeight`` is one matrix in the layout the CPU kernels read (``kernels/csrc/quant.h``):
-``value[n, k] = q[n, k] * scale[n, k // group] + zero[n, k // group]``. GGUF's Q4_0/Q4_1/Q4_K
-map onto 4-bit q and Q8_0/Q5_K/Q6_K onto 8-bit q exactly (``loading/gguf_quants.py``);
+``value[n, k] = q[n, k] * scale[n, k // group] + zero[n, k // group]``, or with a ``codebook``
+``CODEBOOKS[codebook][q[n, k]] * scale + zero`` (4-bit codes: MXFP4, IQ4_NL, IQ4_XS). GGUF's
+Q4_0/Q4_1/Q4_K map onto 4-bit q, MXFP4/IQ4_NL/IQ4_XS onto 4-bit codes and Q8_0/Q5_K/Q6_K onto
+8-bit q exactly (``loading/gguf_quants.py``);
 ``quantize`` makes the same from a float checkpoint tensor (int8: one scale per row, symmetric;
 int4: groups of 32 with scale and offset).
 
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from .codebooks import CODEBOOKS
 from .linear import StackedRows
 
 if TYPE_CHECKING:
@@ -45,6 +48,12 @@ class QuantizedWeight:
     zero: torch.Tensor | None  # float32 like scale, or None for 0
     bits: int
     group: int
+    codebook: str | None = None  # 4-bit q are codes into CODEBOOKS[codebook]; None: q is the value
+
+    @property
+    def layout(self) -> int:
+        """What the kernels take as ``bits``: the bits, plus 256 x the codebook's number."""
+        return self.bits + (256 * (list(CODEBOOKS).index(self.codebook) + 1) if self.codebook else 0)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -59,7 +68,7 @@ class QuantizedWeight:
     @property
     def format(self) -> tuple[int, int, bool]:
         """What must agree for two weights to stack into one."""
-        return self.bits, self.group, self.zero is not None
+        return self.layout, self.group, self.zero is not None
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scale, self.zero) if t is not None)
@@ -73,7 +82,9 @@ class QuantizedWeight:
 
     def rows(self, start: int, stop: int) -> QuantizedWeight:
         zero = None if self.zero is None else self.zero[start:stop]
-        return QuantizedWeight(self.qweight[start:stop], self.scale[start:stop], zero, self.bits, self.group)
+        return QuantizedWeight(
+            self.qweight[start:stop], self.scale[start:stop], zero, self.bits, self.group, self.codebook
+        )
 
     @staticmethod
     def stack(parts: list[QuantizedWeight]) -> QuantizedWeight:
@@ -82,7 +93,12 @@ class QuantizedWeight:
         first = parts[0]
         zero = None if first.zero is None else torch.cat([p.zero for p in parts if p.zero is not None])
         return QuantizedWeight(
-            torch.cat([p.qweight for p in parts]), torch.cat([p.scale for p in parts]), zero, first.bits, first.group
+            torch.cat([p.qweight for p in parts]),
+            torch.cat([p.scale for p in parts]),
+            zero,
+            first.bits,
+            first.group,
+            first.codebook,
         )
 
 
@@ -144,11 +160,12 @@ def dequantize_reference(w: QuantizedWeight, dtype: torch.dtype, rows: torch.Ten
     """The float values of ``w`` (or of its ``rows``), in ``dtype``, in plain PyTorch."""
     if rows is not None:
         zero = None if w.zero is None else w.zero[rows]
-        w = QuantizedWeight(w.qweight[rows], w.scale[rows], zero, w.bits, w.group)
+        w = QuantizedWeight(w.qweight[rows], w.scale[rows], zero, w.bits, w.group, w.codebook)
     n, k = w.shape
     if w.bits == 4:
         packed = w.qweight.view(n, k // 32, 1, 16)
-        q = torch.cat([packed & 15, packed >> 4], dim=2).view(n, k).float()
+        q = torch.cat([packed & 15, packed >> 4], dim=2).view(n, k)
+        q = (torch.tensor(CODEBOOKS[w.codebook], dtype=torch.float32)[q.long()] if w.codebook else q.float())
     else:
         q = w.qweight.float()
     values = q.view(n, k // w.group, w.group) * w.scale[..., None]

@@ -24,6 +24,7 @@ from ..backends.base import Backend
 from ..config import ModelConfig
 from ..distributed.shards import RankShard, Slice
 from ..errors import ModelLoadError
+from ..layers.codebooks import CODEBOOKS
 from ..layers.linear import Linear, StackedRows
 from ..layers.moe import ROUTER_SUFFIXES
 from ..layers.norm import RMSNorm
@@ -31,7 +32,7 @@ from ..layers.quantized import INT8_COMPUTE, QuantizedEmbedding, QuantizedLinear
 from ..memory.machine import return_freed_heap
 from ..models import DecoderLM
 from ..sizes import QUANTIZATIONS, QUANTIZED
-from .gguf_convert import QWEIGHT, SCALE, ZERO
+from .gguf_convert import CODES, QUANTIZED_FIELDS
 from .safetensors_io import iter_tensors, read_header
 
 # Buffers some checkpoints carry that we recompute.
@@ -89,7 +90,7 @@ def load_decoder(
         return None
 
     def keep_dtype(name: str) -> bool:
-        return name.endswith((QWEIGHT, SCALE, ZERO))
+        return name.endswith(QUANTIZED_FIELDS)
 
     place = _placer(cfg, slots, loaded, dtype, backend, shard)
     select = _rank_slices(path_of=model_dir, shard=shard) if shard is not None else None
@@ -193,9 +194,11 @@ def checkpoint_weights(
         for name, e in header.items():
             if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
                 continue
+            if name.endswith(CODES):  # a codebook's 16 values: the kernels hold their own table
+                continue
             begin, end = e["data_offsets"]
             held = _held_fraction(shard, name, e) if shard is not None else 1.0
-            if name.endswith((QWEIGHT, SCALE, ZERO)):
+            if name.endswith(QUANTIZED_FIELDS):
                 total += round((end - begin) * held)
             else:
                 count = 1
@@ -209,7 +212,7 @@ def checkpoint_weights(
 def _held_fraction(shard: RankShard, name: str, entry: dict) -> float:
     """How much of a stored tensor one rank holds, as a fraction of it (above 1 for vocabulary
     rows padded to the rank's equal share)."""
-    base = name.rpartition(".")[0] if name.endswith((QWEIGHT, SCALE, ZERO)) else name
+    base = name.rpartition(".")[0] if name.endswith(QUANTIZED_FIELDS) else name
     part = shard.slice_of(base)
     if part is None or part.zero:
         return 1.0
@@ -219,11 +222,12 @@ def _held_fraction(shard: RankShard, name: str, entry: dict) -> float:
 
 
 def _stored_quantized(headers) -> dict[str, set[str]]:
-    """Names of the tensors stored quantized -> the fields stored for each ('qweight', 'scale', 'zero')."""
+    """Names of the tensors stored quantized -> the fields stored for each ('qweight', 'scale',
+    'zero', 'codes')."""
     out: dict[str, set[str]] = {}
     for _, header, _ in headers:
         for name in header:
-            if name.endswith((QWEIGHT, SCALE, ZERO)):
+            if name.endswith(QUANTIZED_FIELDS):
                 base, _, field = name.rpartition(".")
                 out.setdefault(base, set()).add(field)
     return out
@@ -231,6 +235,15 @@ def _stored_quantized(headers) -> dict[str, set[str]]:
 
 def _quantized_weight(path: Path, name: str, fields: dict[str, torch.Tensor]) -> QuantizedWeight:
     q, scale, zero = fields.get("qweight"), fields.get("scale"), fields.get("zero")
+    codebook = None
+    if "codes" in fields:  # 4-bit codes: the 16 values they stand for name one of the kernels' codebooks
+        values = tuple(int(v) for v in fields["codes"].reshape(-1).tolist())
+        codebook = next((c for c, table in CODEBOOKS.items() if table == values), None)
+        if codebook is None or q is None or q.dtype != torch.uint8:
+            raise ModelLoadError(
+                f"{path}: quantized tensor {name!r} has 4-bit codes of values {list(values)}, not one of the "
+                f"codebooks the kernels read ({', '.join(CODEBOOKS)})"
+            )
     if q is None or scale is None or q.dim() != 2 or scale.dim() != 2 or scale.dtype != torch.float32:
         raise ModelLoadError(f"{path}: quantized tensor {name!r} lacks a 2-D qweight or float32 scale")
     bits = 4 if q.dtype == torch.uint8 else 8
@@ -239,7 +252,7 @@ def _quantized_weight(path: Path, name: str, fields: dict[str, torch.Tensor]) ->
         raise ModelLoadError(f"{path}: quantized tensor {name!r} has inconsistent qweight/scale shapes")
     if zero is not None and zero.shape != scale.shape:
         raise ModelLoadError(f"{path}: quantized tensor {name!r}: zero and scale shapes differ")
-    return QuantizedWeight(q, scale, zero, bits, cols // scale.shape[1])
+    return QuantizedWeight(q, scale, zero, bits, cols // scale.shape[1], codebook)
 
 
 def _choose_quantized(model: DecoderLM, stored: dict[str, set[str]], quantization: str | None, dtype) -> None:
@@ -277,10 +290,10 @@ def _rank_slices(path_of: Path, shard: RankShard):
 
     def select(name: str, entry: dict) -> tuple[int, int, int] | None:
         base, field = name, ""
-        if name.endswith((QWEIGHT, SCALE, ZERO)):
+        if name.endswith(QUANTIZED_FIELDS):
             base, _, field = name.rpartition(".")
         part = shard.slice_of(base)
-        if part is None:
+        if part is None or field == "codes":  # a codebook's 16 values: every rank reads them whole
             return None
         if part.zero:
             return (0, 0, 0)  # nothing read: the rank holds zeros (``_fit_to_rank``)
@@ -319,5 +332,7 @@ def _fit_to_rank(value: torch.Tensor | QuantizedWeight, part: Slice | None, want
             return torch.cat([t, t.new_zeros(missing, *t.shape[1:])])
 
         zero = None if value.zero is None else padded(value.zero)
-        return QuantizedWeight(padded(value.qweight), padded(value.scale), zero, value.bits, value.group)
+        return QuantizedWeight(
+            padded(value.qweight), padded(value.scale), zero, value.bits, value.group, value.codebook
+        )
     return torch.cat([value, value.new_zeros(missing, *value.shape[1:])])

@@ -4,8 +4,8 @@ plain safetensors in seconds instead of parsing GGUF blocks again.
 The directory holds config.json, model.safetensors and the tokenizer (built by transformers from
 the GGUF metadata, chat template included). Float tensors are stored as float32. Quantized ones
 stay quantized: each supported type (``gguf_quants.SUPPORTED``) is unpacked, every value kept,
-into ``<name>.qweight`` / ``<name>.scale`` / ``<name>.zero``, the layout the CPU kernels read
-(``layers/quantized.py``); the loader decides whether to run them so or dequantize them. A type
+into ``<name>.qweight`` / ``<name>.scale`` / ``<name>.zero`` (and ``<name>.codes``, the 16 values
+of a coded type's codebook), the layout the CPU kernels read (``layers/quantized.py``); the loader decides whether to run them so or dequantize them. A type
 not supported fails the conversion with an error naming it.
 
 Mixtures of experts are read as llama.cpp's ``convert_hf_to_gguf.py`` writes them: a layer's
@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from ..errors import ModelLoadError, UnsupportedModelError
+from ..layers.codebooks import CODEBOOKS
 from ..models.family import Experts, Family
 from ..models.registry import family_of_gguf
 from . import gguf_quants
@@ -119,13 +120,16 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
     offset = family.norm_weight_offset
 
     def produce(spec_name: str) -> torch.Tensor:
-        for suffix, field in ((QWEIGHT, "qweight"), (SCALE, "scale"), (ZERO, "zero")):
+        for suffix, field in ((QWEIGHT, "qweight"), (SCALE, "scale"), (ZERO, "zero"), (CODES, "codebook")):
             if spec_name.endswith(suffix):
                 hf_name = spec_name.removesuffix(suffix)
                 if hf_name not in unpacked:
                     unpacked.clear()
                     unpacked[hf_name] = _unpack(*sources[hf_name], hf_name, config, permute, gguf_path)
-                return torch.from_numpy(np.ascontiguousarray(getattr(unpacked[hf_name], field)))
+                value = getattr(unpacked[hf_name], field)
+                if field == "codebook":
+                    value = np.array(CODEBOOKS[value], dtype=np.int8)
+                return torch.from_numpy(np.ascontiguousarray(value))
         w = _dequantize(*sources[spec_name], spec_name, config, permute)
         # Gemma: llama.cpp stores each norm's (1 + weight); the checkpoint holds the weight
         return w - offset if offset and spec_name.endswith("norm.weight") else w
@@ -138,8 +142,10 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
     _save_tokenizer(gguf_path, out_dir, family)
 
 
-# Suffixes of a quantized weight's tensors in the converted checkpoint (layers/quantized.py reads them).
-QWEIGHT, SCALE, ZERO = ".qweight", ".scale", ".zero"
+# Suffixes of a quantized weight's tensors in the converted checkpoint (layers/quantized.py reads
+# them): codes are the int8 [16] values of 4-bit codes, where the type has a codebook.
+QWEIGHT, SCALE, ZERO, CODES = ".qweight", ".scale", ".zero", ".codes"
+QUANTIZED_FIELDS = (QWEIGHT, SCALE, ZERO, CODES)
 _FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
 _QUANT_FORMATS = {
     "Q4_0": (4, 32),
@@ -148,11 +154,14 @@ _QUANT_FORMATS = {
     "Q8_0": (8, 32),
     "Q5_0": (8, 32),
     "Q5_1": (8, 32),
-    "MXFP4": (8, 32),
+    "MXFP4": (4, 32),
+    "IQ4_NL": (4, 32),
+    "IQ4_XS": (4, 32),
     "Q5_K": (8, 32),
     "Q6_K": (8, 16),
 }
-_NO_ZERO = frozenset({"Q8_0", "Q5_0", "MXFP4", "Q6_K"})
+_NO_ZERO = frozenset({"Q8_0", "Q5_0", "MXFP4", "IQ4_NL", "IQ4_XS", "Q6_K"})
+_CODED = frozenset({"MXFP4", "IQ4_NL", "IQ4_XS"})
 
 
 def _metadata(reader) -> dict:
@@ -296,6 +305,8 @@ def _add_specs(specs: list, hf: str, kind: str, shape: tuple[int, ...], gguf_nam
         specs.append((f"{hf}{SCALE}", torch.float32, (rows, cols // group)))
         if kind not in _NO_ZERO:
             specs.append((f"{hf}{ZERO}", torch.float32, (rows, cols // group)))
+        if kind in _CODED:
+            specs.append((f"{hf}{CODES}", torch.int8, (16,)))
     else:
         raise UnsupportedModelError(
             f"{path}: tensor {gguf_name!r} is of GGUF type {kind}, which pagedllm does not load; supported: "

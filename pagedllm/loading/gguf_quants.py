@@ -11,6 +11,8 @@ type is affine per group of ``group`` elements:
             byte k0 // 2 + j holds element k0 + j in its low nibble and k0 + 16 + j in its high
             nibble (the order Q4_0 and Q4_1 blocks already use); q is unsigned 0..15.
     bits=8  qweight int8 [rows, cols].
+    codes   bits=4 as above, but each q is an index into a table of 16 values (``codebook``:
+            ``layers/codebooks.py``), and value = table[q] * scale (+ zero).
 
     type   block bytes                          bits group   q            scale      zero
     Q4_0   d f16, qs[16]                           4    32   0..15        d          -8 * d
@@ -18,7 +20,9 @@ type is affine per group of ``group`` elements:
     Q8_0   d f16, qs int8[32]                      8    32   -128..127    d          None
     Q5_0   d f16, qh[4], qs[16]                    8    32   -16..15      d          None
     Q5_1   d f16, m f16, qh[4], qs[16]             8    32   0..31        d          m
-    MXFP4  e uint8, qs[16]                         8    32   -12..12      2^(e-128)  None
+    MXFP4  e uint8, qs[16]                      code    32   mxfp4        2^(e-128)  None
+    IQ4_NL d f16, qs[16]                        code    32   iq4_nl       d          None
+    IQ4_XS d f16, sc_h u16, sc_l[4], qs[128]    code    32   iq4_nl       d*(sc-32)  None
     Q4_K   d, dmin f16, 6-bit sc/m[12], qs[128]    4    32   0..15        d * sc     -(dmin * m)
     Q5_K   as Q4_K, then qh[32] before qs          8    32   0..31        d * sc     -(dmin * m)
     Q6_K   ql[128], qh[64], sc int8[16], d f16     8    16   -32..31      d * sc     None
@@ -28,20 +32,22 @@ of qh read as a little-endian uint32; Q5_0's q is q5 - 16. MXFP4 (OCP microscali
 a power-of-two scale byte e and 32 FP4 e2m1 codes in Q4_0's nibble order; an e2m1 value doubled
 is one of 0, 1, 2, 3, 4, 6, 8, 12 with a sign, so q is that doubled value and the scale is half
 of 2^(e-127). As in gguf (ggml's ggml_e8m0_to_fp32_half), e = 255 is a number (scale 2^127),
-not the NaN the OCP spec makes it, and e = 0 and 1 give subnormal scales.
+not the NaN the OCP spec makes it, and e = 0 and 1 give subnormal scales. IQ4_NL keeps 32 codes
+of a non-linear grid (ggml's kvalues_iq4nl) in Q4_0's order under an f16 d; IQ4_XS is 256 of them
+in 8 groups of 32 under one d, each group's 6-bit scale sc (low 4 bits in sc_l, nibble per group,
+high 2 in sc_h) standing for sc - 32.
 
-Widened on loading: Q5_0, Q5_1, Q5_K and Q6_K take one byte per value. MXFP4 is widened to 8
-bits per value today, not kept at the 4.25 bits per value it is stored in: with its float32 scale
-per 32 values it takes 9 bits a value, about twice its size in the file. Keeping it at its size
-would need a third layout (4-bit codes looked up in the e2m1 table) and kernels that read it.
+The 4-bit codes stay as stored (the codes layout, a byte shuffle in the kernels). Widened on
+loading: Q5_0, Q5_1, Q5_K and Q6_K take one byte per value.
 
 Exactness: scale and zero are the float32 products gguf's ``dequantize`` forms, and q * scale is
 exact or is gguf's own product, so ``dequantize(unpack(...))`` equals ``gguf.quants.dequantize``
 bit for bit, with one exception: a Q4_0 value that is zero may be +0 where gguf has -0 (gguf
 computes d * (q - 8), which is -0 for q = 8 when d < 0 and for q < 8 when d = +0; q * d - 8 * d is
 +0). The two are equal as numbers and in every sum. (Non-finite f16 d aside: Q4_0 then gives NaN
-where gguf gives an infinity.) Q5_0, Q5_1 and MXFP4 form gguf's very product, q * d (+ m), so they
-match it in every case: -0, non-finite d, and MXFP4's largest scales overflowing to inf.
+where gguf gives an infinity.) Q5_0, Q5_1 and the coded types form gguf's very product, q * d
+(+ m), so they match it in every case: -0, non-finite d, and MXFP4's largest scales overflowing to
+inf.
 """
 
 from __future__ import annotations
@@ -52,7 +58,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-SUPPORTED = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q5_1", "MXFP4", "Q5_K", "Q6_K"})
+from ..layers.codebooks import CODEBOOKS
+
+SUPPORTED = frozenset(
+    {"Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q5_1", "MXFP4", "IQ4_NL", "IQ4_XS", "Q5_K", "Q6_K"}
+)
 
 
 @dataclass
@@ -65,6 +75,7 @@ class QuantizedTensor:
     qweight: np.ndarray  # bits=4: uint8 [rows, cols // 2]; bits=8: int8 [rows, cols]
     scale: np.ndarray  # float32 [rows, cols // group]
     zero: np.ndarray | None  # float32 [rows, cols // group]; None means 0
+    codebook: str | None = None  # 4-bit codes into CODEBOOKS[codebook]; None: q is the value
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -97,6 +108,8 @@ def dequantize(qt: QuantizedTensor) -> np.ndarray:
     """float32 [rows, cols]: the reference for the kernels, computed as q * scale + zero."""
     rows, cols = qt.shape
     q = _unpack_int4(qt.qweight) if qt.bits == 4 else qt.qweight
+    if qt.codebook is not None:
+        q = np.array(CODEBOOKS[qt.codebook], dtype=np.int8)[q]
     values = q.astype(np.float32).reshape(rows, -1, qt.group) * qt.scale[..., None]
     if qt.zero is not None:
         values = values + qt.zero[..., None]
@@ -173,8 +186,6 @@ def _five_bits(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
     return _nibbles(qs) | (np.unpackbits(qh, axis=-1, bitorder="little") << 4)
 
 
-# FP4 e2m1 codes 0..15 (sign bit 8) -> twice their value, as ggml's kvalues_mxfp4.
-_E2M1_DOUBLED = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)
 
 
 # --- one unpacker per type: uint8 [rows, n_blocks, type_size] -> QuantizedTensor --------------
@@ -211,9 +222,23 @@ def _q5_1(b: np.ndarray) -> QuantizedTensor:
 
 def _mxfp4(b: np.ndarray) -> QuantizedTensor:
     rows = b.shape[0]
-    q = _E2M1_DOUBLED[_nibbles(b[..., 1:17])]
+    codes = np.ascontiguousarray(b[..., 1:17]).reshape(rows, -1)  # Q4_0's nibble order already
     scale = np.ldexp(np.float32(1), b[..., 0].astype(np.int32) - 128)  # 2^(e-127) / 2, exact
-    return QuantizedTensor(8, 32, q.reshape(rows, -1), scale.astype(np.float32), None)
+    return QuantizedTensor(4, 32, codes, scale.astype(np.float32), None, "mxfp4")
+
+
+def _iq4_nl(b: np.ndarray) -> QuantizedTensor:
+    rows = b.shape[0]
+    return QuantizedTensor(4, 32, np.ascontiguousarray(b[..., 2:]).reshape(rows, -1), _f16(b, 0), None, "iq4_nl")
+
+
+def _iq4_xs(b: np.ndarray) -> QuantizedTensor:
+    rows = b.shape[0]
+    high = np.ascontiguousarray(b[..., 2:4]).view(np.uint16)  # [rows, n_blocks, 1]
+    low = b[..., 4:8, None] >> np.array([0, 4], dtype=np.uint8)  # [rows, n_blocks, 4, 2]: groups 2i, 2i+1
+    sc = (low.reshape(*b.shape[:2], 8) & 0x0F) | (((high >> np.arange(0, 16, 2, dtype=np.uint16)) & 3) << 4)
+    scale = _per_group(_f16(b, 0), sc.astype(np.int8) - np.int8(32))
+    return QuantizedTensor(4, 32, np.ascontiguousarray(b[..., 8:]).reshape(rows, -1), scale, None, "iq4_nl")
 
 
 def _q4_k(b: np.ndarray) -> QuantizedTensor:
@@ -255,6 +280,8 @@ _UNPACKERS: dict[str, Callable[[np.ndarray], QuantizedTensor]] = {
     "Q5_0": _q5_0,
     "Q5_1": _q5_1,
     "MXFP4": _mxfp4,
+    "IQ4_NL": _iq4_nl,
+    "IQ4_XS": _iq4_xs,
     "Q4_K": _q4_k,
     "Q5_K": _q5_k,
     "Q6_K": _q6_k,

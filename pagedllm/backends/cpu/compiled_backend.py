@@ -78,7 +78,7 @@ class CPUCompiledBackend(CPUTorchBackend):
     def dequantize(
         self, w: quant.QuantizedWeight, dtype: torch.dtype, rows: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return self.ops.dequantize(w.qweight, w.scale, w.zero, w.bits, w.group, rows, dtype)
+        return self.ops.dequantize(w.qweight, w.scale, w.zero, w.layout, w.group, rows, dtype)
 
     def quantized_matmul(self, x: torch.Tensor, w: quant.QuantizedWeight) -> torch.Tensor:
         """The packed-weight kernel for few rows (a step costs the bytes of the 4- or 8-bit
@@ -88,7 +88,7 @@ class CPUCompiledBackend(CPUTorchBackend):
         (weights dequantized 16 channels at a time into L1); else dequantize the layer + GEMM."""
         tiles = self.amx_tiles and x.dtype == torch.bfloat16 and w.shape[1] % 32 == 0
         if tiles or self.quant_kernel_takes(x.shape[0], x.dtype):
-            return self.ops.quant_linear(x.contiguous(), w.qweight, w.scale, w.zero, w.bits, w.group)
+            return self.ops.quant_linear(x.contiguous(), w.qweight, w.scale, w.zero, w.layout, w.group)
         return super().quantized_matmul(x, w)
 
     def quant_kernel_takes(self, rows: int, dtype: torch.dtype) -> bool:

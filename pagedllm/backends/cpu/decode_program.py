@@ -56,7 +56,7 @@ def _linear_args(layer: torch.nn.Module) -> tuple[int, list[torch.Tensor], list[
         if layer.int8_activations and not all(s.int8_per_row for s in layer.segments):
             raise NotProgrammable("w8a8 weights not int8 per row")
         tensors = [t for s in layer.segments for t in (s.qweight, s.scale, none if s.zero is None else s.zero)]
-        ints = [i for s in layer.segments for i in (s.bits, s.group)]
+        ints = [i for s in layer.segments for i in (s.layout, s.group)]
         return (INT8 if layer.int8_activations else QUANT), tensors, ints, bias
     if isinstance(layer, Linear):
         weight = layer.weight.data

@@ -27,14 +27,14 @@ def quantized_expert_arguments(moe: SparseMoE) -> tuple | None:
         ):
             return None
         segments = [q.segments[0] for q in layers]
-        if len({(s.bits, s.group) for s in segments}) != 1:
+        if len({(s.layout, s.group) for s in segments}) != 1:
             return None
         columns.append(
             (
                 [s.qweight for s in segments],
                 [s.scale for s in segments],
                 [s.zero for s in segments],
-                segments[0].bits,
+                segments[0].layout,
                 segments[0].group,
             )
         )

@@ -6,11 +6,25 @@
 // absent: 0), scale and zero float32. 4-bit q (0..15) sit two to a byte, per 32 columns from k0:
 // byte k0/2 + j holds column k0 + j in its low nibble and k0 + 16 + j in its high one, as GGUF's
 // Q4_0/Q4_1 blocks do. 8-bit q are int8, one per byte.
+//
+// 4-bit codes: where a matrix has a codebook, its 4-bit q are not values but indices into a
+// table of 16 int8 values (MXFP4's e2m1 values doubled; IQ4_NL's and IQ4_XS's non-linear grid),
+// read as value = table[q] * scale + zero. The kernels take the codebook in their `bits`
+// argument: bits + 256 x the codebook's number (layers/codebooks.py's CODEBOOKS, in this order, from 1).
 #pragma once
 
 #include <cstdint>
 
 namespace pagedllm {
+
+// The codebooks' tables, by number (0: none, q is the value). A test pins them to the gguf
+// package's kvalues and to layers/codebooks.py's.
+alignas(16) inline constexpr int8_t kCodebooks[3][16] = {
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
+    {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12},                       // MXFP4 (e2m1 x 2)
+    {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113},   // IQ4_NL, IQ4_XS
+};
+constexpr int64_t kCodebookCount = 3;
 
 struct QuantMatrix {
   const uint8_t* q;  // int4: [N, K / 2]; int8: [N, K] (read as int8)
@@ -19,6 +33,7 @@ struct QuantMatrix {
   int64_t n, k, bits, group;
   int64_t G;      // groups per row
   int shift;      // log2(group) when a power of two: the inner loops must not divide (~40 cycles)
+  const int8_t* codes = nullptr;  // 4-bit q's values (kCodebooks), or nullptr: q itself
   int64_t row_bytes() const { return bits == 4 ? k / 2 : k; }
   int64_t byte_of(int64_t k0) const { return bits == 4 ? k0 / 2 : k0; }  // column k0's byte in its row
   int64_t groups() const { return G; }
@@ -43,8 +58,9 @@ inline void dequant_step_scalar(const QuantMatrix& m, int64_t n, int64_t k0, flo
   if (m.bits == 4) {
     const uint8_t* p = row + k0 / 2;
     for (int j = 0; j < 16; ++j) {
-      out[j] = float(p[j] & 15) * s + z;
-      out[j + 16] = float(p[j] >> 4) * s + z;
+      const int low = p[j] & 15, high = p[j] >> 4;
+      out[j] = float(m.codes ? m.codes[low] : low) * s + z;
+      out[j + 16] = float(m.codes ? m.codes[high] : high) * s + z;
     }
   } else {
     const int8_t* p = reinterpret_cast<const int8_t*>(row) + k0;

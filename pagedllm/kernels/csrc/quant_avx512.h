@@ -16,7 +16,14 @@ inline void dequant_step(const QuantMatrix& m, int64_t n, int64_t k0, __m512& lo
   const int64_t g = n * m.G + m.group_of(k0);
   const __m512 s = _mm512_set1_ps(m.scale[g]), z = _mm512_set1_ps(m.zero ? m.zero[g] : 0.f);
   const uint8_t* row = m.q + n * m.row_bytes();
-  if (m.bits == 4) {
+  if (m.bits == 4 && m.codes) {  // each nibble looked up in the codebook (one byte shuffle)
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k0 / 2));
+    const __m128i table = _mm_load_si128(reinterpret_cast<const __m128i*>(m.codes)), nibble = _mm_set1_epi8(15);
+    const __m128i low = _mm_shuffle_epi8(table, _mm_and_si128(packed, nibble));
+    const __m128i high = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(packed, 4), nibble));
+    lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(low)), s, z);
+    hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(high)), s, z);
+  } else if (m.bits == 4) {
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k0 / 2)));
     const __m512i low = _mm512_and_si512(v, _mm512_set1_epi32(15));
     lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(low), s, z);
@@ -155,14 +162,20 @@ inline void load_x_groups(const Int8Rows& xr, int64_t row0, int64_t g0, __m512i*
 }
 
 // Y[r][n0 + c] for NC channels of 4-bit weights and MR rows: per 4 groups, 64 bytes of weights
-// unpacked once into low and high nibbles, then two dpbusd per row.
-template <int NC, int MR>
+// unpacked once into low and high nibbles, then two dpbusd per row. Codes (Coded) are looked up
+// in the codebook plus 128 (unsigned, as dpbusd takes its first operand), which the end takes
+// back out with 128 x each group's sum of x, as tile_vnni8 does.
+template <int NC, int MR, bool Coded>
 void tile_vnni(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, int64_t n0, float* Y, int64_t ldy) {
   __m512 acc[NC][MR];
   for (int c = 0; c < NC; ++c)
     for (int r = 0; r < MR; ++r) acc[c][r] = _mm512_setzero_ps();
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  __m512i table = _mm512_setzero_si512();
+  if constexpr (Coded)
+    table = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(m.codes))),
+                             _mm512_set1_epi8(char(0x80)));
   const int64_t G = m.groups();
   for (int64_t g0 = 0; g0 < G; g0 += 4) {
     const int64_t n_groups = std::min<int64_t>(4, G - g0);
@@ -174,8 +187,12 @@ void tile_vnni(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, int64_t n
       const uint8_t* p = m.q + n * m.row_bytes() + g0 * 16;
       prefetch_ahead(p);
       const __m512i v = load_groups(p, n_groups);
-      const __m512i lo = _mm512_and_si512(v, nibble);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      __m512i lo = _mm512_and_si512(v, nibble);
+      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      if constexpr (Coded) {
+        lo = _mm512_shuffle_epi8(table, lo);
+        hi = _mm512_shuffle_epi8(table, hi);
+      }
       const __m512 s = _mm512_permutexvar_ps(spread, load_scales(m.scale + n * G + g0, n_groups));
       for (int r = 0; r < MR; ++r) {
         __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo[r]);
@@ -187,9 +204,10 @@ void tile_vnni(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, int64_t n
   for (int c = 0; c < NC; ++c) {
     const int64_t n = n0 + c;
     for (int r = 0; r < MR; ++r) {
+      const float* sums = xr.block_sums.data() + (row0 + r) * xr.padded_groups;
       float y = _mm512_reduce_add_ps(acc[c][r]);
-      if (m.zero)  // sum over groups of offset x the group's sum of x
-        y += group_sums(m.zero + n * G, xr.block_sums.data() + (row0 + r) * xr.padded_groups, G);
+      if constexpr (Coded) y -= 128.f * group_sums(m.scale + n * G, sums, G);
+      if (m.zero) y += group_sums(m.zero + n * G, sums, G);  // sum over groups of offset x the group's sum of x
       Y[r * ldy + n] = y;
     }
   }
@@ -252,8 +270,10 @@ template <int NC, int MR>
 inline void tile_any_vnni(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, int64_t n0, float* Y, int64_t ldy) {
   if (m.bits == 8)
     tile_vnni8<NC, MR>(m, xr, row0, n0, Y, ldy);
+  else if (m.codes)
+    tile_vnni<NC, MR, true>(m, xr, row0, n0, Y, ldy);
   else
-    tile_vnni<NC, MR>(m, xr, row0, n0, Y, ldy);
+    tile_vnni<NC, MR, false>(m, xr, row0, n0, Y, ldy);
 }
 
 template <int NC>

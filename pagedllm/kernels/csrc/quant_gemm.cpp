@@ -50,15 +50,20 @@ void channels(const QuantMatrix& m, const float* X, int64_t rows, int64_t n0, in
 #endif
 }
 
-QuantMatrix check_quant(const Tensor& q, const Tensor& scale, const c10::optional<Tensor>& zero, int64_t bits,
+// `bits`: 4 or 8, plus 256 x a codebook's number for 4-bit codes (quant.h).
+QuantMatrix check_quant(const Tensor& q, const Tensor& scale, const c10::optional<Tensor>& zero, int64_t layout,
                         int64_t group) {
+  const int64_t bits = layout & 255, codebook = layout >> 8;
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(codebook >= 0 && codebook < kCodebookCount && (codebook == 0 || bits == 4),
+              "codebook ", codebook, " is not one of 4-bit weights' ", kCodebookCount - 1);
   TORCH_CHECK(q.dim() == 2 && q.is_contiguous(), "qweight must be a contiguous matrix");
   TORCH_CHECK(bits == 4 ? q.scalar_type() == at::kByte : q.scalar_type() == at::kChar,
               "qweight must be uint8 (4-bit) or int8 (8-bit)");
   QuantMatrix m;
   m.q = reinterpret_cast<const uint8_t*>(q.data_ptr());
   m.bits = bits;
+  m.codes = codebook ? kCodebooks[codebook] : nullptr;
   m.group = group;
   m.n = q.size(0);
   m.k = bits == 4 ? q.size(1) * 2 : q.size(1);

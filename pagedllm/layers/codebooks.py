@@ -1,0 +1,9 @@
+"""The values 4-bit codes stand for, by codebook (``QuantizedWeight.codebook``): GGUF types whose
+4 bits index a table of 16 instead of being the value. The kernels keep the same tables in
+``kernels/csrc/quant.h`` (``kCodebooks``), numbered by their order here from 1; a test pins both
+to the gguf package's ``kvalues``. Torch-free: the GGUF unpacker reads them too."""
+
+CODEBOOKS: dict[str, tuple[int, ...]] = {
+    "mxfp4": (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12),  # FP4 e2m1 values doubled
+    "iq4_nl": (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113),  # IQ4_NL and IQ4_XS
+}
