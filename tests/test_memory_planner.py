@@ -29,7 +29,11 @@ CONFIGS = Path(__file__).parent.parent / "benchmarks/configs"
 @pytest.mark.serial  # measured peaks, torch's thread count in the GEMM scratch: alone
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(
-    "arch", ["qwen2", "qwen3", "mistral", "llama3-rope-tied", "qwen3-moe", "qwen2-moe", "gemma3", "smollm3", "phi3"]
+    "arch",
+    [
+        *("qwen2", "qwen3", "mistral", "llama3-rope-tied", "gemma3", "smollm3", "phi3"),
+        *("qwen3-moe", "qwen2-moe", "olmoe", "gpt-oss"),
+    ],
 )
 def test_step_memory_prediction_matches_measured_peak_on_tiny_models(tiny_checkpoints, arch, dtype):
     """A mixture of experts runs with its routers zeroed: every token then picks the same experts

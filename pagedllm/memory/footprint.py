@@ -442,9 +442,12 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
     if cfg.qk_norm:
         # q's norm, then k's while q's result is alive
         dk = cfg.num_kv_heads * d
-        if s.kernels == "compiled":  # the kernel's output, after a contiguous copy of the heads' rows
+        whole = cfg.qk_norm_scope == "all"  # OLMoE: q and k normed over their whole rows
+        if s.kernels == "compiled" and not whole:  # the kernel's output, after a contiguous copy of the heads' rows
             copies = 2 if t > 1 else 1  # one row's heads are contiguous already
             norms = max(copies * t * dq * e, t * dq * e + copies * t * dk * e)
+        elif whole:  # PyTorch's formulation on every backend: the rows are strided views of qkv's
+            norms = max(_norm_transient(t, dq, e), t * dq * e + _norm_transient(t, dk, e))
         else:  # PyTorch's formulation
             norms = max(
                 _norm_transient(t * cfg.num_heads, d, e), t * dq * e + _norm_transient(t * cfg.num_kv_heads, d, e)
@@ -485,7 +488,7 @@ def _sparse_mlp_phases(cfg: ModelConfig, t: int, e: int, live: int, g: _Gemms) -
         candidates = {
             "moe expert gate/up": base + g.bytes(c, h, 2 * width),
             "moe expert silu * up": base + up + c * width * e,
-            "moe expert down": base + c * width * e + g.bytes(c, width, h) + c * h * e,
+            "moe expert down": base + c * width * e + g.bytes(c, width, h),
         }
         for name, value in candidates.items():
             phases[name] = max(phases.get(name, 0), value)
