@@ -82,7 +82,8 @@ def test_routing_ties_fall_as_in_transformers_and_unused_experts_are_never_read(
 
 
 def test_what_is_not_implemented_is_refused_with_the_reason():
-    """README: gpt-oss's MXFP4 safetensors are not read yet, nor does gpt-oss split over ranks."""
+    """README: gpt-oss's MXFP4 safetensors are not read yet; Phi-3's fused q/k/v do not split over
+    ranks (gpt-oss's fused experts do: test_tensor_parallel)."""
     from pathlib import Path
 
     from pagedllm.models.gpt_oss.spec import unfuse
@@ -90,10 +91,18 @@ def test_what_is_not_implemented_is_refused_with_the_reason():
     with pytest.raises(UnsupportedModelError, match="MXFP4"):
         unfuse("model.layers.0.mlp.experts.gate_up_proj_blocks", torch.zeros(2, 4, 3, 16, dtype=torch.uint8))
 
-    cfg = ModelConfig.from_file(Path(__file__).parent.parent / "benchmarks/configs/gpt-oss-20b.json")
+    gpt_oss = ModelConfig.from_file(Path(__file__).parent.parent / "benchmarks/configs/gpt-oss-20b.json")
+    assert shard_layout(gpt_oss, 2).expert == gpt_oss.moe.expert_size // 2
+    phi3 = ModelConfig.from_hf_dict(
+        {
+            "architectures": ["Phi3ForCausalLM"],
+            **dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4),
+            **dict(num_key_value_heads=2, vocab_size=100, rms_norm_eps=1e-5),
+        }
+    )
     with pytest.raises(TensorParallelError, match="fuse several weights in one tensor.*tensor_parallel_size=1"):
-        shard_layout(cfg, 2)
-    assert shard_layout(cfg, 1).tp == 1
+        shard_layout(phi3, 2)
+    assert shard_layout(phi3, 1).tp == 1
 
 
 def test_olmoe_does_not_split_over_ranks():

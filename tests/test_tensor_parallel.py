@@ -49,6 +49,9 @@ VARIANTS = {
     # layer among the sparse ones (Qwen2-MoE), Mixtral's names for its experts
     "qwen2-moe": ("qwen2-moe", {}),
     "mixtral": ("mixtral", {}),
+    # experts fused in the checkpoint (gate/up interleaved), each rank reading its run of them;
+    # biases, attention sinks per head, sliding and full layers
+    "gpt-oss": ("gpt-oss", {}),
 }
 TIGHT = dict(block_size=4, num_blocks=40, max_batch_tokens=16, max_num_seqs=8, max_model_len=160, threads=1)
 

@@ -19,7 +19,8 @@ config.json alone, and the loader asks which rows of each checkpoint tensor a ra
   routes alike). Whole experts dealt to ranks instead would leave a rank idle whenever a token's
   experts all sit elsewhere (at one decode token, most ranks); not measured against it yet.
 - Norms (and Qwen3's per-head q/k norms) are replicated; so are the biases of the row-parallel
-  layers (added once, after the all-reduce).
+  layers (added once, after the all-reduce). gpt-oss's attention sinks, one per query head, go
+  with their heads.
 
 A tensor-parallel size that does not divide the heads, the KV heads (or is not a multiple of
 them), the MLP width or an expert's width is refused at once, naming the numbers and the sizes that would work.
@@ -173,6 +174,7 @@ _COLUMN_PARALLEL = {
     "shared_expert_up": "shared",
 }
 _ROW_PARALLEL = {"o": "heads", "down": "mlp", "expert_down": "expert", "shared_expert_down": "shared"}
+_PER_HEAD = ("sinks",)  # a value per query head (a parameter of its own, no ``.weight``)
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -206,6 +208,9 @@ class RankShard:
         if name in _VOCAB:
             r = self.vocab_range()
             return Slice(0, r.start, r.stop, self.cfg.vocab_size)
+        if self._roles.get(name.split(".", 3)[-1]) in _PER_HEAD:
+            heads = self.layout.head_range(self.rank)
+            return Slice(0, heads.start, heads.stop, self.cfg.num_heads)
         tensor, _, leaf = name.rpartition(".")
         within = tensor.split(".", 3)[-1] if tensor.startswith("model.layers.") else ""
         role = self._roles.get(re.sub(r"\.\d+\.", ".{e}.", within))  # an expert's tensor: its role's template
@@ -219,6 +224,11 @@ class RankShard:
                 return Slice(0, 0, h, h, zero=self.rank != 0)
             return Slice(1, r.start, r.stop, total)
         return None
+
+    def range_of(self, kind: str) -> range:
+        """The rank's part of a split width: "heads" or "kv" (in columns of the projection),
+        "mlp", "expert" or "shared"."""
+        return self._range(kind)[0]
 
     def _range(self, kind: str) -> tuple[range, int]:
         """The rank's rows of a column-parallel layer's output (or columns of a row-parallel

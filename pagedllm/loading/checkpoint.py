@@ -288,11 +288,15 @@ def _rank_slices(path_of: Path, shard: RankShard):
     cut along its columns only at whole groups of the quantization: a cut inside one is an error
     naming the tensor."""
 
+    fused_part = shard.cfg.family.fused_rank_part
+
     def select(name: str, entry: dict) -> tuple[int, int, int] | None:
         base, field = name, ""
         if name.endswith(QUANTIZED_FIELDS):
             base, _, field = name.rpartition(".")
         part = shard.slice_of(base)
+        if part is None and fused_part is not None and not field:  # gpt-oss's experts: unfused from the rank's run
+            return fused_part(name, tuple(int(d) for d in entry["shape"]), shard.range_of)
         if part is None or field == "codes":  # a codebook's 16 values: every rank reads them whole
             return None
         if part.zero:

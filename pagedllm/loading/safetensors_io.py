@@ -91,9 +91,10 @@ def iter_tensors(
     its final one: a float32 checkpoint loads as bfloat16 without a float32 copy of any tensor.
     Tensors for which ``keep_dtype(name)`` is true (a quantized weight's parts) stay as stored.
 
-    ``select(name, entry)``: ``(dim, start, stop)`` to read only that part of a 1-D or 2-D tensor
-    (rows, or columns: one run of bytes per row), None for all of it: a rank of a split model
-    reads its own slice and nothing else.
+    ``select(name, entry)``: ``(dim, start, stop)`` to read only that part of a tensor along one
+    dimension (one run of bytes per index of the dimensions before it: rows of a matrix are one
+    run, its columns a run per row), None for all of it: a rank of a split model reads its own
+    slice and nothing else.
     """
     scratch = torch.empty(CONVERT_CHUNK_BYTES, dtype=torch.uint8)
     with open(path, "rb") as f:
@@ -131,13 +132,17 @@ def _runs(
     if part is None:
         return shape, [(data_start + begin, end - begin)]
     dim, start, stop = part
-    if not (0 <= start <= stop <= shape[dim]) or len(shape) not in (1, 2):
+    if not (0 <= dim < len(shape) and 0 <= start <= stop <= shape[dim]):
         raise ValueError(f"cannot read [{start}, {stop}) along dim {dim} of a tensor shaped {shape}")
-    row = itemsize * (shape[1] if len(shape) == 2 else 1)
-    if dim == 0:
-        return (stop - start, *shape[1:]), [(data_start + begin + start * row, (stop - start) * row)]
-    width = (stop - start) * itemsize
-    return (shape[0], stop - start), [(data_start + begin + r * row + start * itemsize, width) for r in range(shape[0])]
+    inner = itemsize  # bytes of one index along dim
+    for d in shape[dim + 1 :]:
+        inner *= d
+    outer = 1  # runs: one per index of the dimensions before dim
+    for d in shape[:dim]:
+        outer *= d
+    first, width = data_start + begin + start * inner, (stop - start) * inner
+    read = (*shape[:dim], stop - start, *shape[dim + 1 :])
+    return read, [(first + o * shape[dim] * inner, width) for o in range(outer)]
 
 
 def _read_into(f, buffer: torch.Tensor, path: Path, name: str) -> None:

@@ -91,6 +91,13 @@ class Family:
     # -> those, by their names, given the ``ModelConfig``; None (or a function returning None for a
     # tensor): every tensor is one of its own
     unfuse: Callable[[str, object, object], list[tuple[str, object]] | None] | None = None
+    # the one run a rank of a split reads of a fused checkpoint tensor, ``(dim, start, stop)``
+    # (None: all of it), given its name, stored shape and the rank's range of each split width
+    # (``RankShard.range_of``), so that ``unfuse`` makes the rank's parts; None: fused tensors do
+    # not split (the family is refused over ranks)
+    fused_rank_part: Callable[[str, tuple[int, ...], Callable[[str], range]], tuple[int, int, int] | None] | None = (
+        None
+    )
     transformers_reads_gguf: bool = True  # whether transformers reads its GGUF config (for the tokenizer's class)
     # Gemma: every RMSNorm multiplies by (1 + weight): the loader adds this to each norm's
     # checkpoint weight once, so the norms compute as Llama's do
@@ -115,11 +122,11 @@ class Family:
     @property
     def not_split_because(self) -> str | None:
         """Why ``distributed.shards`` cannot split it over ranks, or None where it can: not where
-        the checkpoint fuses tensors (gpt-oss's experts, Phi-3's q/k/v: read whole, then split;
-        not per rank yet), nor where q and k are normed over the whole projection (OLMoE: each
+        the checkpoint fuses tensors that no one run per rank reads (Phi-3's q/k/v: its q rows
+        and its k and v rows), nor where q and k are normed over the whole projection (OLMoE: each
         rank holds only its heads' share of the sum of squares)."""
-        if self.unfuse is not None:
-            return "checkpoints fuse several weights in one tensor (a layer's experts, or q/k/v)"
+        if self.unfuse is not None and self.fused_rank_part is None:
+            return "checkpoints fuse several weights in one tensor (q/k/v)"
         if self.qk_norm == "all":
             return "q and k are normed over all heads at once"
         return None

@@ -90,6 +90,21 @@ def gguf_config(get, tensor) -> dict:
     return config
 
 
+def fused_rank_part(name: str, shape: tuple[int, ...], range_of) -> tuple[int, int, int] | None:
+    """A rank's one run of a fused expert tensor: its columns of every expert's width, which
+    gate/up interleave (columns 2j and 2j + 1 are gate's and up's column j: the run is [2 x start,
+    2 x stop)) and down holds as rows. The down bias is read whole (rank 0 adds it)."""
+    leaf = name.rpartition(".")[2]
+    width = range_of("expert")
+    if leaf == "gate_up_proj":  # [experts, hidden, 2 x width]
+        return len(shape) - 1, 2 * width.start, 2 * width.stop
+    if leaf == "gate_up_proj_bias":  # [experts, 2 x width]
+        return 1, 2 * width.start, 2 * width.stop
+    if leaf == "down_proj":  # [experts, width, hidden]
+        return 1, width.start, width.stop
+    return None
+
+
 FAMILY = Family(
     architecture="GptOssForCausalLM",
     model_type="gpt_oss",
@@ -113,6 +128,7 @@ FAMILY = Family(
     },
     attention_sinks=True,
     unfuse=unfuse,
+    fused_rank_part=fused_rank_part,
     transformers_reads_gguf=False,
     gguf_config=gguf_config,
     gguf_rope_scalings=("yarn",),
