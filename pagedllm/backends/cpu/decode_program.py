@@ -3,13 +3,14 @@
 At one request the Python between a layer's ~10 ops cost a large part of each token (one
 request as stored ran 1.44x faster without it: docs/benchmarks.md). ``DecodeProgram`` hands the
 compiled ``DecodeStep`` every layer's weights once, as the layers hold them (oneDNN-packed,
-tile-packed, plain, quantized or int8 segments, biases, Qwen3's q/k norms, sliding windows,
+tile-packed, plain, quantized or int8 segments, biases, Qwen3's q/k norms, sliding windows, gpt-oss's sinks,
 Gemma's norms around each sub-layer, its GELU and its two rotary tables, SmolLM3's layers
 without positions, a mixture's router and quantized experts), and runs all layers of a step in
 one call with the kernels the layers call, in the same order. A sparse layer runs in it where
 the backend's expert kernel would run it (``moe_quant_experts``: every expert quantized in one
-format, no biases, no clamp) and the router is a plain softmax over top_k (Qwen3-MoE, Mixtral);
-a shared expert (Qwen2-MoE), gpt-oss's routing and OLMoE's q/k norm keep the loop.
+format; gpt-oss's biases and clamp included), its router a softmax over top_k (Qwen3-MoE,
+Mixtral) or gpt-oss's biased top_k softmaxed; a shared expert (Qwen2-MoE) and OLMoE's q/k norm
+keep the loop.
 It runs a step whose every row decodes (one new token per sequence) or of at most
 ``SMALL_STEP_TOKENS`` tokens (rows with speculative guesses, a short prompt); longer steps, the
 PyTorch backend and a split model keep the Python layer loop, which stays the reference.
@@ -67,25 +68,31 @@ def _linear_args(layer: torch.nn.Module) -> tuple[int, list[torch.Tensor], list[
 
 def _experts_args(moe: SparseMoE) -> tuple:
     """``DecodeStep.add_experts``' arguments for a sparse layer the program runs, else NotProgrammable."""
-    if moe.shared_expert is not None or moe.router.bias is not None or moe.softmax_after_topk:
-        raise NotProgrammable("a shared expert, a biased router or gpt-oss's routing")
+    if moe.shared_expert is not None:
+        raise NotProgrammable("a shared expert")
     arguments = quantized_expert_arguments(moe)
     if arguments is None:
-        raise NotProgrammable("experts the expert kernel does not take (float, mixed formats, biases)")
-    gu_q, gu_scale, gu_zero, gu_bits, gu_group, d_q, d_scale, d_zero, d_bits, d_group = arguments
+        raise NotProgrammable("experts the expert kernel does not take (float, mixed formats)")
+    gu_q, gu_scale, gu_zero, gu_bits, gu_group, d_q, d_scale, d_zero, d_bits, d_group = arguments[:10]
+    gu_bias, d_bias, limit, alpha = arguments[10:]
     none = torch.empty(0)
 
     def triples(q, scale, zero) -> list[torch.Tensor]:
         return [t for e in zip(q, scale, zero) for t in (e[0], e[1], none if e[2] is None else e[2])]
 
-    router = moe.router.weight.data
+    bias = moe.router.bias
     return (
-        router,
+        moe.router.weight.data,
+        bias.data.float() if bias is not None else none,  # as SparseMoE.route widens it
         moe.top_k,
         moe.normalize,
+        moe.softmax_after_topk,
         triples(gu_q, gu_scale, gu_zero),
         triples(d_q, d_scale, d_zero),
         [gu_bits, gu_group, d_bits, d_group],
+        gu_bias,
+        d_bias,
+        [limit, alpha],
     )
 
 
@@ -109,6 +116,7 @@ class DecodeProgram:
             norms = [layer.input_layernorm.weight.data, layer.mlp_norm.weight.data]
             optional = (a.q_norm, a.k_norm, layer.attn_out_norm, layer.post_feedforward_layernorm)
             norms += [n.weight.data if n is not None else none for n in optional]
+            norms.append(a.sinks.data.float() if a.sinks is not None else none)  # as Attention.forward widens them
             self.step.add_layer(norms, a.window or 0, ROPE_KINDS[a.rope])
             mlp: Any = layer.mlp
             linears = [a.qkv_proj, a.o_proj]

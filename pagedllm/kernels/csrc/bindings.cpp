@@ -14,7 +14,8 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def(
       "moe_quant_experts(Tensor x, Tensor experts, Tensor weights, Tensor[] gate_up_q, Tensor[] gate_up_scale, "
       "Tensor?[] gate_up_zero, int gate_up_bits, int gate_up_group, Tensor[] down_q, Tensor[] down_scale, "
-      "Tensor?[] down_zero, int down_bits, int down_group) -> Tensor");
+      "Tensor?[] down_zero, int down_bits, int down_group, Tensor[] gate_up_bias, Tensor[] down_bias, "
+      "float swiglu_limit, float swiglu_alpha) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");

@@ -44,14 +44,17 @@ struct LinearW {
 
 // A sparse MLP (layers/moe.py) whose experts moe_quant_experts runs: a float32 router, its
 // top_k experts renormalised or not, every expert's gate/up and down one quantized matrix each,
-// in one format per projection.
+// in one format per projection. gpt-oss: the router biased and its top_k logits softmaxed among
+// themselves, each projection biased, the SwiGLU clamped.
 struct ExpertsW {
   Tensor router;  // float32 [experts, hidden]
+  c10::optional<Tensor> router_bias;  // float32 [experts]
   int64_t top_k = 0;
-  bool normalize = false;
-  std::vector<Tensor> gate_up_q, gate_up_scale, down_q, down_scale;
+  bool normalize = false, softmax_after_topk = false;
+  std::vector<Tensor> gate_up_q, gate_up_scale, down_q, down_scale, gate_up_bias, down_bias;
   c10::List<c10::optional<Tensor>> gate_up_zero, down_zero;
   int64_t gate_up_bits = 0, gate_up_group = 0, down_bits = 0, down_group = 0;
+  double swiglu_limit = 0, swiglu_alpha = 1;  // limit 0: plain SwiGLU
 };
 
 // Which rotary tables a layer's q and k take (ModelConfig.rope_of_layer).
@@ -61,6 +64,7 @@ struct LayerW {
   Tensor input_norm, mlp_norm;  // the attention's input norm, the MLP's
   c10::optional<Tensor> q_norm, k_norm;  // Qwen3's and Gemma's per-head norms
   c10::optional<Tensor> attn_out_norm, mlp_out_norm;  // Gemma: each sub-layer's output normed before its add
+  c10::optional<Tensor> sinks;  // gpt-oss: a logit per head in every softmax's denominator (float32)
   int64_t window = 0;  // sliding window (Mistral, Gemma's sliding layers), 0: none
   int64_t rope = kGlobalRope;
   LinearW qkv, o, gate_up, down;  // gate_up and down unused where experts is set
@@ -122,10 +126,10 @@ struct DecodeStep : torch::CustomClassHolder {
   DecodeStep(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale, bool gelu)
       : heads(heads), kv_heads(kv_heads), head_dim(head_dim), eps(eps), scale(scale), gelu(gelu) {}
 
-  // norms: [input, mlp, q_norm, k_norm, attn_out_norm, mlp_out_norm], an empty tensor for one the
-  // layer lacks; rope: a RopeKind. Then the layer gets its linears.
+  // norms: [input, mlp, q_norm, k_norm, attn_out_norm, mlp_out_norm, sinks (gpt-oss's, float32
+  // [heads])], an empty tensor for one the layer lacks; rope: a RopeKind. Then the layer gets its linears.
   void add_layer(std::vector<Tensor> norms, int64_t window, int64_t rope) {
-    TORCH_CHECK(norms.size() == 6, "add_layer: six norm weights (all but the first two may be empty tensors)");
+    TORCH_CHECK(norms.size() == 7, "add_layer: six norm weights and the sinks (all but the first two may be empty)");
     TORCH_CHECK(rope >= kNoRope && rope <= kLocalRope, "add_layer: rope kind 0..2");
     LayerW l;
     l.input_norm = norms[0];
@@ -134,6 +138,7 @@ struct DecodeStep : torch::CustomClassHolder {
     l.k_norm = maybe(norms[3]);
     l.attn_out_norm = maybe(norms[4]);
     l.mlp_out_norm = maybe(norms[5]);
+    l.sinks = maybe(norms[6]);
     l.window = window;
     l.rope = rope;
     layers.push_back(std::move(l));
@@ -158,18 +163,30 @@ struct DecodeStep : torch::CustomClassHolder {
     }
   }
 
-  // The last layer added is sparse: its router, and per expert [qweight, scale, zero (empty:
-  // none)] of gate/up then of down; formats: gate/up's bits and group, down's.
-  void add_experts(Tensor router, int64_t top_k, bool normalize, std::vector<Tensor> gate_up, std::vector<Tensor> down,
-                   std::vector<int64_t> formats) {
+  // The last layer added is sparse: its router (and bias: empty, none), and per expert
+  // [qweight, scale, zero (empty: none)] of gate/up then of down; formats: gate/up's bits and
+  // group, down's; biases: none, or one per expert for each projection; swiglu: limit (0: not
+  // clamped) and alpha.
+  void add_experts(Tensor router, Tensor router_bias, int64_t top_k, bool normalize, bool softmax_after_topk,
+                   std::vector<Tensor> gate_up, std::vector<Tensor> down, std::vector<int64_t> formats,
+                   std::vector<Tensor> gate_up_bias, std::vector<Tensor> down_bias, std::vector<double> swiglu) {
     TORCH_CHECK(!layers.empty() && router.scalar_type() == at::kFloat, "add_experts: add a layer first; a float32 router");
     const size_t experts = size_t(router.size(0));
     TORCH_CHECK(gate_up.size() == 3 * experts && down.size() == 3 * experts && formats.size() == 4,
                 "add_experts: three tensors per expert for each projection, four formats");
+    TORCH_CHECK(swiglu.size() == 2 && gate_up_bias.size() == down_bias.size() &&
+                    (gate_up_bias.empty() || gate_up_bias.size() == experts),
+                "add_experts: a limit and an alpha; no biases, or one per expert for each projection");
     ExpertsW m;
     m.router = router;
+    m.router_bias = maybe(router_bias);
     m.top_k = top_k;
     m.normalize = normalize;
+    m.softmax_after_topk = softmax_after_topk;
+    m.gate_up_bias = std::move(gate_up_bias);
+    m.down_bias = std::move(down_bias);
+    m.swiglu_limit = swiglu[0];
+    m.swiglu_alpha = swiglu[1];
     for (size_t e = 0; e < experts; ++e) {
       m.gate_up_q.push_back(gate_up[3 * e]);
       m.gate_up_scale.push_back(gate_up[3 * e + 1]);
@@ -222,7 +239,7 @@ struct DecodeStep : torch::CustomClassHolder {
     const Tensor out = paged_attention(q, k, v, c.k[i], c.v[i], c.query_start, c.context_lens, c.block_tables,
                                        c.block_size, scale, l.window, c.pairs_budget,
                                        eight_bit ? c10::optional<Tensor>(c.k_scales[i]) : c10::nullopt,
-                                       eight_bit ? c10::optional<Tensor>(c.v_scales[i]) : c10::nullopt);
+                                       eight_bit ? c10::optional<Tensor>(c.v_scales[i]) : c10::nullopt, l.sinks);
     return out.to(x.scalar_type()).view({t, dq});
   }
 
@@ -264,12 +281,19 @@ struct DecodeStep : torch::CustomClassHolder {
   // SparseMoE.route's arithmetic in its order (float32 logits, softmax, top_k, renormalised
   // where the model does, then x's dtype), and the backend's sparse_experts kernel.
   static Tensor sparse(const ExpertsW& m, const Tensor& x) {
-    const Tensor probs = at::softmax(at::linear(x.to(at::kFloat), m.router), -1);
-    auto [weights, experts] = at::topk(probs, m.top_k, -1);
-    if (m.normalize) weights.div_(weights.sum(-1, true));
+    const Tensor logits = at::linear(x.to(at::kFloat), m.router, m.router_bias);
+    Tensor weights, experts;
+    if (m.softmax_after_topk) {  // gpt-oss: the top_k logits, softmaxed among themselves
+      auto [top, chosen] = at::topk(logits, m.top_k, -1);
+      weights = at::softmax(top, -1);
+      experts = chosen;
+    } else {
+      std::tie(weights, experts) = at::topk(at::softmax(logits, -1), m.top_k, -1);
+      if (m.normalize) weights.div_(weights.sum(-1, true));
+    }
     return moe_quant_experts(x.contiguous(), experts, weights.to(x.scalar_type()), m.gate_up_q, m.gate_up_scale,
                              m.gate_up_zero, m.gate_up_bits, m.gate_up_group, m.down_q, m.down_scale, m.down_zero,
-                             m.down_bits, m.down_group);
+                             m.down_bits, m.down_group, m.gate_up_bias, m.down_bias, m.swiglu_limit, m.swiglu_alpha);
   }
 
   // gate_up = [gate | up]: silu(gate) * up (the kernel), or Gemma's gelu(gate, tanh) * up in

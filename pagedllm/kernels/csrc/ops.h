@@ -40,7 +40,9 @@ Tensor moe_quant_experts(const Tensor& x, const Tensor& experts, const Tensor& w
                          at::TensorList gate_up_scale, const c10::List<c10::optional<Tensor>>& gate_up_zero,
                          int64_t gate_up_bits, int64_t gate_up_group, at::TensorList down_q,
                          at::TensorList down_scale, const c10::List<c10::optional<Tensor>>& down_zero,
-                         int64_t down_bits, int64_t down_group);
+                         int64_t down_bits, int64_t down_group, at::TensorList gate_up_bias,
+                         at::TensorList down_bias, double swiglu_limit, double swiglu_alpha);
+Tensor clamped_swiglu(const Tensor& gate_up, double alpha, double limit);
 
 // int8_gemm.cpp: x rounded to int8 per row, times int8 weights per output row, in integers (w8a8).
 Tensor w8a8_linear(const Tensor& x, const Tensor& qweight, const Tensor& scale);
