@@ -9,8 +9,9 @@ without positions, a mixture's router and quantized experts), and runs all layer
 one call with the kernels the layers call, in the same order. A sparse layer runs in it where
 the backend's expert kernel would run it (``moe_quant_experts``: every expert quantized in one
 format; gpt-oss's biases and clamp included), its router a softmax over top_k (Qwen3-MoE,
-Mixtral) or gpt-oss's biased top_k softmaxed; a shared expert (Qwen2-MoE) and OLMoE's q/k norm
-keep the loop.
+Mixtral, OLMoE, whose q/k norm over the whole projection the program computes as the layer does)
+or gpt-oss's biased top_k softmaxed; a shared expert (Qwen2-MoE) and q/k/v clipping
+(``clip_qkv``) keep the loop.
 It runs a step whose every row decodes (one new token per sequence) or of at most
 ``SMALL_STEP_TOKENS`` tokens (rows with speculative guesses, a short prompt); longer steps, the
 PyTorch backend and a split model keep the Python layer loop, which stays the reference.
@@ -101,8 +102,8 @@ class DecodeProgram:
 
     def __init__(self, model: DecoderLM, step_class: Any):
         cfg = model.config
-        if cfg.qk_norm_scope != "head" or cfg.qkv_clip is not None:
-            raise NotProgrammable("OLMoE's attention runs in the Python layer loop")
+        if cfg.qkv_clip is not None:
+            raise NotProgrammable("q/k/v clipped (clip_qkv)")
         layers = model.model.decoder_layers()
         attn0 = layers[0].self_attn
         self.step = step_class(

@@ -71,6 +71,12 @@ struct LayerW {
   c10::optional<ExpertsW> experts;
 };
 
+// layers/pointwise.py's rms_norm, op for op: in float32, then cast, the weight multiplied in place.
+Tensor float32_rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  const Tensor xf = x.to(at::kFloat);
+  return xf.mul(xf.pow(2).mean(-1, true).add(eps).rsqrt()).to(x.scalar_type()).mul_(weight);
+}
+
 // Rows a prepacked oneDNN GEMM runs on (layers/workspace.py padded_rows: one kernel per bucket).
 int64_t padded_rows(int64_t rows) {
   if (rows <= 4) return rows;
@@ -223,7 +229,11 @@ struct DecodeStep : torch::CustomClassHolder {
     Tensor q = qkv.narrow(1, 0, dq).view({t, heads, head_dim});
     Tensor k = qkv.narrow(1, dq, dk).view({t, kv_heads, head_dim});
     Tensor v = qkv.narrow(1, dq + dk, dk).view({t, kv_heads, head_dim});
-    if (l.q_norm.has_value()) {  // on contiguous copies: the kernel's norm takes [rows, D]
+    if (l.q_norm.has_value() && l.q_norm->size(0) == dq) {  // OLMoE: over the whole projection,
+      // in float32 as the Python layer runs it (its rows are strided views, which the kernel does not take)
+      q = float32_rms_norm(q.reshape({t, dq}), *l.q_norm, eps).view({t, heads, head_dim});
+      k = float32_rms_norm(k.reshape({t, dk}), *l.k_norm, eps).view({t, kv_heads, head_dim});
+    } else if (l.q_norm.has_value()) {  // on contiguous copies: the kernel's norm takes [rows, D]
       q = rms_norm(q.contiguous().view({t * heads, head_dim}), *l.q_norm, eps).view({t, heads, head_dim});
       k = rms_norm(k.contiguous().view({t * kv_heads, head_dim}), *l.k_norm, eps).view({t, kv_heads, head_dim});
     }
