@@ -98,7 +98,7 @@ def test_long_prefill_and_mixed_steps_take_the_layer_loop(tiny_checkpoints, ops)
 
 
 # Mixtures whose sparse layers the program runs: a plain softmax router over top_k, no shared expert
-PROGRAMMED_MOE = ["qwen3-moe", "mixtral", "gpt-oss", "olmoe"]
+PROGRAMMED_MOE = ["qwen3-moe", "mixtral", "gpt-oss", "olmoe", "qwen2-moe"]
 
 
 QUANTIZED_EXPERTS = [("float32", "int4", "int8"), ("bfloat16", "int8", "float32")]
@@ -112,19 +112,20 @@ def test_decode_step_runs_quantized_experts_as_the_layer_loop(
     """Experts the expert kernel takes (quantized, one format a projection): the router's
     choice and weights (Mixtral renormalises its top 2, the tiny Qwen3-MoE as its config says;
     gpt-oss's biased router softmaxed over its top 2) and the experts' sum (gpt-oss's biased,
-    clamped experts, and its attention sinks; OLMoE's q/k norm over the whole projection),
-    bit-identical to the loop's."""
+    clamped experts, and its attention sinks; OLMoE's q/k norm over the whole projection;
+    Qwen2-MoE's gated shared expert, and its dense layers among the sparse ones), bit-identical
+    to the loop's."""
     directory, _ = tiny_checkpoints[arch]
     assert_program_equals_loop(load(directory, dtype, quantization=quantization), kv_dtype)
 
 
-LOOPED_MIXTURES = [(a, None) for a in MOE_ARCHS] + [("qwen2-moe", "int8")]
+LOOPED_MIXTURES = [(a, None) for a in MOE_ARCHS]
 
 
 @pytest.mark.parametrize("arch, quantization", LOOPED_MIXTURES)
 def test_other_mixtures_decode_in_the_python_layer_loop(tiny_checkpoints, arch, quantization, ops):
-    """README: float experts and a shared expert (Qwen2-MoE) keep the layer loop for every step
-    (test_models_match_transformers pins its output on both kernel paths)."""
+    """README: float experts keep the layer loop for every step (test_models_match_transformers
+    pins its output on both kernel paths)."""
     loaded = load(tiny_checkpoints[arch][0], "float32", quantization=quantization)
     assert loaded.model.decode_program() is None
 

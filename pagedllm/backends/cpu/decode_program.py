@@ -9,9 +9,9 @@ without positions, a mixture's router and quantized experts), and runs all layer
 one call with the kernels the layers call, in the same order. A sparse layer runs in it where
 the backend's expert kernel would run it (``moe_quant_experts``: every expert quantized in one
 format; gpt-oss's biases and clamp included), its router a softmax over top_k (Qwen3-MoE,
-Mixtral, OLMoE, whose q/k norm over the whole projection the program computes as the layer does)
-or gpt-oss's biased top_k softmaxed; a shared expert (Qwen2-MoE) and q/k/v clipping
-(``clip_qkv``) keep the loop.
+Mixtral, OLMoE, whose q/k norm over the whole projection the program computes as the layer does,
+Qwen2-MoE with its gated shared expert) or gpt-oss's biased top_k softmaxed; q/k/v clipping
+(``clip_qkv``) keeps the loop.
 It runs a step whose every row decodes (one new token per sequence) or of at most
 ``SMALL_STEP_TOKENS`` tokens (rows with speculative guesses, a short prompt); longer steps, the
 PyTorch backend and a split model keep the Python layer loop, which stays the reference.
@@ -69,8 +69,6 @@ def _linear_args(layer: torch.nn.Module) -> tuple[int, list[torch.Tensor], list[
 
 def _experts_args(moe: SparseMoE) -> tuple:
     """``DecodeStep.add_experts``' arguments for a sparse layer the program runs, else NotProgrammable."""
-    if moe.shared_expert is not None:
-        raise NotProgrammable("a shared expert")
     arguments = quantized_expert_arguments(moe)
     if arguments is None:
         raise NotProgrammable("experts the expert kernel does not take (float, mixed formats)")
@@ -124,6 +122,9 @@ class DecodeProgram:
             if isinstance(mlp, SparseMoE):
                 self.step.add_experts(*_experts_args(mlp))
                 self.packed_quantized = True  # its experts take the backend's row rule too
+                if mlp.shared_expert is not None and mlp.shared_expert_gate is not None:  # Qwen2-MoE
+                    shared = mlp.shared_expert
+                    linears += [shared.gate_up_proj, shared.down_proj, mlp.shared_expert_gate]
             else:
                 linears += [mlp.gate_up_proj, mlp.down_proj]
             for which, linear in enumerate(linears):

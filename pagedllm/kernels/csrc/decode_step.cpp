@@ -9,6 +9,7 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/sigmoid.h>
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/topk.h>
 #include <ATen/ops/zeros.h>
@@ -67,8 +68,10 @@ struct LayerW {
   c10::optional<Tensor> sinks;  // gpt-oss: a logit per head in every softmax's denominator (float32)
   int64_t window = 0;  // sliding window (Mistral, Gemma's sliding layers), 0: none
   int64_t rope = kGlobalRope;
-  LinearW qkv, o, gate_up, down;  // gate_up and down unused where experts is set
+  LinearW qkv, o, gate_up, down;  // where experts is set: its shared expert's, if it has one
+  LinearW shared_gate;  // Qwen2-MoE: the shared expert's sigmoid gate [1, hidden]
   c10::optional<ExpertsW> experts;
+  bool shared_expert = false;
 };
 
 // layers/pointwise.py's rms_norm, op for op: in float32, then cast, the weight multiplied in place.
@@ -150,12 +153,18 @@ struct DecodeStep : torch::CustomClassHolder {
     layers.push_back(std::move(l));
   }
 
-  // which: 0 qkv, 1 o, 2 gate_up, 3 down of the last layer added. tensors: the weight (float
+  // which: 0 qkv, 1 o, 2 gate_up, 3 down of the last layer added (a sparse one's shared expert's),
+  // 4 the shared expert's gate (the layer has one from then on). tensors: the weight (float
   // kinds), or per segment qweight, scale, zero (an empty tensor: none); ints: bits, group per segment.
   void add_linear(int64_t which, int64_t kind, std::vector<Tensor> tensors, std::vector<int64_t> ints, Tensor bias) {
-    TORCH_CHECK(!layers.empty() && which >= 0 && which < 4, "add_linear: add a layer first; which in 0..3");
+    TORCH_CHECK(!layers.empty() && which >= 0 && which < 5, "add_linear: add a layer first; which in 0..4");
     LayerW& layer = layers.back();
-    LinearW& l = which == 0 ? layer.qkv : which == 1 ? layer.o : which == 2 ? layer.gate_up : layer.down;
+    layer.shared_expert |= which == 4;
+    LinearW& l = which == 0   ? layer.qkv
+                 : which == 1 ? layer.o
+                 : which == 2 ? layer.gate_up
+                 : which == 3 ? layer.down
+                              : layer.shared_gate;
     l.kind = kind;
     l.bias = maybe(bias);
     if (kind == kQuant || kind == kInt8) {
@@ -278,6 +287,11 @@ struct DecodeStep : torch::CustomClassHolder {
       Tensor out;
       if (l.experts.has_value()) {
         out = sparse(*l.experts, x);
+        if (l.shared_expert) {  // SparseMoE.forward: sigmoid(gate(x)) * shared(x), added
+          const Tensor gate = at::sigmoid(apply(l.shared_gate, x));
+          Tensor act = activation(apply(l.gate_up, x));
+          out.add_(gate.mul(apply(l.down, act)));
+        }
       } else {
         Tensor act = activation(apply(l.gate_up, x));  // gate/up freed here, before down runs
         out = apply(l.down, act);
