@@ -137,7 +137,8 @@ def test_q5_types_match_gguf_for_non_finite_scales_too(type_name):
         assert_exact(type_name, dequantize(unpack(type_name, raw, 2, 256)), raw)
 
 
-@pytest.mark.parametrize("type_name", sorted(SUPPORTED & {"Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "MXFP4"}))  # gguf quantizes
+# the types the gguf package quantizes
+@pytest.mark.parametrize("type_name", sorted(SUPPORTED & {"Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "MXFP4"}))
 def test_weights_quantized_by_gguf_unpack_exactly(type_name):
     weights = np.random.default_rng(1).standard_normal((4, 96)).astype(np.float32)
     raw = gguf_quantize(weights, GGMLQuantizationType[type_name])

@@ -165,7 +165,7 @@ def dequantize_reference(w: QuantizedWeight, dtype: torch.dtype, rows: torch.Ten
     if w.bits == 4:
         packed = w.qweight.view(n, k // 32, 1, 16)
         q = torch.cat([packed & 15, packed >> 4], dim=2).view(n, k)
-        q = (torch.tensor(CODEBOOKS[w.codebook], dtype=torch.float32)[q.long()] if w.codebook else q.float())
+        q = torch.tensor(CODEBOOKS[w.codebook], dtype=torch.float32)[q.long()] if w.codebook else q.float()
     else:
         q = w.qweight.float()
     values = q.view(n, k // w.group, w.group) * w.scale[..., None]

@@ -5,8 +5,9 @@ The directory holds config.json, model.safetensors and the tokenizer (built by t
 the GGUF metadata, chat template included). Float tensors are stored as float32. Quantized ones
 stay quantized: each supported type (``gguf_quants.SUPPORTED``) is unpacked, every value kept,
 into ``<name>.qweight`` / ``<name>.scale`` / ``<name>.zero`` (and ``<name>.codes``, the 16 values
-of a coded type's codebook), the layout the CPU kernels read (``layers/quantized.py``); the loader decides whether to run them so or dequantize them. A type
-not supported fails the conversion with an error naming it.
+of a coded type's codebook), the layout the CPU kernels read (``layers/quantized.py``); the
+loader decides whether to run them so or dequantize them. A type not supported fails the
+conversion with an error naming it.
 
 Mixtures of experts are read as llama.cpp's ``convert_hf_to_gguf.py`` writes them: a layer's
 experts stacked in one 3-D tensor per projection (``blk.N.ffn_gate_exps.weight``, [experts,

@@ -60,9 +60,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..layers.codebooks import CODEBOOKS
 
-SUPPORTED = frozenset(
-    {"Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q5_1", "MXFP4", "IQ4_NL", "IQ4_XS", "Q5_K", "Q6_K"}
-)
+SUPPORTED = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q5_1", "MXFP4", "IQ4_NL", "IQ4_XS", "Q5_K", "Q6_K"})
 
 
 @dataclass
@@ -184,8 +182,6 @@ def _five_bits(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
     """Q5_0/Q5_1's 4 qh and 16 qs bytes per block -> uint8 [..., 32] of 0..31: bit j of qh as a
     little-endian uint32 (bit j % 8 of byte j // 8) is element j's fifth bit."""
     return _nibbles(qs) | (np.unpackbits(qh, axis=-1, bitorder="little") << 4)
-
-
 
 
 # --- one unpacker per type: uint8 [rows, n_blocks, type_size] -> QuantizedTensor --------------

@@ -95,9 +95,7 @@ class Family:
     # (None: all of it), given its name, stored shape and the rank's range of each split width
     # (``RankShard.range_of``), so that ``unfuse`` makes the rank's parts; None: fused tensors do
     # not split (the family is refused over ranks)
-    fused_rank_part: Callable[[str, tuple[int, ...], Callable[[str], range]], tuple[int, int, int] | None] | None = (
-        None
-    )
+    fused_rank_part: Callable[[str, tuple[int, ...], Callable[[str], range]], tuple[int, int, int] | None] | None = None
     transformers_reads_gguf: bool = True  # whether transformers reads its GGUF config (for the tokenizer's class)
     # Gemma: every RMSNorm multiplies by (1 + weight): the loader adds this to each norm's
     # checkpoint weight once, so the norms compute as Llama's do

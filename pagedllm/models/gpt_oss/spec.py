@@ -68,9 +68,7 @@ def gguf_config(get, tensor) -> dict:
     (ggml's ``ggml_rope_yarn_corr_dims``), which moves a few of the 32 frequencies slightly."""
     layers = int(get("block_count"))
     config: dict = {
-        "layer_types": [
-            "sliding_attention" if i % SLIDING_PATTERN == 0 else "full_attention" for i in range(layers)
-        ],
+        "layer_types": ["sliding_attention" if i % SLIDING_PATTERN == 0 else "full_attention" for i in range(layers)],
         "sliding_window": int(get("attention.sliding_window")),
         "intermediate_size": int(get("expert_feed_forward_length", get("feed_forward_length"))),
         "attention_bias": True,
