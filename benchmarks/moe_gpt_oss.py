@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from moe_qwen3_a3b import ROUTER_STD, SEED, convert
+from moe_qwen3_a3b import ROUTER_STD, SEED, bf16_model, convert
 
 GGUF_NAME = "gpt-oss-small.gguf"
 CONFIG = dict(
@@ -84,14 +84,7 @@ def write_checkpoint(out: Path, vocab_size: int) -> None:
     import transformers
     from safetensors.torch import load_file, save_file
 
-    config = transformers.GptOssConfig(**CONFIG, vocab_size=vocab_size)
-    torch.manual_seed(SEED)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        model = transformers.GptOssForCausalLM(config).eval()
-    finally:
-        torch.set_default_dtype(previous)
+    model = bf16_model(transformers.GptOssForCausalLM, transformers.GptOssConfig(**CONFIG, vocab_size=vocab_size))
     generator = torch.Generator().manual_seed(SEED)
     with torch.no_grad():
         for name, p in model.named_parameters():

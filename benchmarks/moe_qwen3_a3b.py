@@ -114,19 +114,25 @@ def parameter_counts(cfg: dict) -> tuple[int, int]:
     return total, active
 
 
+def bf16_model(model_class, config):
+    """transformers' own init under ``torch.manual_seed(SEED)``, built in bfloat16: one bf16 copy,
+    never a float32 one."""
+    torch.manual_seed(SEED)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        return model_class(config).eval()
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def write_checkpoint(out: Path, vocab_size: int) -> dict:
     import transformers
 
     cfg = {**CONFIG, "vocab_size": vocab_size}
     config = transformers.Qwen3MoeConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
     config.architectures = cfg["architectures"]
-    torch.manual_seed(SEED)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # one bf16 copy, never a float32 one
-    try:
-        model = transformers.Qwen3MoeForCausalLM(config).eval()
-    finally:
-        torch.set_default_dtype(previous)
+    model = bf16_model(transformers.Qwen3MoeForCausalLM, config)
     generator = torch.Generator().manual_seed(SEED)
     with torch.no_grad():
         for name, p in model.named_parameters():

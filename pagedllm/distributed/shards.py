@@ -208,12 +208,13 @@ class RankShard:
         if name in _VOCAB:
             r = self.vocab_range()
             return Slice(0, r.start, r.stop, self.cfg.vocab_size)
-        if self._roles.get(name.split(".", 3)[-1]) in _PER_HEAD:
+        roles = self._roles
+        if roles.get(name.split(".", 3)[-1]) in _PER_HEAD:
             heads = self.layout.head_range(self.rank)
             return Slice(0, heads.start, heads.stop, self.cfg.num_heads)
         tensor, _, leaf = name.rpartition(".")
         within = tensor.split(".", 3)[-1] if tensor.startswith("model.layers.") else ""
-        role = self._roles.get(re.sub(r"\.\d+\.", ".{e}.", within))  # an expert's tensor: its role's template
+        role = roles.get(re.sub(r"\.\d+\.", ".{e}.", within))  # an expert's tensor: its role's template
         if role in _COLUMN_PARALLEL:
             r, total = self._range(_COLUMN_PARALLEL[role])
             return Slice(0, r.start, r.stop, total)

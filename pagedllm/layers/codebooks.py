@@ -7,3 +7,6 @@ CODEBOOKS: dict[str, tuple[int, ...]] = {
     "mxfp4": (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12),  # FP4 e2m1 values doubled
     "iq4_nl": (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113),  # IQ4_NL and IQ4_XS
 }
+
+# Each codebook's number in the kernels' ``bits`` argument (``QuantizedWeight.layout``), once.
+CODEBOOK_NUMBERS: dict[str, int] = {name: number for number, name in enumerate(CODEBOOKS, start=1)}

@@ -23,13 +23,14 @@ oneDNN's float32 one here (docs/quantization.md), at the price of rounding the a
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from .codebooks import CODEBOOKS
+from .codebooks import CODEBOOK_NUMBERS, CODEBOOKS
 from .linear import StackedRows
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ class QuantizedWeight:
     @property
     def layout(self) -> int:
         """What the kernels take as ``bits``: the bits, plus 256 x the codebook's number."""
-        return self.bits + (256 * (list(CODEBOOKS).index(self.codebook) + 1) if self.codebook else 0)
+        return self.bits + (256 * CODEBOOK_NUMBERS[self.codebook] if self.codebook else 0)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -156,6 +157,12 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x / step).to(torch.int8), step
 
 
+@functools.cache
+def _codebook_values(codebook: str) -> torch.Tensor:
+    """A codebook's 16 values as a float32 tensor, made once (the reference path runs per call)."""
+    return torch.tensor(CODEBOOKS[codebook], dtype=torch.float32)
+
+
 def dequantize_reference(w: QuantizedWeight, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
     """The float values of ``w`` (or of its ``rows``), in ``dtype``, in plain PyTorch."""
     if rows is not None:
@@ -165,7 +172,7 @@ def dequantize_reference(w: QuantizedWeight, dtype: torch.dtype, rows: torch.Ten
     if w.bits == 4:
         packed = w.qweight.view(n, k // 32, 1, 16)
         q = torch.cat([packed & 15, packed >> 4], dim=2).view(n, k)
-        q = torch.tensor(CODEBOOKS[w.codebook], dtype=torch.float32)[q.long()] if w.codebook else q.float()
+        q = _codebook_values(w.codebook)[q.long()] if w.codebook else q.float()
     else:
         q = w.qweight.float()
     values = q.view(n, k // w.group, w.group) * w.scale[..., None]
