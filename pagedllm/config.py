@@ -110,6 +110,18 @@ class ModelConfig:
         sliding = bool(self.sliding_windows) and self.sliding_windows[layer] is not None
         return "local" if sliding and self.local_rope is not None else "global"
 
+    @property
+    def kv_pools(self) -> tuple[int | None, ...]:
+        """The window of each KV pool, one pool per kind of layer: full attention (None) first,
+        then the windows from the widest. A sliding layer reads only its window, so its pool keeps
+        only each sequence's last window of blocks; pool 0 is the one every context length is
+        planned against (a model without full layers: its widest window)."""
+        windows = set(self.sliding_windows or (None,))
+        return tuple(sorted(windows, key=lambda w: (w is not None, -(w or 0))))
+
+    def kv_pool_of_layer(self, layer: int) -> int:
+        return self.kv_pools.index(self.sliding_windows[layer] if self.sliding_windows else None)
+
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and self.moe.layers[layer]
 

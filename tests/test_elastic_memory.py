@@ -112,9 +112,10 @@ def run(llm: LLM, batch, params, shrink_after: int | None = None):
     return [outs[i] for i in ids]
 
 
-@pytest.mark.parametrize("kv", [None, "int8"])
-def test_shrinking_under_load_loses_nothing_and_changes_no_output(tiny_checkpoints, kv):
-    directory, _ = tiny_checkpoints["llama"]
+@pytest.mark.parametrize("arch, kv", [("llama", None), ("llama", "int8"), ("gemma3", None)])
+def test_shrinking_under_load_loses_nothing_and_changes_no_output(tiny_checkpoints, arch, kv):
+    """(Gemma 3: its sliding layers' pool shrinks and grows with the full layers'.)"""
+    directory, _ = tiny_checkpoints[arch]
     budget = over_baseline(300)  # memory= bounds the whole (test) process, which is large
     options = dict(memory=budget, block_size=4, max_num_seqs=32, max_model_len=160, kv_cache_dtype=kv)
     batch = prompts(320)

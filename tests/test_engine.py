@@ -136,7 +136,7 @@ def test_invariant_checker_catches_a_leaked_block(tiny_checkpoints):
     engine.add_request([1, 2, 3], GREEDY)
     engine.step()
     engine.check_invariants()
-    engine.blocks.tables["ghost"] = [engine.blocks._free.pop()]  # a block owned by nobody running
+    engine.blocks.tables["ghost"] = [engine.blocks.main._free.pop()]  # a block owned by nobody running
     engine.blocks.ref_counts[engine.blocks.tables["ghost"][0]] = 1
     with pytest.raises(AssertionError, match="ghost"):
         engine.check_invariants()

@@ -1,4 +1,4 @@
-"""Scheduler with a real BlockManager and real Sequences, no model: a fake step samples a fixed
+"""Scheduler with real BlockPools (one pool) and real Sequences, no model: a fake step samples a fixed
 token for every sequence whose last known token was computed. Covers admission (FCFS, slots,
 token budget), chunked prefill, decode, preemption and recompute, prefix adoption, forks and
 their copy-on-write copies, commits, failed rows, out-of-memory retries and aborts. The
@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import pytest
 
-from pagedllm.engine.block_manager import BlockManager
+from pagedllm.engine.block_pools import BlockPools
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Finish, Sequence, Status
 from pagedllm.engine.step import SchedulerOutput
@@ -50,7 +50,7 @@ def stop_at_max_tokens(seq: Sequence) -> Finish | None:
 
 
 def make(num_blocks=32, block_size=4, max_batch_tokens=64, max_num_seqs=8, prefix_caching=True) -> Scheduler:
-    blocks = BlockManager(num_blocks, block_size, prefix_caching)
+    blocks = BlockPools([num_blocks], block_size, (None,), prefix_caching)
     return Scheduler(blocks, max_batch_tokens, max_num_seqs, stop_at_max_tokens)
 
 
@@ -278,7 +278,7 @@ def test_n_samples_fork_before_the_last_prompt_token_and_copy_the_shared_partial
     assert s.rows == [Row("r", i, 5, 1, True) for i in range(3)]
     tables = [e.block_table for e in s.batch.rows]
     # the first two samples copy the shared partial block; the last holds it alone and writes in place
-    assert s.batch.copies == [(partial, tables[0][1]), (partial, tables[1][1])]
+    assert s.batch.copies == [(0, partial, tables[0][1]), (0, partial, tables[1][1])]
     assert tables[2] == [full, partial] and all(t[0] == full for t in tables)
     assert len({t[1] for t in tables}) == 3 and sched.blocks.ref_counts[full] == 3
     assert sched.counters.blocks_copied == 2 and sched.slots_used == 3
@@ -345,7 +345,7 @@ def test_a_row_with_non_finite_logits_fails_only_its_sequence_and_its_blocks_are
     # b's full block was cached by the commit, then withdrawn: nobody adopts it
     c = add(sched, "c", b.prompt_token_ids + [1], max_tokens=1)
     s = step(sched)
-    assert sorted(s.batch.zeros) == sorted(poisoned)
+    assert sorted(s.batch.zeros) == sorted((0, b) for b in poisoned)
     assert s.rows == [Row("a", 0, 5, 1, True), Row("c", 0, 0, 7, True)] and c.is_finished
     assert step(sched).batch.zeros == []
     run_to_end(sched)
@@ -379,7 +379,7 @@ def test_a_retried_step_carries_the_failed_steps_copies_and_zeros_again():
     s = step(sched, failed=(0,))  # bad fails; r computes its prompt up to the last token
     poisoned = s.batch.rows[0].block_table
     failed = sched.schedule()  # r forks: one copy-on-write copy, plus bad's blocks to zero
-    assert len(failed.copies) == 1 and sorted(failed.zeros) == sorted(poisoned)
+    assert len(failed.copies) == 1 and sorted(failed.zeros) == sorted((0, b) for b in poisoned)
     assert failed.total_tokens == 2
     sched.recover_from_oom(failed, MemoryError("injected"))
     sched.check_invariants()

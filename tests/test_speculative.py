@@ -159,7 +159,7 @@ def test_each_guessed_position_is_sampled_seeing_the_guesses_accepted_before_it(
     seq = SimpleNamespace(
         params=params, prompt_token_ids=[1, 2], output_token_ids=[5], generator=None, matcher=None, guess_probs=None
     )
-    row = ScheduledRow(0, "r", 0, 2, [5, 11, 12, 13], [0], True, params, guesses=3)
+    row = ScheduledRow(0, "r", 0, 2, [5, 11, 12, 13], ([0],), True, params, guesses=3)
     accepted, (token, _) = runner.verify(torch.zeros(4, 8), row, seq)
     assert (len(accepted), token) == (2, 99)
     assert seen == [[5], [5, 11], [5, 11, 12]]

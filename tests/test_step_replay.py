@@ -85,6 +85,6 @@ def test_a_scheduled_step_holds_no_live_request_state(default_llm):
     for row in out.rows:
         for f in dataclasses.fields(ScheduledRow):
             value = getattr(row, f.name)
-            assert isinstance(value, (int, str, bool, list, SamplingParams)), f"ScheduledRow.{f.name}"
+            assert isinstance(value, (int, str, bool, list, tuple, SamplingParams)), f"ScheduledRow.{f.name}"
     assert out.rows[0].seq_id == seq.seq_id and out.rows[0].token_ids == seq.prompt_token_ids
     engine.abort(rid)

@@ -80,13 +80,14 @@ class Backend:
     def allocate_kv_cache(
         self,
         cfg: ModelConfig,
-        num_blocks: int,
+        num_blocks: int | list[int],
         block_size: int,
         dtype: torch.dtype | str,
         resident: bool,
-        capacity_blocks: int | None = None,
+        capacity_blocks: int | list[int] | None = None,
     ) -> KVCache:
-        """``num_blocks`` in use, room for ``capacity_blocks`` (``KVCache.resize``)."""
+        """``num_blocks`` in use, room for ``capacity_blocks`` (``KVCache.resize``); one number
+        for every layer, or one per pool of ``cfg.kv_pools``."""
         raise NotImplementedError
 
     def attention_metadata(self, step: StepInput, group_size: int) -> StepLayout:

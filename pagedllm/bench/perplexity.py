@@ -39,7 +39,7 @@ def perplexity(llm: LLM, ids: list[int], chunk: int = CHUNK, keep_logits: list |
                 end = min(start + chunk, len(ids) - 1)  # the last token is only ever a target
                 engine.kv_cache.copy_blocks(blocks.prepare_write(seq_id, start, end))  # no copies: not forked
                 layout = StepLayout.from_slices(
-                    [SequenceSlice(0, end - start, end, blocks.table(seq_id))],
+                    [SequenceSlice(0, end - start, end, blocks.tables_of(seq_id))],
                     engine.kv_cache.block_size,
                     cfg.num_heads // cfg.num_kv_heads,
                     pairs_budget=runner.pairs_budget,
@@ -56,6 +56,7 @@ def perplexity(llm: LLM, ids: list[int], chunk: int = CHUNK, keep_logits: list |
                 targets = torch.tensor(ids[start + 1 : end + 1])
                 nll += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
                 count += end - start
+                blocks.drop_out_of_window(seq_id, end)
     finally:
         blocks.free(seq_id)
     return math.exp(nll / count)

@@ -17,14 +17,22 @@ count one higher. Full blocks are then read-only for both; the partially filled 
 the one either would write next, so the first write into a block that others still hold goes
 to a private copy (copy-on-write): ``prepare_write`` takes a fresh block and returns the
 (source, destination) pair for the runner to copy before the step computes anything.
+
+Windows: the pool of sliding-window layers (``window`` set; ``block_pools.BlockPools`` holds one
+per kind of layer) gives a block back as soon as every query still to come is past its window
+(``drop_out_of_window``); the table keeps its place with ``HOLE``, so a table's index is still a
+block of positions. A dropped block that the prefix cache registered waits in it like any other.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ..sizes import ceil_div
+
+HOLE = -1  # a table entry whose block went back to the pool (out of every query's window)
 
 
 @dataclass
@@ -35,9 +43,10 @@ class PrefixCacheStats:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, window: int | None = None):
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.window = window  # the layers' sliding window (tokens); None: they see the whole context
         self.enable_prefix_caching = enable_prefix_caching
         # A stack: the most recently freed block is reused first, so a cache allocated lazily
         # touches (and costs RAM for) only as many blocks as were ever in use at once.
@@ -115,13 +124,14 @@ class BlockManager:
     def _shared_block_at(self, seq_id: int, position: int) -> int | None:
         """Index in the table of the block holding ``position`` if others hold it too."""
         table, i = self.table(seq_id), position // self.block_size
-        return i if i < len(table) and self.ref_counts[table[i]] > 1 else None
+        return i if i < len(table) and table[i] != HOLE and self.ref_counts[table[i]] > 1 else None
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """Gives ``child_id`` the parent's blocks (shared, counted), and its prefix-cache place."""
         table = list(self.table(parent_id))
         for block in table:
-            self.ref_counts[block] += 1
+            if block != HOLE:
+                self.ref_counts[block] += 1
         self.tables[child_id] = table
         if parent_id in self._hashed:
             self._hashed[child_id] = self._hashed[parent_id]
@@ -140,39 +150,90 @@ class BlockManager:
         # Last block first: a prefix is looked up from its first block, so the tail of a cached
         # prompt must be evicted before its head, or one eviction would orphan the whole chain.
         for block in reversed(self.tables.pop(seq_id, [])):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                if block in self._block_key:
-                    self._evictable[block] = None  # most recently used end
-                else:
-                    self._free.append(block)
+            if block != HOLE:
+                self._release(block)
+
+    def _release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            if block in self._block_key:
+                self._evictable[block] = None  # most recently used end
+            else:
+                self._free.append(block)
+
+    def drop_out_of_window(self, seq_id: int, next_position: int) -> None:
+        """Gives back the blocks no query from ``next_position`` on can see (a query at p sees
+        keys after p - window); a no-op without a window."""
+        if self.window is None:
+            return
+        table = self.tables.get(seq_id, [])
+        for i in range(min(len(table), self.first_visible_block(next_position))):
+            if table[i] != HOLE:
+                self._release(table[i])
+                table[i] = HOLE
+
+    def first_visible_block(self, position: int) -> int:
+        """The first block a query at ``position`` reads."""
+        return 0 if self.window is None else max(0, position - self.window + 1) // self.block_size
 
     # ---- prefix cache -------------------------------------------------------------------------
 
     def adopt_prefix(self, seq_id: int, tokens: list[int]) -> int:
         """Gives a sequence with no blocks the longest chain of cached blocks of ``tokens``,
         leaving at least the last token to compute (its logits are needed). Returns the number
-        of tokens covered."""
+        of tokens covered. (One pool alone; ``BlockPools.adopt_prefix`` for several.)"""
         if not self.enable_prefix_caching or self.tables.get(seq_id):
             return 0
-        bs = self.block_size
-        parent, blocks = None, []
-        for i in range((len(tokens) - 1) // bs):
-            chunk = tuple(tokens[i * bs : (i + 1) * bs])
-            h = hash((parent, chunk))
-            block = self._by_hash.get(h)
-            if block is None or self._block_key[block][1:] != (parent, chunk):
+        keys = self.lookup_keys(tokens)
+        found = self.cached_blocks(keys)
+        n = self.longest_prefix(found, len(keys))
+        self.adopt(seq_id, keys, found, n)
+        return n * self.block_size
+
+    def lookup_keys(self, tokens: list[int]) -> list[tuple]:
+        """The keys of ``tokens``' blocks worth looking up here: for a full pool, up to its first
+        miss (a prefix is a chain); a window's pool may hold a later run, so all of them."""
+        keys = []
+        for key in prefix_keys(tokens, self.block_size):
+            if self.window is None and self.cached_blocks([key])[0] is None:
                 break
-            blocks.append(block)
-            parent = h
-        for block in blocks:
+            keys.append(key)
+        return keys
+
+    def cached_blocks(self, keys: list[tuple]) -> list[int | None]:
+        """The registered block of each (hash, parent, tokens) key, None where there is none."""
+        found: list[int | None] = []
+        for key in keys:
+            block = self._by_hash.get(key[0])
+            found.append(block if block is not None and self._block_key[block][1:] == key[1:] else None)
+        return found
+
+    def longest_prefix(self, found: list[int | None], most: int) -> int:
+        """The most blocks, at most ``most``, a sequence can adopt here: a window's pool needs only
+        the blocks the first computed token's query reads."""
+        n = min(most, found.index(None) if None in found else len(found))
+        if self.window is None:
+            return n
+        n = min(most, len(found))
+        while n and None in found[self.first_visible_block(n * self.block_size) : n]:
+            n -= 1
+        return n
+
+    def adopt(self, seq_id: int, keys: list[tuple], found: list[int | None], n: int) -> None:
+        """Gives ``seq_id`` the cached blocks of its first ``n`` blocks (``found``), holes where
+        no query will read (a window's pool)."""
+        if not n:
+            return
+        first = self.first_visible_block(n * self.block_size)
+        table = [HOLE] * first
+        for block in found[first:n]:
+            assert block is not None
             if self.ref_counts[block] == 0:
                 del self._evictable[block]
             self.ref_counts[block] += 1
-        if blocks:
-            self.tables[seq_id] = blocks
-            self._hashed[seq_id] = (len(blocks), parent)
-        return len(blocks) * bs
+            table.append(block)
+        self.tables[seq_id] = table
+        self._hashed[seq_id] = (n, keys[n - 1][0])
 
     def count_admission(self, num_tokens: int, reused: int) -> None:
         """Hit-rate bookkeeping, once per admitted request (a lookup that could not be admitted
@@ -194,7 +255,7 @@ class BlockManager:
             chunk = tuple(tokens_between(i * bs, (i + 1) * bs))
             h = hash((parent, chunk))
             block = table[i]
-            if h not in self._by_hash and block not in self._block_key:
+            if block != HOLE and h not in self._by_hash and block not in self._block_key:
                 self._by_hash[h] = block
                 self._block_key[block] = (h, parent, chunk)
             parent = h
@@ -205,7 +266,7 @@ class BlockManager:
         the prefix cache (no one may adopt them) and returns them, for the caller to zero before
         they are freed. Stale values are read (masked) by the block's next owner, and a masked
         NaN still poisons ``probs @ V``: 0 x NaN is NaN."""
-        own = [b for b in self.table(seq_id) if self.ref_counts[b] == 1]
+        own = [b for b in self.table(seq_id) if b != HOLE and self.ref_counts[b] == 1]
         for block in own:
             key = self._block_key.pop(block, None)
             if key is not None:
@@ -285,7 +346,8 @@ class BlockManager:
         owners = [0] * self.num_blocks
         for table in self.tables.values():
             for b in table:
-                owners[b] += 1
+                if b != HOLE:
+                    owners[b] += 1
         free, evictable = set(self._free), set(self._evictable)
         if len(free) != len(self._free):
             raise AssertionError("a block is on the free list twice")
@@ -305,3 +367,15 @@ class BlockManager:
         for h, b in self._by_hash.items():
             if self._block_key.get(b, (None,))[0] != h:
                 raise AssertionError(f"hash table and block {b} disagree")
+
+
+def prefix_keys(tokens: list[int], block_size: int) -> Iterator[tuple]:
+    """(hash, parent hash, tokens) of each full block of ``tokens`` but the last token's (its
+    logits are needed, so it is always computed): the chain a prefix is looked up by. Made one
+    at a time: a lookup stops at its first miss."""
+    parent: int | None = None
+    for i in range((len(tokens) - 1) // block_size):
+        chunk = tuple(tokens[i * block_size : (i + 1) * block_size])
+        h = hash((parent, chunk))
+        yield h, parent, chunk
+        parent = h

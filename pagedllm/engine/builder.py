@@ -83,7 +83,7 @@ def _build(config: EngineConfig, api_process_bytes: int, backend: Backend, group
         draft=draft_facts(config),
     )
     if group is not None:  # every rank loads its shard at once; the cache is the driver's plan's
-        group.group.broadcast(RankSetup(config, plan.num_blocks, plan.block_size, plan.kv_dtype))
+        group.group.broadcast(RankSetup(config, plan.pool_blocks, plan.block_size, plan.kv_dtype))
     try:
         loaded = loading.load_dir(
             model_dir,

@@ -177,8 +177,8 @@ class DraftModel:
         return torch.stack([found[i] for i, _, _ in pieces])
 
     def _row(self, seq: Sequence, start: int, tokens: list[int], samples: bool) -> ScheduledRow:
-        table = list(self.blocks.table(seq.seq_id))
-        return ScheduledRow(seq.seq_id, seq.request_id, seq.index, start, tokens, table, samples, _GREEDY)
+        table = list(self.blocks.table(seq.seq_id))  # one pool: the draft's cache is shared by all its layers
+        return ScheduledRow(seq.seq_id, seq.request_id, seq.index, start, tokens, (table,), samples, _GREEDY)
 
     def _logits(self, rows: list[ScheduledRow]) -> torch.Tensor:
         """One draft pass; the logits of each sampling row, in order."""

@@ -75,8 +75,10 @@ class ElasticMemory:
             plan = owner.replan(kept)
         except CacheDoesNotFitError:
             plan = owner.replan(kept.replace(max_batch_tokens=None))  # raises if nothing fits
-        if plan.num_blocks > owner.capacity_blocks:
-            plan = replace(plan, num_blocks=owner.capacity_blocks)
+        caps = owner.pool_capacity
+        if any(n > cap for n, cap in zip(plan.pool_blocks, caps)):
+            windows = tuple((w, min(n, cap), b) for (w, n, b), cap in zip(plan.window_pools, caps[1:]))
+            plan = replace(plan, num_blocks=min(plan.num_blocks, caps[0]), window_pools=windows)
         grows = plan.num_blocks > old.num_blocks
         owner.resize(plan, hold_growth=GROW_SETTLE_S > 0)
         if grows and GROW_SETTLE_S > 0:  # new admissions stay within the old cache until the budget holds

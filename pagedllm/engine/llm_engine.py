@@ -27,7 +27,7 @@ from ..outputs import RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams, StructuredOutput
 from ..sizes import dtype_name
 from ..structured import Grammars
-from .block_manager import BlockManager
+from .block_pools import BlockPools
 from .parts import assemble
 from .ranks import Ranks
 from .scheduler import SchedulerCounters
@@ -47,6 +47,9 @@ class EngineStats(SchedulerCounters):
     blocks_free: int = 0
     blocks_total: int = 0
     blocks_cached_free: int = 0  # unused blocks kept for their cached prefix (counted as free)
+    # the sliding-window layers' pools together (``block_pools``; 0 where every layer is alike)
+    window_blocks_used: int = 0
+    window_blocks_total: int = 0
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0  # prompt tokens served from cached blocks, not recomputed
     prefix_cache_evictions: int = 0
@@ -121,7 +124,7 @@ class LLMEngine:
         return self.memory.kv_cache
 
     @property
-    def blocks(self) -> BlockManager:
+    def blocks(self) -> BlockPools:
         return self.memory.blocks
 
     # ---- requests -------------------------------------------------------------------------
@@ -323,6 +326,8 @@ class LLMEngine:
             blocks_free=blocks.num_free,
             blocks_total=blocks.num_blocks,
             blocks_cached_free=blocks.num_cached_free,
+            window_blocks_used=sum(p.num_used for p in blocks.pools[1:]),
+            window_blocks_total=sum(p.num_blocks for p in blocks.pools[1:]),
             prefix_cache_queried_tokens=prefix.queried_tokens,
             prefix_cache_hit_tokens=prefix.hit_tokens,
             prefix_cache_evictions=prefix.evictions,

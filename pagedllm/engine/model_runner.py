@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..backends.base import Backend
-from ..backends.cpu.attention import StepLayout, block_tables
+from ..backends.cpu.attention import StepLayout, pool_tables
 from ..backends.cpu.kv_cache import KVCache
 from ..backends.cpu.workspace import GATHER_BUDGET, PAIRS_BUDGET
 from ..layers.sampler import Sampler, needs_full_path
@@ -118,10 +118,10 @@ class ModelRunner:
             positions=longs(positions),
             query_start=torch.tensor(starts, dtype=torch.int32, device=device),
             context_lens=torch.tensor(ends, dtype=torch.int32, device=device),
-            block_tables=block_tables([r.block_table for r in out.rows], ends, self.kv_cache.block_size, device),
+            block_tables=pool_tables([r.block_tables for r in out.rows], ends, self.kv_cache.block_size, device),
             logits_rows=longs(logits_rows),
-            copies=longs(out.copies).view(-1, 2),
-            zeros=longs(out.zeros),
+            copies=longs(out.copies).view(-1, 3),
+            zeros=longs(out.zeros).view(-1, 2),
             block_size=self.kv_cache.block_size,
             pairs_budget=self.pairs_budget,
             gather_budget=self.gather_budget,
@@ -151,7 +151,7 @@ class ModelRunner:
     def _execute(self, step: StepInput) -> torch.Tensor:
         # Before anything computes: a source block may be rewritten by its new owner this step.
         self.kv_cache.zero_blocks(step.zeros.tolist())
-        self.kv_cache.copy_blocks(step.copies.tolist())  # [source, destination] pairs
+        self.kv_cache.copy_blocks(step.copies.tolist())  # (pool, source, destination)
         layout = self.backend.attention_metadata(step, self.group_size)
         attention = self.backend.attention(self.kv_cache, layout)
         if not step.pool_ranges.numel():

@@ -17,10 +17,11 @@ from ..layers.sampler import Sampler
 from ..limits import RequestLimits
 from ..loading import LoadedModel
 from ..memory.budget import total_memory
+from ..memory.footprint import window_pool_blocks
 from ..memory.machine import resident_bytes
-from ..memory.planner import MemoryPlan, plan_for
+from ..memory.planner import AUTO_MAX_BATCH_TOKENS, AUTO_MAX_NUM_SEQS, MemoryPlan, plan_for
 from ..structured import Grammars
-from .block_manager import BlockManager
+from .block_pools import BlockPools
 from .detokenizer import Detokenizer
 from .drafter import DraftModel, draft_facts, load_draft
 from .elastic import ElasticMemory
@@ -61,7 +62,8 @@ def assemble(
     plan = plan or plan_loaded(loaded, backend, config, draft)
     eos = stop_token_ids(cfg, loaded.tokenizer)
     detokenizer = Detokenizer(loaded.tokenizer, eos, plan.max_model_len)
-    blocks = BlockManager(plan.num_blocks, plan.block_size, config.enable_prefix_caching)
+    pools = loaded.model.config.kv_pools
+    blocks = BlockPools(plan.pool_blocks, plan.block_size, pools, config.enable_prefix_caching)
     limits = RequestLimits(cfg.vocab_size, plan.max_num_seqs, plan.max_model_len, plan.num_blocks, plan.block_size)
     drafter = drafter_of(loaded, backend, draft, plan, config) if draft is not None else None
     scheduler = Scheduler(
@@ -77,11 +79,11 @@ def assemble(
         loaded.model.tensor_parallel = ranks.group
     kv_cache = backend.allocate_kv_cache(  # the model's own heads: a rank's, when split
         loaded.model.config,
-        plan.num_blocks,
+        plan.pool_blocks,
         plan.block_size,
         plan.kv_dtype,
         resident=config.budgeted,
-        capacity_blocks=max(plan.num_blocks, total_memory() // plan.kv_bytes_per_block),  # set_memory's room
+        capacity_blocks=pool_capacity(plan),  # set_memory's room
     )
     memory = EngineMemory(plan, config, kv_cache, blocks, limits, scheduler, replanner(loaded, backend))
     fixed = None
@@ -187,3 +189,12 @@ def replanner(loaded: LoadedModel, backend: Backend) -> Callable[[EngineConfig, 
         return _plan(loaded, backend, config, old.weights_bytes, baseline, api_process_bytes=old.api_process_bytes)
 
     return replan
+
+
+def pool_capacity(plan: MemoryPlan) -> list[int]:
+    """The most blocks each pool may grow to at a later budget: pool 0 as many as the host's
+    memory holds; a window pool what its sequences can hold at once at the largest step budget
+    and number of sequences a plan solves for by itself (or this plan's, when larger)."""
+    seqs, tokens = max(plan.max_num_seqs, AUTO_MAX_NUM_SEQS), max(plan.max_batch_tokens, AUTO_MAX_BATCH_TOKENS)
+    windows = [max(n, window_pool_blocks(w, plan.block_size, tokens, seqs)) for w, n, _ in plan.window_pools]
+    return [max(plan.num_blocks, total_memory() // plan.kv_bytes_per_block), *windows]

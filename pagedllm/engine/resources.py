@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from ..engine_config import EngineConfig
     from ..limits import RequestLimits
     from ..memory.planner import MemoryPlan
-    from .block_manager import BlockManager
+    from .block_pools import BlockPools
     from .scheduler import Scheduler
 
 
@@ -33,7 +33,7 @@ class EngineMemory:
         plan: MemoryPlan,
         config: EngineConfig,
         kv_cache: KVCache,
-        blocks: BlockManager,
+        blocks: BlockPools,
         limits: RequestLimits,
         scheduler: Scheduler,
         replan: Callable[[EngineConfig, MemoryPlan], MemoryPlan],
@@ -58,12 +58,17 @@ class EngineMemory:
         return self._kv_cache
 
     @property
-    def blocks(self) -> BlockManager:
+    def blocks(self) -> BlockPools:
         return self._blocks
 
     @property
     def limits(self) -> RequestLimits:
         return self._limits
+
+    @property
+    def pool_capacity(self) -> list[int]:
+        """The most blocks each pool can grow to without a restart."""
+        return list(self._kv_cache.pool_capacity)
 
     @property
     def capacity_blocks(self) -> int:
@@ -89,18 +94,18 @@ class EngineMemory:
         Growing with ``hold_growth``: new admissions stay within the old cache until
         ``open_admissions`` (running requests may use the new blocks at once)."""
         n, old = plan.num_blocks, self._blocks.num_blocks
+        sizes = plan.pool_blocks
         scheduler = self._scheduler
-        if n < old:
-            self._kv_cache.copy_blocks(scheduler.shrink_cache(n))
-            self._kv_cache.resize(n)
+        shrinks = any(new < was for new, was in zip(sizes, self._blocks.pool_sizes))
+        # what lives past a shrinking pool's end moves down first; a growing pool just grows
+        self._kv_cache.copy_blocks(scheduler.shrink_cache(sizes))
+        self._kv_cache.resize(sizes)
+        if shrinks:
             return_freed_heap()
-            if scheduler.admission_limit is not None:
-                scheduler.limit_admissions(min(n, scheduler.admission_limit))
-        else:
-            self._kv_cache.resize(n)
-            self._blocks.resize(n)
-            if hold_growth:
-                scheduler.limit_admissions(min(old, scheduler.admission_limit or old))
+        if n < old and scheduler.admission_limit is not None:
+            scheduler.limit_admissions(min(n, scheduler.admission_limit))
+        elif n > old and hold_growth:
+            scheduler.limit_admissions(min(old, scheduler.admission_limit or old))
         scheduler.set_step_budget(plan.max_batch_tokens)
         self._limits = replace(self._limits, num_blocks=n)
         self._plan = plan
@@ -119,8 +124,9 @@ class EngineMemory:
         if self._scheduler.has_unfinished():
             raise RuntimeError("release_idle: requests are running")
         before = resident_bytes()[0]
-        moves, end = self._scheduler.compact_idle_cache(keep_prefix_cache)
+        moves, ends = self._scheduler.compact_idle_cache(keep_prefix_cache)
         self._kv_cache.copy_blocks(moves)
-        self._kv_cache.release_pages(end)
+        for pool, end in enumerate(ends):
+            self._kv_cache.release_pages(pool, end)
         return_freed_heap()
-        return before - resident_bytes()[0], end
+        return before - resident_bytes()[0], ends[0]

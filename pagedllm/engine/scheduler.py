@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..structured import allowed_prefix
-from .block_manager import BlockManager
+from .block_pools import BlockPools
 from .sequence import Finish, Sequence, Status
 from .speculative import NgramProposer, Proposer, Speculation
 from .step import ScheduledRow, SchedulerOutput
@@ -77,7 +77,7 @@ class SchedulerCounters:
 class Scheduler:
     def __init__(
         self,
-        blocks: BlockManager,
+        blocks: BlockPools,
         max_batch_tokens: int,
         max_num_seqs: int,
         stop_check: StopCheck,
@@ -99,8 +99,8 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order
         self.counters = SchedulerCounters()
         self._extra_rows = 0  # this step's (``_within_logits_rows``)
-        self._to_zero: list[int] = []  # carried by the next batch
-        self._to_copy: list[tuple[int, int]] = []  # re-carried after a failed step
+        self._to_zero: list[tuple[int, int]] = []  # (pool, block), carried by the next batch
+        self._to_copy: list[tuple[int, int, int]] = []  # (pool, source, destination), re-carried after a failed step
         # blocks new admissions may fill (None: all); running sequences grow past it
         self.admission_limit: int | None = None
         self.speculation = speculation
@@ -342,7 +342,7 @@ class Scheduler:
         start = seq.num_computed_tokens
         end = start + n + len(guesses)
         batch.copies += self.blocks.prepare_write(seq.seq_id, start, end)
-        table = list(self.blocks.table(seq.seq_id))
+        tables = self.blocks.tables_of(seq.seq_id)
         samples = start + n == seq.num_tokens and seq.params.pooling is None
         tokens = seq.tokens(start, start + n) + guesses
         prompt_logits = seq.prompt_logits_wanted(start, start + n)
@@ -353,7 +353,7 @@ class Scheduler:
                 seq.index,
                 start,
                 tokens,
-                table,
+                tables,
                 samples,
                 seq.params,
                 len(guesses),
@@ -415,37 +415,39 @@ class Scheduler:
         """New admissions may fill only the first ``blocks`` blocks (None: all of them)."""
         self.admission_limit = blocks
 
-    def shrink_cache(self, num_blocks: int) -> list[tuple[int, int]]:
-        """Fits everything running into the first ``num_blocks`` blocks: preempts the newest
-        sequences (recomputed later, as when blocks run out) until the live blocks fit, then has
-        the block manager move what lives past the end. Returns its (source, destination) moves;
-        the cache maintenance carried to the next step follows them."""
-        while self.blocks.num_used > num_blocks and self.running:
+    def shrink_cache(self, sizes: list[int]) -> list[tuple[int, int, int]]:
+        """Fits everything running into the first ``sizes[p]`` blocks of each pool: preempts the
+        newest sequences (recomputed later, as when blocks run out) until the live blocks fit,
+        then has the pools move what lives past their ends. Returns their (pool, source,
+        destination) moves; the cache maintenance carried to the next step follows them."""
+        while self.blocks.over(sizes) and self.running:
             victim = self.running[-1]
             self._preempt(victim)
             self.counters.preemptions += 1
-        moves = self.blocks.resize(num_blocks)
-        moved = dict(moves)
-        self._to_zero = [moved.get(b, b) for b in self._to_zero if b < num_blocks or b in moved]
+        moves = self.blocks.resize(sizes)
+        moved = {(p, a): b for p, a, b in moves}
+
+        def kept(p: int, b: int) -> bool:
+            return b < sizes[p] or (p, b) in moved
+
+        self._to_zero = [(p, moved.get((p, b), b)) for p, b in self._to_zero if kept(p, b)]
         self._to_copy = [
-            (moved.get(a, a), moved.get(b, b))
-            for a, b in self._to_copy
-            if (a < num_blocks or a in moved) and (b < num_blocks or b in moved)
+            (p, moved.get((p, a), a), moved.get((p, b), b)) for p, a, b in self._to_copy if kept(p, a) and kept(p, b)
         ]
         return moves
 
-    def compact_idle_cache(self, keep_cached: bool) -> tuple[list[tuple[int, int]], int]:
-        """With nothing queued: the block manager's prefix-cache blocks moved to the bottom of
-        the cache (or forgotten, ``keep_cached=False``). Returns the (source, destination) moves,
-        for the caller to copy now, and the first block past what is kept: every block from there
-        on is free, its pages can go back to the OS."""
+    def compact_idle_cache(self, keep_cached: bool) -> tuple[list[tuple[int, int, int]], list[int]]:
+        """With nothing queued: the pools' prefix-cache blocks moved to the bottom of each pool
+        (or forgotten, ``keep_cached=False``). Returns the (pool, source, destination) moves, for
+        the caller to copy now, and each pool's first block past what is kept: every block from
+        there on is free, its pages can go back to the OS."""
         if self.running or self.waiting:
             raise RuntimeError("compact_idle_cache: requests are queued")
         self._to_copy = []  # a pending copy's destination belonged to a request: none is left
-        moves, end = self.blocks.compact(keep_cached)
-        overwritten = {dst for _, dst in moves}  # by a clean copy: zeroing it would wipe that
-        self._to_zero = [b for b in self._to_zero if b not in overwritten]
-        return moves, end
+        moves, ends = self.blocks.compact(keep_cached)
+        overwritten = {(p, dst) for p, _, dst in moves}  # by a clean copy: zeroing it would wipe that
+        self._to_zero = [z for z in self._to_zero if z not in overwritten]
+        return moves, ends
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

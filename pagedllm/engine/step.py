@@ -28,14 +28,14 @@ from ..sampling_params import SamplingParams
 @dataclass(frozen=True)
 class ScheduledRow:
     """One sequence's share of a step: tokens [start, start + num_tokens) with their K/V going
-    to ``block_table`` (a snapshot: the runner never asks the block manager)."""
+    to ``block_tables``, one per pool (snapshots: the runner never asks the block pools)."""
 
     seq_id: int
     request_id: str
     index: int  # which of the request's samples
     start: int
     token_ids: list[int]  # the tokens this step computes
-    block_table: list[int]
+    block_tables: tuple[list[int], ...]  # pool 0's, then each window pool's (``block_pools``)
     samples: bool  # this step computes the sequence's last known token: a token is sampled for it
     params: SamplingParams
     guesses: int = 0  # speculative tokens after its last known one (the last of token_ids), each verified
@@ -43,6 +43,11 @@ class ScheduledRow:
     # the last ones of token_ids before the sampled one (``Sequence.prompt_logits_wanted``)
     prompt_logits: int = 0
     pooled: int = 0  # an embedding request's: its last positions whose hidden states are pooled
+
+    @property
+    def block_table(self) -> list[int]:
+        """Pool 0's table."""
+        return self.block_tables[0]
 
     @property
     def guessed_tokens(self) -> list[int]:
@@ -69,8 +74,8 @@ class SchedulerOutput:
 
     rows: list[ScheduledRow] = field(default_factory=list)
     preempted: list[int] = field(default_factory=list)  # seq ids sent back to the queue this step
-    copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) blocks
-    zeros: list[int] = field(default_factory=list)  # blocks whose K/V may be non-finite
+    copies: list[tuple[int, int, int]] = field(default_factory=list)  # (pool, source, destination) blocks
+    zeros: list[tuple[int, int]] = field(default_factory=list)  # (pool, block)s whose K/V may be non-finite
 
     @property
     def total_tokens(self) -> int:
@@ -96,17 +101,18 @@ class StepInput:
 
     The flat batch is the sequences' new tokens one after another, no padding; sequence s owns
     rows ``query_start[s] : query_start[s + 1]`` and attends to ``context_lens[s]`` keys, whose
-    K/V live in the blocks ``block_tables[s]`` (padded with block 0 past its context).
+    K/V live in the blocks ``block_tables[p, s]`` of each pool p (block 0 past its context and
+    where a window's pool gave a block back).
     """
 
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     query_start: torch.Tensor  # [S + 1] int32
     context_lens: torch.Tensor  # [S] int32
-    block_tables: torch.Tensor  # [S, widest] int32
+    block_tables: torch.Tensor  # [pools, S, widest] int32
     logits_rows: torch.Tensor  # [R] int64: rows of the flat batch whose logits are sampled
-    copies: torch.Tensor  # [C, 2] int64: (source, destination) blocks, copied before the step
-    zeros: torch.Tensor  # [Z] int64: blocks zeroed before the step
+    copies: torch.Tensor  # [C, 3] int64: (pool, source, destination) blocks, copied before the step
+    zeros: torch.Tensor  # [Z, 2] int64: (pool, block)s zeroed before the step
     block_size: int
     pairs_budget: int  # attention's tiles (backends.cpu.workspace): part of the step, so a replay is exact
     gather_budget: int

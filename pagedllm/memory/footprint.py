@@ -75,10 +75,22 @@ SAMPLER_BYTES_PER_LOGIT = 25  # full sampling path: float32 copies, int64 sort o
 SCALAR_SLACK = 256  # one-element temporaries (eps, scale factors) that ops create on the way
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_dtype) -> int:
-    """Bytes one block costs across all layers, K and V. The only place this is computed."""
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_dtype, pool: int | None = None) -> int:
+    """Bytes one block costs across all layers (or those of one pool of ``cfg.kv_pools``), K and
+    V. The only place this is computed."""
     per_head = cfg.head_dim * kv_element_bytes(kv_dtype) + (KV_SCALE_BYTES if kv_is_quantized(kv_dtype) else 0)
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * per_head
+    layers = cfg.num_layers
+    if pool is not None:
+        layers = sum(cfg.kv_pool_of_layer(i) == pool for i in range(cfg.num_layers))
+    return 2 * layers * block_size * cfg.num_kv_heads * per_head
+
+
+def window_pool_blocks(window: int, block_size: int, max_batch_tokens: int, max_num_seqs: int) -> int:
+    """The most blocks a sliding window's pool holds at once (``engine.block_pools``). Before a
+    step that computes n tokens from position p, a sequence holds the blocks from the one holding
+    p - window + 1 to the one holding p + n - 1: at most (n + window - 2) / block_size + 2 of them;
+    summed over the running sequences, whose n add up to at most max_batch_tokens."""
+    return ceil_div(max_batch_tokens + max_num_seqs * (window - 1), block_size) + 2 * max_num_seqs
 
 
 def parameter_count(cfg: ModelConfig) -> int:
@@ -310,28 +322,28 @@ def _attention_workspace(cfg: ModelConfig, s: EngineSettings, shape: StepShape, 
 
 
 def step_buffers(
-    shape: StepShape, block_size: int, windows: AbstractSet[int] = frozenset(), compiled: bool = True
+    shape: StepShape, block_size: int, windows: AbstractSet[int] = frozenset(), compiled: bool = True, pools: int = 1
 ) -> int:
     """Index tensors built for the step: ids, positions, logit rows, and where K/V live: int32
     tables for the compiled kernels (query starts, context lengths, block tables padded to the
-    longest context), always built; the PyTorch path adds a slot per token, the block ids of
-    every context and the decode masks (padding; one per sliding window shorter than the
-    group's context)."""
+    longest context: one per KV pool), always built; the PyTorch path adds, per pool, a slot per
+    token, the block ids of every context and the decode masks (padding; one per sliding window
+    shorter than the group's context)."""
     seqs = sum(rows for rows, _, _ in shape.decode_groups) + len(shape.prefills)
     widest = max(
         [keys // block_size for _, keys, _ in shape.decode_groups]
         + [ceil_div(ctx, block_size) for _, ctx in shape.prefills],
         default=1,
     )
-    total = INDEX * (2 * shape.tokens + shape.sampled) + 4 * (2 * seqs + 1) + 4 * seqs * widest
+    total = INDEX * (2 * shape.tokens + shape.sampled) + 4 * (2 * seqs + 1) + 4 * seqs * widest * pools
     if compiled:
         return total
-    total += INDEX * shape.tokens
+    per_pool = INDEX * shape.tokens
     for rows, keys, _ in shape.decode_groups:
-        total += INDEX * (rows * (keys // block_size) + 2 * rows) + rows * keys
-        total += rows * keys * sum(1 for w in windows if w < keys)
-    total += sum(INDEX * ceil_div(ctx, block_size) for _, ctx in shape.prefills)
-    return total
+        per_pool += INDEX * (rows * (keys // block_size) + 2 * rows) + rows * keys
+    per_pool += sum(INDEX * ceil_div(ctx, block_size) for _, ctx in shape.prefills)
+    masks = sum(rows * keys * sum(1 for w in windows if w < keys) for rows, keys, _ in shape.decode_groups)
+    return total + pools * per_pool + masks
 
 
 class _Gemms:
@@ -398,7 +410,7 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
     # a draft model's distributions at the guesses it drew (one per guessed logits row at most),
     # alive from its passes before the step to the step's sampling
     drafted = shape.sampled * (s.gathered_vocab or v) * 4 if s.draft_weights_bytes else 0
-    x = step_buffers(shape, s.block_size, window_sizes, compiled) + SCALAR_SLACK + drafted
+    x = step_buffers(shape, s.block_size, window_sizes, compiled, len(cfg.kv_pools)) + SCALAR_SLACK + drafted
     # one (cos, sin) pair per kind of rotary table: "local" beside "global" (Gemma 3's sliding layers)
     rope_kinds = 2 if cfg.local_rope is not None else 1
     tables = rope_kinds * 2 * t * d * e

@@ -17,7 +17,14 @@ from ..engine_config import ConfigError, EngineConfig
 from ..errors import CacheDoesNotFitError
 from ..sizes import GRAMMAR_CACHE_BYTES, QUANTIZED, ceil_div, dtype_bytes, gib, kv_element_bytes
 from .budget import resolve_budget
-from .footprint import EngineSettings, activation_peak, kv_bytes_per_block, loader_bytes, weight_bytes
+from .footprint import (
+    EngineSettings,
+    activation_peak,
+    kv_bytes_per_block,
+    loader_bytes,
+    weight_bytes,
+    window_pool_blocks,
+)
 from .machine import usable_cpus
 
 if TYPE_CHECKING:
@@ -75,6 +82,15 @@ class MemoryPlan:
     # speculative decoding's draft model, included in weights_bytes and kv_bytes_per_block
     draft_weights_bytes: int = 0
     draft_kv_bytes_per_block: int = 0
+    # the pools of sliding-window layers beside pool 0 (``engine.block_pools``): each one's
+    # window, blocks and bytes per block; and what one pool for every layer would hold instead
+    window_pools: tuple[tuple[int, int, int], ...] = ()
+    shared_pool_tokens: int = 0
+
+    @property
+    def pool_blocks(self) -> list[int]:
+        """Blocks of every pool, pool 0 first (``KVCache``, ``BlockPools``)."""
+        return [self.num_blocks, *(blocks for _, blocks, _ in self.window_pools)]
 
     @property
     def total_bytes(self) -> int:
@@ -108,6 +124,7 @@ class MemoryPlan:
             cache_tokens=self.cache_tokens,
             full_length_requests=self.full_length_requests,
         )
+        d["window_pools"] = [{"window": w, "blocks": n, "bytes_per_block": b} for w, n, b in self.window_pools]
         return d
 
     def table(self) -> str:
@@ -134,7 +151,8 @@ class MemoryPlan:
             ),
             (
                 "KV cache",
-                f"{gib(self.kv_cache_bytes, 8)}  ({self.num_blocks} blocks x {self.block_size} tokens = "
+                f"{gib(self.kv_cache_bytes, 8)}  ({'full-attention layers: ' if self.window_pools else ''}"
+                f"{self.num_blocks} blocks x {self.block_size} tokens = "
                 f"{self.cache_tokens} tokens, {self.full_length_requests} requests of "
                 f"{self.max_model_len} tokens ({self.max_model_len_source}); {self.kv_dtype}"
                 + (
@@ -142,6 +160,25 @@ class MemoryPlan:
                     if self.draft_kv_bytes_per_block
                     else ")"
                 ),
+            ),
+            *(
+                (
+                    f"  window {w}",
+                    f"{gib(n * b, 8)}  ({n} blocks x {self.block_size} tokens = {n * self.block_size} tokens: "
+                    f"the last {w} tokens of each running sequence, for its {w}-token-window layers)",
+                )
+                for w, n, b in self.window_pools
+            ),
+            *(
+                [
+                    (
+                        "  one shared pool",
+                        f"would hold {self.shared_pool_tokens} tokens in the same memory "
+                        f"({self.cache_tokens / max(1, self.shared_pool_tokens):.1f}x fewer)",
+                    )
+                ]
+                if self.window_pools
+                else []
             ),
             (
                 "activation peak",
@@ -188,8 +225,26 @@ class _Costs:
 
     @property
     def per_block(self) -> int:
-        """A block of the model's cache, and one of a draft model's (it holds as many)."""
-        return kv_bytes_per_block(self.cfg, self.s.block_size, self.s.kv) + self.s.draft_kv_bytes_per_block
+        """A block of pool 0 (every layer, when there is one kind), and one of a draft model's
+        (it holds as many)."""
+        pool = 0 if len(self.cfg.kv_pools) > 1 else None
+        return kv_bytes_per_block(self.cfg, self.s.block_size, self.s.kv, pool) + self.s.draft_kv_bytes_per_block
+
+    @property
+    def windows(self) -> list[tuple[int, int]]:
+        """(window, bytes per block) of each pool beside pool 0 (pools past 0 have windows)."""
+        pools = self.cfg.kv_pools
+        return [(w, kv_bytes_per_block(self.cfg, self.s.block_size, self.s.kv, p)) for p, w in _windowed(pools)]
+
+    def window_blocks(self, n: int, m: int) -> list[int]:
+        """Each window pool's blocks beside N blocks of pool 0: what its sequences can hold at
+        once, and never more than pool 0 (a sequence holds a window block only where it holds a
+        pool 0 one)."""
+        return [min(n, window_pool_blocks(w, self.s.block_size, m, self.seqs)) for w, _ in self.windows]
+
+    def kv(self, n: int, m: int) -> int:
+        """The cache's bytes with N blocks of pool 0, the window pools beside it."""
+        return n * self.per_block + sum(b * blocks for (_, b), blocks in zip(self.windows, self.window_blocks(n, m)))
 
     def fixed(self, m: int, max_len: int) -> int:
         """Everything but the cache, at step budget ``m`` and context ``max_len``."""
@@ -198,10 +253,25 @@ class _Costs:
         )
 
     def total(self, n: int, m: int, max_len: int) -> int:
-        return self.fixed(m, max_len) + n * self.per_block
+        return self.fixed(m, max_len) + self.kv(n, m)
 
     def largest_n(self, budget: int, m: int, max_len: int) -> int:
-        return max(0, (budget - self.fixed(m, max_len)) // self.per_block)
+        room = budget - self.fixed(m, max_len)
+        lo, hi = 0, max(0, room // self.per_block)  # kv(n) grows with n, by per_block at least
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.kv(mid, m) <= room:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def shared_pool_tokens(self, budget: int, m: int, max_len: int) -> int:
+        """What one pool for every layer would hold in the same budget (0 with one kind of layer)."""
+        if not self.windows:
+            return 0
+        every_layer = kv_bytes_per_block(self.cfg, self.s.block_size, self.s.kv) + self.s.draft_kv_bytes_per_block
+        return max(0, (budget - self.fixed(m, max_len)) // every_layer) * self.s.block_size
 
     def largest_m(self, budget: int, n: int, max_len: int, cap: int) -> int:
         """Largest M in [1, cap] with total(n, M) <= budget (0 if none)."""
@@ -304,7 +374,7 @@ def plan(
         costs.baseline,
         baseline_source,
         costs.weights,
-        n * costs.per_block,
+        costs.kv(n, m),
         costs.per_block,
         activation_peak(cfg, s, m, costs.seqs, max_len),
         overhead(s),
@@ -312,7 +382,13 @@ def plan(
         _weights_format(s),
         draft_weights_bytes=s.draft_weights_bytes,
         draft_kv_bytes_per_block=s.draft_kv_bytes_per_block,
+        window_pools=tuple((w, n_w, b) for (w, b), n_w in zip(costs.windows, costs.window_blocks(n, m))),
+        shared_pool_tokens=costs.shared_pool_tokens(budget_bytes, m, max_len),
     )
+
+
+def _windowed(pools: tuple[int | None, ...]) -> list[tuple[int, int]]:
+    return [(p, w) for p, w in enumerate(pools) if p > 0 and w is not None]
 
 
 def _fewer_seqs(costs: _Costs, solve) -> _Costs:
@@ -413,7 +489,7 @@ class _Failure:
         breakdown = {
             "baseline": c.baseline,
             "weights": c.weights,
-            "kv_cache": n * c.per_block,
+            "kv_cache": c.kv(n, m),
             "activations": act,
             "overhead": overhead(s),
             "total": need,
@@ -423,7 +499,7 @@ class _Failure:
         lines = [
             f"{reason}.",
             f"  needs {gib(need)}: process baseline {gib(c.baseline)} + weights {gib(c.weights)} ({s.dtype}) + "
-            f"KV cache {gib(n * c.per_block)} ({n} blocks x {s.block_size} tokens) + activations {gib(act)} "
+            f"KV cache {gib(c.kv(n, m))} ({n} blocks x {s.block_size} tokens) + activations {gib(act)} "
             f"(max_batch_tokens={m}, max_num_seqs={c.seqs}, max_model_len={max_len}) + overhead "
             f"{gib(overhead(s))}",
             f"  budget: {gib(budget)} ({self.source})",

@@ -26,7 +26,7 @@ class RankSetup:
     driver's plan allows (its plan bounds every rank: the others hold less)."""
 
     config: EngineConfig
-    num_blocks: int
+    num_blocks: list[int]  # each KV pool's (``MemoryPlan.pool_blocks``)
     block_size: int
     kv_dtype: str
 

@@ -78,6 +78,11 @@ class _EngineCollector:
             "pagedllm_requests_waiting": ("Requests queued for admission", s.waiting),
             "pagedllm_kv_blocks_used": ("KV cache blocks in use", s.blocks_used),
             "pagedllm_kv_blocks_total": ("KV cache blocks", s.blocks_total),
+            "pagedllm_kv_window_blocks_used": (
+                "KV blocks in use in the sliding-window layers' pools (each keeps only its window)",
+                s.window_blocks_used,
+            ),
+            "pagedllm_kv_window_blocks_total": ("KV blocks of the sliding-window layers' pools", s.window_blocks_total),
             "pagedllm_max_batch_tokens": ("Effective tokens per step", s.max_batch_tokens),
             "pagedllm_kv_blocks_cached_free": ("Unused KV blocks kept for their cached prefix", s.blocks_cached_free),
             "pagedllm_prefix_cache_hit_rate": (

@@ -25,7 +25,6 @@ softmax, probabilities in the activation dtype before @ V):
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -42,7 +41,7 @@ class SequenceSlice:
     query_start: int
     query_len: int
     context_len: int
-    block_table: list[int]
+    block_table: list[int] | tuple[list[int], ...]  # one table, or one per pool (``BlockPools.tables_of``)
 
 
 @dataclass
@@ -79,8 +78,9 @@ class StepLayout:
     """Where every token of one step reads and writes K/V. Built once, used by every layer.
 
     The compiled kernel reads three small tables: ``query_start`` [S+1] (each sequence's first
-    row in the flat batch), ``context_lens`` [S] and ``block_tables`` [S, max blocks], all int32
-    (the step's input carries them as they are: ``engine.step.StepInput``). The PyTorch path
+    row in the flat batch), ``context_lens`` [S] and a layer's pool's ``block_tables`` [S, max
+    blocks], all int32 (the step's input carries them as they are, one table per pool:
+    ``engine.step.StepInput``; a layer reads its pool's, ``KVCache.layer_pool``). The PyTorch path
     gathers contexts whole blocks at a time (one copy of block_size x head_dim values per index,
     not one per token); keys past a context's end are masked, and the cache is
     zero-initialised, so what they hold is always finite. Its structures (``slot_mapping``,
@@ -99,11 +99,15 @@ class StepLayout:
     ):
         self.query_start = query_start
         self.context_lens = context_lens
-        self.block_tables = block_tables
+        # one [S, max blocks] table per pool; given [S, max blocks], one pool
+        self.pool_tables = list(block_tables) if block_tables.dim() == 3 else [block_tables]
+        self.block_tables = self.pool_tables[0]
         self.block_size = block_size
         self.group_size = group_size  # query heads per KV head
         self.pairs_budget = pairs_budget
         self.gather_budget = gather_budget
+        self._slots: dict[int, torch.Tensor] = {}  # the PyTorch path's, built on first use
+        self._paths: dict[int, tuple[list[DecodeGroup], list[PrefillChunk]]] = {}
 
     @classmethod
     def from_step(cls, step, group_size: int) -> StepLayout:
@@ -121,7 +125,8 @@ class StepLayout:
     @classmethod
     def from_slices(cls, seqs: list[SequenceSlice], block_size: int, group_size: int, **budgets) -> StepLayout:
         """The layout of sequences given one by one (the tests' and benchmarks' way in)."""
-        tables = block_tables([s.block_table for s in seqs], [s.context_len for s in seqs], block_size)
+        per_pool = [s.block_table if isinstance(s.block_table, tuple) else (s.block_table,) for s in seqs]
+        tables = pool_tables(per_pool, [s.context_len for s in seqs], block_size)
         starts = [s.query_start for s in seqs] + [seqs[-1].query_start + seqs[-1].query_len if seqs else 0]
         return cls(
             torch.tensor(starts, dtype=torch.int32),
@@ -132,41 +137,50 @@ class StepLayout:
             **budgets,
         )
 
-    @functools.cached_property
-    def slot_mapping(self) -> torch.Tensor:
-        """[T] the cache slot of every token of the step."""
-        bs = self.block_size
-        starts, lens, tables = self.query_start.tolist(), self.context_lens.tolist(), self.block_tables.tolist()
-        slots: list[int] = []
-        for i, context_len in enumerate(lens):
-            table = tables[i]
-            for p in range(context_len - (starts[i + 1] - starts[i]), context_len):
-                slots.append(table[p // bs] * bs + p % bs)
-        return torch.tensor(slots, dtype=torch.long, device=self.query_start.device)
+    def tables(self, pool: int) -> torch.Tensor:
+        """[S, max blocks]: the pool's table (the one table when the step has one)."""
+        return self.pool_tables[pool if len(self.pool_tables) > 1 else 0]
 
-    @functools.cached_property
-    def _torch_path(self) -> tuple[list[DecodeGroup], list[PrefillChunk]]:
-        decodes, prefills = [], []
-        starts, lens, tables = self.query_start.tolist(), self.context_lens.tolist(), self.block_tables.tolist()
-        device = self.query_start.device
-        for i, context_len in enumerate(lens):
-            start, query_len = starts[i], starts[i + 1] - starts[i]
-            table = tables[i][: ceil_div(context_len, self.block_size)]
-            if query_len == 1:
-                decodes.append((start, table, context_len))
-            else:
-                blocks = torch.tensor(table, dtype=torch.long, device=device)
-                prefills.append(PrefillChunk(start, query_len, context_len, blocks))
-        packed = _pack_decodes(decodes, self.gather_budget, self.block_size)
-        return [_decode_group(g, self.block_size, device) for g in packed], prefills
+    def slot_mapping(self, pool: int = 0) -> torch.Tensor:
+        """[T] the cache slot of every token of the step, in the pool's blocks."""
+        pool = pool if len(self.pool_tables) > 1 else 0
+        if pool not in self._slots:
+            bs = self.block_size
+            starts, lens, tables = self.query_start.tolist(), self.context_lens.tolist(), self.tables(pool).tolist()
+            slots: list[int] = []
+            for i, context_len in enumerate(lens):
+                table = tables[i]
+                for p in range(context_len - (starts[i + 1] - starts[i]), context_len):
+                    slots.append(table[p // bs] * bs + p % bs)
+            self._slots[pool] = torch.tensor(slots, dtype=torch.long, device=self.query_start.device)
+        return self._slots[pool]
+
+    def torch_path(self, pool: int = 0) -> tuple[list[DecodeGroup], list[PrefillChunk]]:
+        """The PyTorch path's decode groups and prefill chunks over the pool's blocks."""
+        pool = pool if len(self.pool_tables) > 1 else 0
+        if pool not in self._paths:
+            decodes, prefills = [], []
+            starts, lens, tables = self.query_start.tolist(), self.context_lens.tolist(), self.tables(pool).tolist()
+            device = self.query_start.device
+            for i, context_len in enumerate(lens):
+                start, query_len = starts[i], starts[i + 1] - starts[i]
+                table = tables[i][: ceil_div(context_len, self.block_size)]
+                if query_len == 1:
+                    decodes.append((start, table, context_len))
+                else:
+                    blocks = torch.tensor(table, dtype=torch.long, device=device)
+                    prefills.append(PrefillChunk(start, query_len, context_len, blocks))
+            packed = _pack_decodes(decodes, self.gather_budget, self.block_size)
+            self._paths[pool] = ([_decode_group(g, self.block_size, device) for g in packed], prefills)
+        return self._paths[pool]
 
     @property
     def decode_groups(self) -> list[DecodeGroup]:
-        return self._torch_path[0]
+        return self.torch_path()[0]
 
     @property
     def prefills(self) -> list[PrefillChunk]:
-        return self._torch_path[1]
+        return self.torch_path()[1]
 
     def query_tile(self, context_len: int) -> int:
         """Rows of a prefill chunk scored at once against ``context_len`` keys."""
@@ -175,13 +189,27 @@ class StepLayout:
 
 def block_tables(tables: list[list[int]], context_lens: list[int], block_size: int, device=None) -> torch.Tensor:
     """[S, widest] int32: each sequence's blocks for its context, padded with block 0."""
+    return pool_tables([(t,) for t in tables], context_lens, block_size, device)[0]
+
+
+def pool_tables(
+    tables: list[tuple[list[int], ...]], context_lens: list[int], block_size: int, device=None
+) -> torch.Tensor:
+    """[pools, S, widest] int32: each sequence's blocks in each pool for its context, block 0
+    past it and where a window's pool gave a block back (``block_manager.HOLE``: never read by
+    the kernel, read and masked by the PyTorch path)."""
     widest = max((ceil_div(n, block_size) for n in context_lens), default=1)
-    rows = [_padded(t, ceil_div(n, block_size), widest) for t, n in zip(tables, context_lens)]
-    return torch.tensor(rows or [[0]], dtype=torch.int32, device=device)[: len(tables)]
+    pools = len(tables[0]) if tables else 1
+    rows = [
+        [_padded(seq[p], ceil_div(n, block_size), widest) for seq, n in zip(tables, context_lens)] for p in range(pools)
+    ]
+    if not tables:
+        return torch.zeros(1, 0, 1, dtype=torch.int32, device=device)
+    return torch.tensor(rows, dtype=torch.int32, device=device)
 
 
 def _padded(table: list[int], used: int, width: int) -> list[int]:
-    return table[:used] + [0] * (width - used)
+    return [max(b, 0) for b in table[:used]] + [0] * (width - used)
 
 
 def _pack_decodes(decodes, max_keys: int, block_size: int):
@@ -240,7 +268,7 @@ class CompiledPagedAttention:
             cache.v[layer],
             lay.query_start,
             lay.context_lens,
-            lay.block_tables,
+            lay.tables(cache.layer_pool[layer]),
             lay.block_size,
             scale,
             window or 0,
@@ -270,11 +298,13 @@ class TorchPagedAttention:
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """As ``CompiledPagedAttention.attend``."""
-        self.cache.write(layer, self.layout.slot_mapping, k, v)
+        pool = self.cache.layer_pool[layer]
+        self.cache.write(layer, self.layout.slot_mapping(pool), k, v)
         out = torch.empty_like(q)
-        for g in self.layout.decode_groups:
+        decode_groups, prefills = self.layout.torch_path(pool)
+        for g in decode_groups:
             self._decode(layer, g, q, out, scale, window, sinks)
-        for p in self.layout.prefills:
+        for p in prefills:
             self._prefill(layer, p, q, out, scale, window, sinks)
         return out
 

@@ -161,7 +161,7 @@ class DecodeProgram:
             *scales,
             lay.query_start,
             lay.context_lens,
-            lay.block_tables,
+            [lay.tables(pool) for pool in cache.layer_pool],
             lay.block_size,
             lay.pairs_budget,
         )

@@ -17,6 +17,11 @@ head's tail back to the OS (the layout is head-major, so a head's blocks from ``
 are one contiguous range), growing lets more blocks be handed out (their pages faulted in as they
 are first written).
 
+Pools: a model whose layers attend differently (Gemma 3's sliding and full layers) keeps one
+pool of blocks per kind of layer (``ModelConfig.kv_pools``; ``engine.block_pools``): the layers of
+pool p have tensors of that pool's size, and block ids of pool p index only them. Given one
+number of blocks, every layer is in one shared pool (the tests' way; one block table for all).
+
 An 8-bit cache (``int8``, or ``fp8``: float8 e4m3) stores each token's head_dim values in one
 byte each with one float32 scale per token and head (absmax over the values mapped to the type's
 largest): twice the tokens of bf16 per byte, four times fp32's. The compiled attention kernel
@@ -46,23 +51,33 @@ class KVCache:
     def __init__(
         self,
         cfg: ModelConfig,
-        num_blocks: int,
+        num_blocks: int | list[int],
         block_size: int,
         dtype: torch.dtype | str,
         device: torch.device | str = "cpu",
         resident: bool = False,
-        shape: tuple[int, ...] | None = None,
-        capacity_blocks: int | None = None,
+        shape=None,
+        capacity_blocks: int | list[int] | None = None,
     ):
-        """``resident``: commit every page of the blocks in use now (the engine does when a budget
-        is given, so the process's memory is what the plan says from the start and load cannot
-        grow it); else pages are committed as blocks are first written. ``capacity_blocks``: the
-        most blocks a later ``resize`` may grow to (default: ``num_blocks``); ``shape`` is then
-        the layout of that many."""
-        if num_blocks < 1 or block_size < 1:
+        """``num_blocks``: one number (every layer in one pool), or one per pool of
+        ``cfg.kv_pools``. ``resident``: commit every page of the blocks in use now (the engine does
+        when a budget is given, so the process's memory is what the plan says from the start and
+        load cannot grow it); else pages are committed as blocks are first written.
+        ``capacity_blocks``: the most blocks a later ``resize`` may grow each pool to (default:
+        ``num_blocks``); ``shape(blocks)`` is the layout of a tensor of that many (default: the CPU's)."""
+        pooled = not isinstance(num_blocks, int)
+        sizes: list[int] = [num_blocks] if isinstance(num_blocks, int) else list(num_blocks)
+        capacity: list[int] = sizes
+        if capacity_blocks is not None:
+            capacity = [capacity_blocks] if isinstance(capacity_blocks, int) else list(capacity_blocks)
+        if len(capacity) != len(sizes) or (pooled and len(sizes) != len(cfg.kv_pools)):
+            raise ValueError(f"{len(sizes)} pool sizes, {len(capacity)} capacities for pools {cfg.kv_pools}")
+        if min(sizes) < 1 or block_size < 1:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be >= 1")
-        self.capacity_blocks = max(num_blocks, capacity_blocks or num_blocks)
-        self.num_blocks = num_blocks
+        self.pool_capacity = [max(n, c) for n, c in zip(sizes, capacity)]
+        self.pool_blocks = sizes
+        # each layer's pool: its kind's, or 0 for all when one shared pool was asked for
+        self.layer_pool = [cfg.kv_pool_of_layer(i) if pooled else 0 for i in range(cfg.num_layers)]
         self.resident = resident
         self.block_size = block_size
         self.quantized = isinstance(dtype, str) and dtype in EIGHT_BIT
@@ -70,15 +85,26 @@ class KVCache:
             dtype = getattr(torch, dtype)
         self.dtype: torch.dtype = EIGHT_BIT[dtype][0] if isinstance(dtype, str) else dtype
         self.top = EIGHT_BIT[dtype][1] if isinstance(dtype, str) else 0.0
-        shape = shape or (cfg.num_kv_heads, self.capacity_blocks * block_size, cfg.head_dim)
+        shape = shape or (lambda blocks: (cfg.num_kv_heads, blocks * block_size, cfg.head_dim))
         self._maps: dict[int, mmap.mmap] = {}  # data_ptr of a tensor -> its mapping (CPU only)
-        self.k = [self._zeros(shape, self.dtype, device) for _ in range(cfg.num_layers)]
-        self.v = [self._zeros(shape, self.dtype, device) for _ in range(cfg.num_layers)]
-        layers = range(cfg.num_layers) if self.quantized else range(0)
-        self.k_scale = [self._zeros(shape[:2], torch.float32, device) for _ in layers]
-        self.v_scale = [self._zeros(shape[:2], torch.float32, device) for _ in layers]
+        shapes = [shape(self.pool_capacity[p]) for p in self.layer_pool]
+        self.k = [self._zeros(sh, self.dtype, device) for sh in shapes]
+        self.v = [self._zeros(sh, self.dtype, device) for sh in shapes]
+        scaled = shapes if self.quantized else []
+        self.k_scale = [self._zeros(sh[:2], torch.float32, device) for sh in scaled]
+        self.v_scale = [self._zeros(sh[:2], torch.float32, device) for sh in scaled]
         if resident:
-            self._commit(0, num_blocks)
+            for p, n in enumerate(sizes):
+                self._commit(p, 0, n)
+
+    @property
+    def num_blocks(self) -> int:
+        """Pool 0's blocks in use (the pool every context is planned against)."""
+        return self.pool_blocks[0]
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self.pool_capacity[0]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """The step's K/V ([T, KVH, D]) into their slots (the PyTorch path; the kernel does its own)."""
@@ -110,53 +136,57 @@ class KVCache:
             out.append(values)
         return out[0], out[1]
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copies every layer's K/V of block ``src`` into block ``dst`` (copy-on-write of a
-        shared block). Block by block and in place: no temporary larger than one block."""
+    def copy_blocks(self, moves: list[tuple[int, int, int]]) -> None:
+        """Copies the K/V of block ``src`` into block ``dst`` in every layer of pool ``pool`` for
+        each (pool, src, dst) (copy-on-write of a shared block, a block moved down). Block by
+        block and in place: no temporary larger than one block."""
         bs = self.block_size
-        for src, dst in pairs:
-            for cache in self._tensors():
+        for pool, src, dst in moves:
+            for cache in self._tensors(pool):
                 cache[:, dst * bs : (dst + 1) * bs].copy_(cache[:, src * bs : (src + 1) * bs])
 
-    def zero_blocks(self, blocks: list[int]) -> None:
-        """Zeroes every layer's K/V of ``blocks``: stale values are read (masked) by a block's
+    def zero_blocks(self, blocks: list[tuple[int, int]]) -> None:
+        """Zeroes the K/V of each (pool, block): stale values are read (masked) by a block's
         next owner, and a masked NaN still poisons ``probs @ V`` (0 x NaN is NaN)."""
         bs = self.block_size
-        for block in blocks:
-            for cache in self._tensors():
+        for pool, block in blocks:
+            for cache in self._tensors(pool):
                 cache[:, block * bs : (block + 1) * bs].zero_()
 
-    def resize(self, num_blocks: int) -> None:
-        """Blocks [0, num_blocks) in use from now on. Shrinking releases every page that holds
-        only blocks past the new end (they read as zeros if used again); the caller has moved
+    def resize(self, sizes: int | list[int]) -> None:
+        """Blocks [0, sizes[p]) of each pool in use from now on. Shrinking releases every page that
+        holds only blocks past the new end (they read as zeros if used again); the caller has moved
         what lived there. Growing commits nothing: the new blocks' pages fault in as they are first
         written (the plan counts them either way), so a grow that a shrink soon undoes (a budget
         that follows a neighbour) costs only the blocks it lent out, not a pass over the new room."""
-        if not 1 <= num_blocks <= self.capacity_blocks:
-            raise ValueError(f"num_blocks {num_blocks}: this cache holds 1 to {self.capacity_blocks} blocks")
-        old, self.num_blocks = self.num_blocks, num_blocks
-        if num_blocks < old:
-            self.release_pages(num_blocks)
+        sizes = [sizes] if isinstance(sizes, int) else list(sizes)
+        assert isinstance(sizes, list)
+        for p, n in enumerate(sizes):
+            if not 1 <= n <= self.pool_capacity[p]:
+                raise ValueError(f"{n} blocks: pool {p} of this cache holds 1 to {self.pool_capacity[p]}")
+        old, self.pool_blocks = self.pool_blocks, sizes
+        for p, (n, was) in enumerate(zip(sizes, old)):
+            if n < was:
+                self.release_pages(p, n)
 
-    def _heads(self) -> list[tuple[torch.Tensor, int]]:
-        """Every tensor, with the bytes of one head's slots in it ([KVH, slots, ...] layout)."""
-        return [(t, t.stride(0) * t.element_size()) for t in self._tensors()]
-
-    def _commit(self, first: int, end: int) -> None:
-        """Writes zeros over blocks [first, end) of every head, so their pages are resident now."""
+    def _commit(self, pool: int, first: int, end: int) -> None:
+        """Writes zeros over blocks [first, end) of every head of the pool, so their pages are
+        resident now."""
         bs = self.block_size
-        for cache in self._tensors():
+        for cache in self._tensors(pool):
             writable = cache.view(torch.uint8) if cache.element_size() == 1 else cache  # CPU fills lack fp8
             writable[:, first * bs : end * bs].zero_()
 
-    def release_pages(self, first: int) -> None:
-        """Gives back the pages of blocks [first, capacity) of every head (MADV_REMOVE frees the
-        shared anonymous pages themselves, not only this process's view of them). Blocks still in
-        use past ``first`` (an idle engine's free ones) read as zeros and fault back in as written."""
-        for cache, head_bytes in self._heads():
+    def release_pages(self, pool: int, first: int) -> None:
+        """Gives back the pages of the pool's blocks [first, capacity) of every head (MADV_REMOVE
+        frees the shared anonymous pages themselves, not only this process's view of them). Blocks
+        still in use past ``first`` (an idle engine's free ones) read as zeros and fault back in as
+        written."""
+        for cache in self._tensors(pool):
             buffer = self._maps.get(cache.data_ptr())
             if buffer is None:
                 continue  # not a mapping of ours (a device tensor): nothing to give back
+            head_bytes = cache.stride(0) * cache.element_size()  # the [KVH, slots, ...] layout
             slot_bytes = head_bytes // cache.shape[1]
             for h in range(cache.shape[0]):
                 start = _page_up(h * head_bytes + first * self.block_size * slot_bytes)
@@ -164,8 +194,13 @@ class KVCache:
                 if end > start:
                     buffer.madvise(mmap.MADV_REMOVE, start, end - start)
 
-    def _tensors(self) -> list[torch.Tensor]:
-        return [*self.k, *self.v, *self.k_scale, *self.v_scale]
+    def _tensors(self, pool: int) -> list[torch.Tensor]:
+        """Every tensor of the pool's layers: K, V and 8-bit scales."""
+        layers = [i for i, p in enumerate(self.layer_pool) if p == pool]
+        out = [self.k[i] for i in layers] + [self.v[i] for i in layers]
+        if self.quantized:
+            out += [self.k_scale[i] for i in layers] + [self.v_scale[i] for i in layers]
+        return out
 
     def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
         """Zeros in a shared anonymous memory map, whose pages the kernel zero-fills on first

@@ -37,16 +37,24 @@ class CPUTorchBackend(Backend):
     def allocate_kv_cache(
         self,
         cfg: ModelConfig,
-        num_blocks: int,
+        num_blocks: int | list[int],
         block_size: int,
         dtype: torch.dtype | str,
         resident: bool,
-        capacity_blocks: int | None = None,
+        capacity_blocks: int | list[int] | None = None,
     ) -> KVCache:
-        capacity = max(num_blocks, capacity_blocks or num_blocks)
-        shape = self.kv_cache_shape(capacity, block_size, cfg.num_kv_heads, cfg.head_dim)
+        def shape(blocks: int) -> tuple[int, ...]:
+            return self.kv_cache_shape(blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+
         return KVCache(
-            cfg, num_blocks, block_size, dtype, self.device, resident=resident, shape=shape, capacity_blocks=capacity
+            cfg,
+            num_blocks,
+            block_size,
+            dtype,
+            self.device,
+            resident=resident,
+            shape=shape,
+            capacity_blocks=capacity_blocks,
         )
 
     def attention_metadata(self, step: StepInput, group_size: int) -> attention.StepLayout:

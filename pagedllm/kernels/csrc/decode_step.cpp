@@ -225,7 +225,8 @@ struct DecodeStep : torch::CustomClassHolder {
 
   struct Cache {
     const std::vector<Tensor>&k, &v, &k_scales, &v_scales;  // per layer; scales empty unless 8-bit
-    const Tensor &query_start, &context_lens, &block_tables;
+    const Tensor &query_start, &context_lens;
+    const std::vector<Tensor>& block_tables;  // per layer: its KV pool's (engine/block_pools.py)
     int64_t block_size, pairs_budget;
   };
 
@@ -255,7 +256,7 @@ struct DecodeStep : torch::CustomClassHolder {
       k = k.to(cache_dtype);
       v = v.to(cache_dtype);
     }
-    const Tensor out = paged_attention(q, k, v, c.k[i], c.v[i], c.query_start, c.context_lens, c.block_tables,
+    const Tensor out = paged_attention(q, k, v, c.k[i], c.v[i], c.query_start, c.context_lens, c.block_tables[i],
                                        c.block_size, scale, l.window, c.pairs_budget,
                                        eight_bit ? c10::optional<Tensor>(c.k_scales[i]) : c10::nullopt,
                                        eight_bit ? c10::optional<Tensor>(c.v_scales[i]) : c10::nullopt, l.sinks);
@@ -268,10 +269,11 @@ struct DecodeStep : torch::CustomClassHolder {
   Tensor run(Tensor h, const Tensor& cos, const Tensor& sin, const Tensor& local_cos, const Tensor& local_sin,
              std::vector<Tensor> k_cache, std::vector<Tensor> v_cache,
              std::vector<Tensor> k_scales, std::vector<Tensor> v_scales, const Tensor& query_start,
-             const Tensor& context_lens, const Tensor& block_tables, int64_t block_size, int64_t pairs_budget) {
+             const Tensor& context_lens, std::vector<Tensor> block_tables, int64_t block_size, int64_t pairs_budget) {
     const int64_t n = int64_t(layers.size());
-    TORCH_CHECK(final_norm.defined() && int64_t(k_cache.size()) == n && int64_t(v_cache.size()) == n,
-                "run: one K and one V cache per layer, and the final norm set");
+    TORCH_CHECK(final_norm.defined() && int64_t(k_cache.size()) == n && int64_t(v_cache.size()) == n &&
+                    int64_t(block_tables.size()) == n,
+                "run: one K and one V cache and one block table per layer, and the final norm set");
     const Cache cache{k_cache, v_cache, k_scales, v_scales, query_start, context_lens, block_tables, block_size,
                       pairs_budget};
     const Ropes ropes{cos, sin, local_cos, local_sin};

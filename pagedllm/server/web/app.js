@@ -276,6 +276,10 @@ function showMetrics(m, budget) {
   $("kv-cached").textContent = cached;
   $("kv-free").textContent = Math.max(0, total - used - cached);
   $("kv-bar").replaceChildren(segment("kv-used", used, total, "used"), segment("kv-cached", cached, total, "cached"));
+  const windowTotal = m.pagedllm_kv_window_blocks_total || 0;
+  $("kv-window").hidden = windowTotal === 0;
+  $("kv-window-used").textContent = m.pagedllm_kv_window_blocks_used || 0;
+  $("kv-window-total").textContent = windowTotal;
   $("running").textContent = m.pagedllm_requests_running;
   $("waiting").textContent = m.pagedllm_requests_waiting;
   $("tps").textContent = (m.pagedllm_generation_tokens_per_second || 0).toFixed(1);

@@ -1,0 +1,171 @@
+"""BlockPools: one ``BlockManager`` per kind of layer, moved together.
+
+Gemma 3 reads a 512-token window in five layers of six, gpt-oss a 128-token one in every other
+layer: if every layer kept every token, most of the cache would hold K/V no query reads again.
+So each kind of layer (``ModelConfig.kv_pools``: full attention, then each window) has a pool of
+its own, in tensors of their own (``KVCache``), and a sequence has a table in each. Pool 0 is
+the one a context is planned against; a window's pool gives each block back once no query can
+see it again (``BlockManager.drop_out_of_window``), so it needs only about a window per running
+sequence (``memory.footprint.window_pool_blocks``).
+
+Every operation the scheduler asks for happens in every pool or in none: a write is possible when
+every pool has the blocks (``can_write``), a sequence is freed, forked, trimmed in all of them. A
+cached prefix is adopted only as far as every pool still holds what its layers read (the full
+pool: every block; a window's pool: the blocks the first recomputed token's window reaches).
+
+Block copies and zeros name their pool: (pool, source, destination) and (pool, block).
+"""
+
+from __future__ import annotations
+
+from .block_manager import BlockManager, PrefixCacheStats
+
+
+class BlockPools:
+    def __init__(
+        self,
+        num_blocks: list[int],
+        block_size: int,
+        windows: tuple[int | None, ...],
+        enable_prefix_caching: bool = True,
+    ):
+        if len(num_blocks) != len(windows):
+            raise ValueError(f"{len(num_blocks)} pool sizes for {len(windows)} kinds of layer")
+        self.pools = [BlockManager(n, block_size, enable_prefix_caching, w) for n, w in zip(num_blocks, windows)]
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+
+    # ---- pool 0 speaks for the rest where one number is asked for ---------------------------
+
+    @property
+    def main(self) -> BlockManager:
+        return self.pools[0]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.main.num_blocks
+
+    @property
+    def pool_sizes(self) -> list[int]:
+        return [p.num_blocks for p in self.pools]
+
+    @property
+    def num_free(self) -> int:
+        return self.main.num_free
+
+    @property
+    def num_used(self) -> int:
+        return self.main.num_used
+
+    @property
+    def num_cached_free(self) -> int:
+        return self.main.num_cached_free
+
+    @property
+    def ref_counts(self) -> list[int]:
+        return self.main.ref_counts
+
+    @property
+    def tables(self) -> dict[int, list[int]]:
+        return self.main.tables
+
+    @property
+    def prefix_stats(self) -> PrefixCacheStats:
+        return self.main.prefix_stats
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return self.main.blocks_for(num_tokens)
+
+    def table(self, seq_id: int) -> list[int]:
+        return self.main.table(seq_id)
+
+    def tables_of(self, seq_id: int) -> tuple[list[int], ...]:
+        """The sequence's table in each pool (copies)."""
+        return tuple(list(p.table(seq_id)) for p in self.pools)
+
+    # ---- writes, in every pool ---------------------------------------------------------------
+
+    def blocks_to_write(self, seq_id: int, start: int, end: int) -> int:
+        """Pool 0's blocks to take to write [start, end) (the admission limit counts those)."""
+        return self.main.blocks_to_write(seq_id, start, end)
+
+    def can_write(self, seq_id: int, start: int, end: int) -> bool:
+        return all(p.can_write(seq_id, start, end) for p in self.pools)
+
+    def prepare_write(self, seq_id: int, start: int, end: int) -> list[tuple[int, int, int]]:
+        if not self.can_write(seq_id, start, end):
+            raise RuntimeError(f"prepare_write({seq_id}): a pool has too few free blocks")
+        return [(i, *c) for i, p in enumerate(self.pools) for c in p.prepare_write(seq_id, start, end)]
+
+    def trim(self, seq_id: int, num_tokens: int) -> None:
+        for p in self.pools:
+            p.trim(seq_id, num_tokens)
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        for p in self.pools:
+            p.fork(parent_id, child_id)
+
+    def free(self, seq_id: int) -> None:
+        for p in self.pools:
+            p.free(seq_id)
+
+    def drop_out_of_window(self, seq_id: int, next_position: int) -> None:
+        for p in self.pools:
+            p.drop_out_of_window(seq_id, next_position)
+
+    # ---- the prefix cache ----------------------------------------------------------------------
+
+    def adopt_prefix(self, seq_id: int, tokens: list[int]) -> int:
+        """The longest prefix of ``tokens`` every pool can serve: see the module docstring."""
+        if not self.enable_prefix_caching or self.main.tables.get(seq_id):
+            return 0
+        keys = self.main.lookup_keys(tokens)  # pool 0's chain bounds every pool's prefix
+        found = [p.cached_blocks(keys) for p in self.pools]
+        n = len(keys)
+        for p, f in zip(self.pools, found):
+            if p.window is None:
+                n = p.longest_prefix(f, n)
+        for _ in range(len(keys) + 1):  # a shorter prefix may need blocks a window's pool lacks
+            shorter = min(p.longest_prefix(f, n) for p, f in zip(self.pools, found))
+            if shorter == n:
+                break
+            n = shorter
+        for p, f in zip(self.pools, found):
+            p.adopt(seq_id, keys, f, n)
+        return n * self.block_size
+
+    def count_admission(self, num_tokens: int, reused: int) -> None:
+        self.main.count_admission(num_tokens, reused)
+
+    def register_computed(self, seq_id: int, tokens_between, num_computed: int) -> None:
+        """Registers the blocks that filled up, then gives back those out of every window."""
+        for p in self.pools:
+            p.register_computed(seq_id, tokens_between, num_computed)
+            p.drop_out_of_window(seq_id, num_computed)
+
+    def release_poisoned(self, seq_id: int) -> list[tuple[int, int]]:
+        return [(i, b) for i, p in enumerate(self.pools) for b in p.release_poisoned(seq_id)]
+
+    # ---- resizing ------------------------------------------------------------------------------
+
+    def over(self, sizes: list[int]) -> bool:
+        """Whether some pool uses more blocks than ``sizes`` allows it."""
+        return any(p.num_used > n for p, n in zip(self.pools, sizes))
+
+    def resize(self, sizes: list[int]) -> list[tuple[int, int, int]]:
+        return [(i, *m) for i, (p, n) in enumerate(zip(self.pools, sizes)) for m in p.resize(n)]
+
+    def compact(self, keep_cached: bool) -> tuple[list[tuple[int, int, int]], list[int]]:
+        """Every pool's ``compact``: the moves, and the blocks each pool kept."""
+        moves, kept = [], []
+        for i, p in enumerate(self.pools):
+            m, end = p.compact(keep_cached)
+            moves += [(i, *x) for x in m]
+            kept.append(end)
+        return moves, kept
+
+    def check_invariants(self) -> None:
+        for p in self.pools:
+            p.check_invariants()
+        if len({frozenset(p.tables) for p in self.pools}) > 1:
+            raise AssertionError("the pools' tables are for different sequences")
