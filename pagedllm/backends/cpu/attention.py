@@ -47,9 +47,12 @@ class SequenceSlice:
 @dataclass
 class DecodeGroup:
     rows: torch.Tensor  # [B] rows of the flat batch
-    blocks: torch.Tensor  # [B, n] block ids of each row's context (padding repeats its first block)
+    blocks: torch.Tensor  # [B, n] block ids of each row's keys (padding repeats its first block)
     context_lens: torch.Tensor  # [B]
     masked: torch.Tensor  # [B, n * block_size] True where a key is padding
+    # [B] the position of each row's first gathered key: past 0 where a window leaves the blocks
+    # before it unread (``StepLayout.torch_path``)
+    offsets: torch.Tensor | None = None
     _windowed: dict = field(default_factory=dict)
 
     @property
@@ -58,10 +61,12 @@ class DecodeGroup:
 
     def mask(self, window: int | None) -> torch.Tensor:
         """[B, keys] True where a row may not look (padding, or outside the sliding window)."""
-        if window is None or window >= self.keys:
+        if window is None or (window >= self.keys and self.offsets is None):
             return self.masked
         if window not in self._windowed:
             pos = torch.arange(self.keys, device=self.masked.device)[None, :]
+            if self.offsets is not None:
+                pos = pos + self.offsets[:, None]
             self._windowed[window] = self.masked | (pos <= self.context_lens[:, None] - 1 - window)
         return self._windowed[window]
 
@@ -71,7 +76,8 @@ class PrefillChunk:
     start: int  # first row in the flat batch
     length: int  # query rows
     context_len: int  # keys, including the rows themselves
-    blocks: torch.Tensor  # [ceil(context_len / block_size)] block ids
+    blocks: torch.Tensor  # block ids from the ``first_block``-th to the context's last
+    first_block: int = 0  # past 0 where a window leaves the blocks before it unread
 
 
 class StepLayout:
@@ -155,23 +161,27 @@ class StepLayout:
             self._slots[pool] = torch.tensor(slots, dtype=torch.long, device=self.query_start.device)
         return self._slots[pool]
 
-    def torch_path(self, pool: int = 0) -> tuple[list[DecodeGroup], list[PrefillChunk]]:
-        """The PyTorch path's decode groups and prefill chunks over the pool's blocks."""
+    def torch_path(self, pool: int = 0, window: int | None = None) -> tuple[list[DecodeGroup], list[PrefillChunk]]:
+        """The PyTorch path's decode groups and prefill chunks over the pool's blocks; with the
+        pool's ``window``, each context from the first block its queries can see (a window pool's
+        blocks before it went back to the pool)."""
         pool = pool if len(self.pool_tables) > 1 else 0
         if pool not in self._paths:
+            bs = self.block_size
             decodes, prefills = [], []
             starts, lens, tables = self.query_start.tolist(), self.context_lens.tolist(), self.tables(pool).tolist()
             device = self.query_start.device
             for i, context_len in enumerate(lens):
                 start, query_len = starts[i], starts[i + 1] - starts[i]
-                table = tables[i][: ceil_div(context_len, self.block_size)]
+                first = 0 if window is None else max(0, context_len - query_len - window + 1) // bs
+                table = tables[i][first : ceil_div(context_len, bs)]
                 if query_len == 1:
-                    decodes.append((start, table, context_len))
+                    decodes.append((start, table, context_len, first))
                 else:
                     blocks = torch.tensor(table, dtype=torch.long, device=device)
-                    prefills.append(PrefillChunk(start, query_len, context_len, blocks))
-            packed = _pack_decodes(decodes, self.gather_budget, self.block_size)
-            self._paths[pool] = ([_decode_group(g, self.block_size, device) for g in packed], prefills)
+                    prefills.append(PrefillChunk(start, query_len, context_len, blocks, first))
+            packed = _pack_decodes(decodes, self.gather_budget, bs)
+            self._paths[pool] = ([_decode_group(g, bs, device) for g in packed], prefills)
         return self._paths[pool]
 
     @property
@@ -213,8 +223,8 @@ def _padded(table: list[int], used: int, width: int) -> list[int]:
 
 
 def _pack_decodes(decodes, max_keys: int, block_size: int):
-    """Groups decode rows (sorted by context) so that rows x longest gathered context <= max_keys."""
-    decodes = sorted(decodes, key=lambda d: d[2])
+    """Groups decode rows (sorted by gathered keys) so that rows x most gathered keys <= max_keys."""
+    decodes = sorted(decodes, key=lambda d: len(d[1]))
     group: list = []
     for d in decodes:
         if group and (len(group) + 1) * len(d[1]) * block_size > max_keys:
@@ -227,11 +237,14 @@ def _pack_decodes(decodes, max_keys: int, block_size: int):
 
 def _decode_group(group, block_size: int, device) -> DecodeGroup:
     longest = len(group[-1][1])
-    rows = torch.tensor([r for r, _, _ in group], dtype=torch.long, device=device)
-    blocks = torch.tensor([t + [t[0]] * (longest - len(t)) for _, t, _ in group], dtype=torch.long, device=device)
-    lens = torch.tensor([n for _, _, n in group], dtype=torch.long, device=device)
-    masked = torch.arange(longest * block_size, device=device)[None, :] >= lens[:, None]
-    return DecodeGroup(rows, blocks, lens, masked)
+    rows = torch.tensor([r for r, _, _, _ in group], dtype=torch.long, device=device)
+    blocks = torch.tensor([t + [t[0]] * (longest - len(t)) for _, t, _, _ in group], dtype=torch.long, device=device)
+    lens = torch.tensor([n for _, _, n, _ in group], dtype=torch.long, device=device)
+    firsts = [f * block_size for _, _, _, f in group]
+    offsets = torch.tensor(firsts, dtype=torch.long, device=device) if any(firsts) else None
+    pos = torch.arange(longest * block_size, device=device)[None, :]
+    masked = (pos if offsets is None else pos + offsets[:, None]) >= lens[:, None]
+    return DecodeGroup(rows, blocks, lens, masked, offsets)
 
 
 class CompiledPagedAttention:
@@ -301,7 +314,7 @@ class TorchPagedAttention:
         pool = self.cache.layer_pool[layer]
         self.cache.write(layer, self.layout.slot_mapping(pool), k, v)
         out = torch.empty_like(q)
-        decode_groups, prefills = self.layout.torch_path(pool)
+        decode_groups, prefills = self.layout.torch_path(pool, window)
         for g in decode_groups:
             self._decode(layer, g, q, out, scale, window, sinks)
         for p in prefills:
@@ -332,14 +345,15 @@ class TorchPagedAttention:
         kv_heads, d = self.cache.k[layer].shape[0], q.shape[2]
         group = q.shape[1] // kv_heads
         n = p.blocks.shape[0] * lay.block_size
+        offset = p.first_block * lay.block_size  # the position of the first key gathered
         keys, values = self.cache.gather(layer, p.blocks, q.dtype)
-        keys = keys.view(kv_heads, n, d)[:, : p.context_len]  # [KVH, ctx, D]
-        values = values.view(kv_heads, n, d)[:, : p.context_len]
-        tile = lay.query_tile(p.context_len)
+        keys = keys.view(kv_heads, n, d)[:, : p.context_len - offset]  # [KVH, keys, D]
+        values = values.view(kv_heads, n, d)[:, : p.context_len - offset]
+        tile = lay.query_tile(p.context_len - offset)
         first_pos = p.context_len - p.length
         for t0 in range(0, p.length, tile):
             t1 = min(t0 + tile, p.length)
-            mask = _causal_mask(first_pos + t0, first_pos + t1, p.context_len, window, q.device)
+            mask = _causal_mask(first_pos + t0, first_pos + t1, p.context_len, window, q.device, offset)
             rows = slice(p.start + t0, p.start + t1)
             for h in range(kv_heads):
                 heads = slice(h * group, (h + 1) * group)
@@ -373,10 +387,11 @@ def _softmax(
     return probs.to(scores.dtype)
 
 
-def _causal_mask(first: int, end: int, context_len: int, window: int | None, device) -> torch.Tensor:
-    """[end - first, context_len] True where query position p may not see key position j."""
+def _causal_mask(first: int, end: int, context_len: int, window: int | None, device, offset: int = 0) -> torch.Tensor:
+    """[end - first, context_len - offset] True where query position p may not see key position
+    j (keys from position ``offset`` on)."""
     q_pos = torch.arange(first, end, device=device)[:, None]
-    k_pos = torch.arange(context_len, device=device)[None, :]
+    k_pos = torch.arange(offset, context_len, device=device)[None, :]
     masked = k_pos > q_pos
     if window is not None:
         masked |= k_pos <= q_pos - window
