@@ -3,6 +3,7 @@ sampled, n samples, shared prefixes), aborts and steps, on caches small enough t
 preemption and eviction, keeps the bookkeeping consistent after every rule, ends every sample
 exactly once, and leaves greedy and seeded outputs what they are when the request runs alone."""
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -132,9 +133,11 @@ class EngineMachine(RuleBasedStateMachine):
         return self.reference[key]
 
 
-def test_any_interleaving_of_adds_aborts_and_steps(tiny_checkpoints):
-    EngineMachine.loaded = loading.load(tiny_checkpoints["qwen2"][0])
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])  # gemma3: a window pool beside the full one
+def test_any_interleaving_of_adds_aborts_and_steps(tiny_checkpoints, arch):
+    EngineMachine.loaded = loading.load(tiny_checkpoints[arch][0])
     EngineMachine.seen = dict.fromkeys(EngineMachine.seen, 0)
+    EngineMachine.reference = {}  # (the solo runs of the other model's test)
     run_state_machine_as_test(
         EngineMachine,
         settings=settings(
