@@ -8,6 +8,7 @@ never sees a raw config dict.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,7 +111,7 @@ class ModelConfig:
         sliding = bool(self.sliding_windows) and self.sliding_windows[layer] is not None
         return "local" if sliding and self.local_rope is not None else "global"
 
-    @property
+    @functools.cached_property  # (asked per layer; a frozen dataclass's __dict__ still takes it)
     def kv_pools(self) -> tuple[int | None, ...]:
         """The window of each KV pool, one pool per kind of layer: full attention (None) first,
         then the windows from the widest. A sliding layer reads only its window, so its pool keeps

@@ -167,10 +167,12 @@ class BlockManager:
         if self.window is None:
             return
         table = self.tables.get(seq_id, [])
-        for i in range(min(len(table), self.first_visible_block(next_position))):
-            if table[i] != HOLE:
-                self._release(table[i])
-                table[i] = HOLE
+        # the holes are a prefix of the table: walk back from the last block to go until one
+        i = min(len(table), self.first_visible_block(next_position)) - 1
+        while i >= 0 and table[i] != HOLE:
+            self._release(table[i])
+            table[i] = HOLE
+            i -= 1
 
     def first_visible_block(self, position: int) -> int:
         """The first block a query at ``position`` reads."""

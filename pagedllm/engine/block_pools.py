@@ -122,10 +122,7 @@ class BlockPools:
         keys = self.main.lookup_keys(tokens)  # pool 0's chain bounds every pool's prefix
         found = [p.cached_blocks(keys) for p in self.pools]
         n = len(keys)
-        for p, f in zip(self.pools, found):
-            if p.window is None:
-                n = p.longest_prefix(f, n)
-        for _ in range(len(keys) + 1):  # a shorter prefix may need blocks a window's pool lacks
+        while True:  # a shorter prefix may need window blocks another pool lacks: to a fixed point
             shorter = min(p.longest_prefix(f, n) for p, f in zip(self.pools, found))
             if shorter == n:
                 break

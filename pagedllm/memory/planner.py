@@ -7,7 +7,7 @@ Pure arithmetic over ``ModelConfig``: no torch, no engine imports, no weights.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from functools import partial
+from functools import cached_property, partial
 from typing import TYPE_CHECKING, NoReturn
 
 from .. import backends
@@ -230,7 +230,7 @@ class _Costs:
         pool = 0 if len(self.cfg.kv_pools) > 1 else None
         return kv_bytes_per_block(self.cfg, self.s.block_size, self.s.kv, pool) + self.s.draft_kv_bytes_per_block
 
-    @property
+    @cached_property  # (the solver asks once per candidate N)
     def windows(self) -> list[tuple[int, int]]:
         """(window, bytes per block) of each pool beside pool 0 (pools past 0 have windows)."""
         pools = self.cfg.kv_pools
