@@ -47,14 +47,15 @@ def clone(cache):
 STEP = [(1, 37), (1, 1), (20, 20), (7, 50), (1, 100), (33, 140), (1, 16), (40, 300)]
 
 
-def run_both_paths(dtype, cache_dtype, heads, kv_heads, window, d=64):
-    """(compiled output, torch output, compiled cache, torch cache, the step) for the step STEP."""
+def run_both_paths(dtype, cache_dtype, heads, kv_heads, window, d=64, rows_and_contexts=STEP):
+    """(compiled output, torch output, compiled cache, torch cache, the step) for the step
+    ``rows_and_contexts`` (STEP unless given)."""
     bs, num_blocks = 16, 64
     cache = random_cache(kv_heads, num_blocks, bs, d, cache_dtype, seed=heads * 10 + kv_heads)
     free = list(range(num_blocks))
     random.Random(0).shuffle(free)  # block tables out of order, as after frees
     slices, t = [], 0
-    for q_len, ctx in STEP:
+    for q_len, ctx in rows_and_contexts:
         slices.append(SequenceSlice(t, q_len, ctx, [free.pop() for _ in range(-(-ctx // bs))]))
         t += q_len
     g = torch.Generator().manual_seed(1)
@@ -138,12 +139,32 @@ ATTENTION_CASES = [
     for window in [None, 5, 40]
     for d in [64, 128]
 ]
+# Gemma 3's head_dim, and one that no path specializes
+ATTENTION_CASES += [(4, 1, None, 256), (4, 1, 5, 256), (8, 2, 40, 256), (9, 3, None, 96)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads, window, d", ATTENTION_CASES)
 def test_paged_attention_matches_the_torch_path(ops, dtype, heads, kv_heads, window, d):
     assert_attention_matches(dtype, heads, kv_heads, window, d)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, window, d", [(4, 1, None, 256), (4, 1, 5, 64), (6, 2, None, 128)])
+def test_a_lone_decode_row_split_among_threads_is_the_row_decoded_among_others(ops, dtype, heads, kv_heads, window, d):
+    """One request decoding has fewer KV heads than threads (Gemma 3 270M: one): its query heads
+    are split among the threads. The row must match the float64 oracle and be, to the bit, the
+    row it is when other requests share the step (and nothing is split)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        alone = run_both_paths(dtype, dtype, heads, kv_heads, window, d, [(1, 100)])
+        among = run_both_paths(dtype, dtype, heads, kv_heads, window, d, [(1, 100), (1, 37), (1, 50)])
+    finally:
+        torch.set_num_threads(saved)
+    got, _, cache, _, step = alone
+    assert rounding_error_in_eps(got, cache, step, heads) <= ATTENTION_EPS[dtype]
+    assert torch.equal(got[0], among[0][0])
 
 
 def test_bf16_attention_without_amx_tiles_matches_the_torch_path(ops):

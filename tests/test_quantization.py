@@ -69,11 +69,10 @@ def random_quantized(rows, cols, bits, group, zero, codebook=None, seed=0):
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 17])
 def test_quantized_matmul_equals_dequantize_then_gemm(ops, bits, group, zero, codebook, rows):
     """fp32 activations: the kernel computes with the exact weight values. bf16 ones on 4- or
-    8-bit weights in groups of 32 also quantize each row of x to 8 bits per 32 columns (integer
-    dot products): within
-    1% of the exact product. Row counts and 37 channels that leave every remainder of the
-    kernels' row blocks and channel tiles; the kernel itself for every count (the backend may
-    take dequantize + GEMM from a few rows on)."""
+    8-bit weights in groups of 32 (8-bit in groups of 16 too) also quantize each row of x to 8
+    bits per 32 columns (integer dot products): within 1% of the exact product. Row counts and
+    37 channels that leave every remainder of the kernels' row blocks and channel tiles; the
+    kernel itself for every count (the backend may take dequantize + GEMM from a few rows on)."""
     w = random_quantized(37, 512, bits, group, zero, codebook)
     x = torch.randn(rows, 512)
     exact = x @ torch_backend().dequantize(w, torch.float32).T
@@ -456,18 +455,21 @@ def test_w8a8_requantizes_tensors_stored_in_other_formats_to_int8_per_row(conver
     assert checked >= 4
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits, group", [(4, 32), (8, 32), (8, 16)])
 @pytest.mark.parametrize("groups", range(1, 9))
-def test_kernel_on_bf16_rows_sums_what_the_documented_rounding_gives(groups, bits, ops):
+def test_kernel_on_bf16_rows_sums_what_the_documented_rounding_gives(groups, bits, group, ops):
     """The AVX512-VNNI path reads 4 groups of 32 columns at a time: every width of the last read
     (1-4 groups) and the offsets' tail must count each column once; 8-bit weights (Q8_0) are
-    signed, which the unsigned-by-signed dot product must undo exactly. Oracle: x rounded to 8
-    bits per 32 columns as docs/quantization.md says, times q * scale + zero, in float64."""
+    signed, which the unsigned-by-signed dot product must undo exactly; 8-bit weights in groups
+    of 16 (Q6_K widened) scale each half of x's 32 columns by its own weight scale. Oracle: x
+    rounded to 8 bits per 32 columns as docs/quantization.md says, times q * scale + zero, in
+    float64."""
     if not activations_rounded_to_8_bits():
         pytest.skip("the kernels compute in float on this machine")
     g = torch.Generator().manual_seed(groups)
     n, k = 37, 32 * groups
-    scale, zero = torch.rand(n, groups, generator=g) + 0.1, torch.randn(n, groups, generator=g)
+    per_row = k // group
+    scale, zero = torch.rand(n, per_row, generator=g) + 0.1, torch.randn(n, per_row, generator=g)
     if bits == 4:
         q = torch.randint(0, 16, (n, k), generator=g)
         low, high = q.view(n, groups, 2, 16).unbind(2)  # byte j of a block: column j low, j + 16 high
@@ -479,7 +481,7 @@ def test_kernel_on_bf16_rows_sums_what_the_documented_rounding_gives(groups, bit
     blocks = x.double().view(3, groups, 32)
     step = blocks.abs().amax(-1, keepdim=True) / 127
     x8 = ((blocks / step).round() * step).view(3, k)
-    w = q.double() * scale.double().repeat_interleave(32, 1) + zero.double().repeat_interleave(32, 1)
+    w = q.double() * scale.double().repeat_interleave(group, 1) + zero.double().repeat_interleave(group, 1)
     expected = x8 @ w.T
-    got = ops.quant_linear(x, packed, scale, zero, bits, 32).double()
+    got = ops.quant_linear(x, packed, scale, zero, bits, group).double()
     torch.testing.assert_close(got, expected, rtol=8e-3, atol=8e-3 * float(expected.abs().max()))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pagedllm.engine.sequence import Sequence
-from pagedllm.layers.sampler import Sampler
+from pagedllm.layers.sampler import ARGMAX_BLOCK, Sampler, argmax_rows
 from pagedllm.sampling_params import SAMPLING_OFF, SamplingParams
 
 VOCAB = 50
@@ -215,3 +215,24 @@ def test_draws_follow_softmax_of_logits_over_temperature_after_the_filters(tempe
     assert kept.sum() > 1, "the case must leave a distribution to test"
     chi2 = ((counts[kept] - draws * expected[kept]) ** 2 / (draws * expected[kept])).sum().item()
     assert chi2 < chi_square_bound(int(kept.sum()) - 1), f"chi-square {chi2:.1f} over {int(kept.sum())} tokens"
+
+
+@pytest.mark.parametrize("vocab", [7, ARGMAX_BLOCK, 3 * ARGMAX_BLOCK, 3 * ARGMAX_BLOCK + 77])
+def test_greedy_argmax_is_pytorchs_on_ties_nan_and_infinities(vocab):
+    """Greedy tokens come from argmax_rows, a faster argmax: it must pick what PyTorch's does,
+    the first of equal maxima (in the same block, in different blocks, in the tail past the last
+    whole block) and the first NaN, whatever the vocabulary's size against the block."""
+    g = torch.Generator().manual_seed(vocab)
+    rows = torch.randint(-5, 5, (12, vocab), generator=g).float()  # small integers: ties everywhere
+    rows[1] = -float("inf")
+    rows[2, -1] = float("nan")
+    rows[3, vocab // 2] = float("nan")
+    rows[3, -1] = float("nan")
+    rows[4, 0] = rows[4, -1] = 9.0  # the max at both ends: the first
+    rows[5, -1] = 9.0  # the max last: in the tail where there is one
+    rows[6, :] = 1.0
+    rows[7, -2:] = float("inf")
+    assert argmax_rows(rows).tolist() == rows.argmax(dim=-1).tolist()
+    assert argmax_rows(rows[:0]).shape == (0,)
+    greedy = seqs_for([SamplingParams(temperature=0)] * 12)
+    assert Sampler(())(rows, greedy).token_ids == rows.argmax(dim=-1).tolist()

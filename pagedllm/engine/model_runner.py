@@ -26,7 +26,7 @@ from ..backends.base import Backend
 from ..backends.cpu.attention import StepLayout, pool_tables
 from ..backends.cpu.kv_cache import KVCache
 from ..backends.cpu.workspace import GATHER_BUDGET, PAIRS_BUDGET
-from ..layers.sampler import Sampler, needs_full_path
+from ..layers.sampler import Sampler, argmax_rows, needs_full_path
 from ..memory.footprint import StepShape
 from ..models import DecoderLM
 from ..sizes import SAMPLER_CHUNK_ROWS
@@ -222,7 +222,7 @@ class ModelRunner:
         if seq.guess_probs is not None:
             return self._verify_drawn(logits, seq, guesses, seq.guess_probs)
         if not needs_full_path(seq):  # greedy: every position's argmax at once
-            best = logits.argmax(dim=-1).tolist()
+            best = argmax_rows(logits).tolist()
             n = next((j for j, g in enumerate(guesses) if best[j] != g), len(guesses))
             return [None] * n, (best[n], None)
         logprobs: list[dict | None] = []

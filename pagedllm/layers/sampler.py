@@ -25,6 +25,10 @@ import torch
 from ..sampling_params import SamplingParams
 from ..sizes import SAMPLER_CHUNK_ROWS as CHUNK_ROWS
 
+# argmax_rows' block: PyTorch's argmax over a row compares one value at a time (a 262,144-token
+# row: 0.33 ms), its amax over blocks is vectorized (the same row 0.03 ms in all).
+ARGMAX_BLOCK = 1024
+
 # How many of its most likely tokens a filtered row is drawn from without sorting its vocabulary,
 # tried in turn (``_draw``): a top-k of 32 costs 0.06 ms a row, of 256 0.14 ms, a sort ~1 ms.
 CANDIDATES = (32, 256)
@@ -62,6 +66,26 @@ def needs_full_path(seq: SamplingRow) -> bool:
     )
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of a [rows, vocab] tensor, exactly (the first of equal maxima; a
+    NaN counts as the largest, as PyTorch's does), ~10x faster on a large vocabulary: each block's
+    max, the first block holding the row's max, the first max in it."""
+    rows, vocab = logits.shape
+    whole = vocab // ARGMAX_BLOCK * ARGMAX_BLOCK
+    if whole == 0:
+        return logits.argmax(dim=-1)
+    blocks = logits[:, :whole].view(rows, whole // ARGMAX_BLOCK, ARGMAX_BLOCK)
+    best_block = blocks.amax(dim=-1).argmax(dim=-1)
+    best = best_block * ARGMAX_BLOCK + blocks[torch.arange(rows), best_block].argmax(dim=-1)
+    if whole == vocab:
+        return best
+    tail = logits[:, whole:]
+    in_tail = tail.argmax(dim=-1)
+    value, tail_value = logits.gather(1, best[:, None])[:, 0], tail.gather(1, in_tail[:, None])[:, 0]
+    later_wins = (tail_value > value) | (tail_value.isnan() & ~value.isnan())
+    return torch.where(later_wins, in_tail + whole, best)
+
+
 class Sampler:
     def __init__(
         self, eos_token_ids: tuple[int, ...], grammars: Grammars | None = None, backend: Backend | None = None
@@ -83,7 +107,7 @@ class Sampler:
             if any(needs_full_path(s) for s in rows):
                 t, lp = self._full(chunk, rows)
             else:
-                t, lp = chunk.argmax(dim=-1).tolist(), [None] * len(rows)
+                t, lp = argmax_rows(chunk).tolist(), [None] * len(rows)
             tokens += t
             logprobs += lp
         return SampleResult(tokens, logprobs)
@@ -120,7 +144,7 @@ class Sampler:
         self._block_stops(logits, seqs)
         device = raw.device
         greedy = torch.tensor([p.greedy for p in params], device=device)
-        greedy_tokens = logits.argmax(dim=-1) if any(p.greedy for p in params) else None
+        greedy_tokens = argmax_rows(logits) if any(p.greedy for p in params) else None
         temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)[:, None]
         logits.div_(temps)
         drawn = _draw(logits, params, [s.generator for s in seqs])
@@ -205,7 +229,7 @@ def _race(probs: torch.Tensor, generators) -> torch.Tensor:
     for row, generator in enumerate(generators):
         if generator is not None:
             noise[row].exponential_(generator=generator)
-    return probs.div_(noise).argmax(dim=-1)
+    return argmax_rows(probs.div_(noise))
 
 
 def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:

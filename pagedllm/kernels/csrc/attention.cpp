@@ -19,6 +19,7 @@ namespace {
 // One unit of attention work: query rows [row0, row1) of sequence `seq`, KV head `head`.
 struct WorkItem {
   int64_t seq, head, row0, row1, cost;
+  int64_t h0 = 0, hn = 0;  // of the KV head's group, query heads h0 .. h0 + hn (hn 0: all of them)
 };
 
 // A thread's scratch, kept across items and calls: it grows to the largest tile seen, which the
@@ -98,35 +99,41 @@ inline void scores_transposed(const float* Q, int64_t rows, int64_t D, const flo
   }
 }
 
-// acc[rows][D] += P[rows][keys] @ V[keys][D] for one run of keys, rows in register blocks of R
-// (NV vectors of W floats per row: D = NV * W), the value rows given as float pointers.
+// acc[rows][D] += P[rows][keys] @ V[keys][D] for one run of keys, rows in register blocks of R,
+// over NV vectors of W floats from column `col` (D wider than NV * W takes several calls), the
+// value rows given as float pointers.
 template <int R, int NV>
-inline void pv_block(const float* P, int64_t stride, const float* const* values, int64_t n, float* A) {
+inline void pv_block(const float* P, int64_t stride, const float* const* values, int64_t n, float* A, int64_t D,
+                     int64_t col) {
   VF acc[R][NV];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = VF::loadu(A + (r * NV + v) * W);
+    for (int v = 0; v < NV; ++v) acc[r][v] = VF::loadu(A + r * D + col + v * W);
   for (int64_t c = 0; c < n; ++c) {
     VF val[NV];
-    for (int v = 0; v < NV; ++v) val[v] = VF::loadu(values[c] + v * W);
+    for (int v = 0; v < NV; ++v) val[v] = VF::loadu(values[c] + col + v * W);
     for (int r = 0; r < R; ++r) {
       const VF p(P[r * stride + c]);
       for (int v = 0; v < NV; ++v) acc[r][v] = at::vec::fmadd(p, val[v], acc[r][v]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v].store(A + (r * NV + v) * W);
+    for (int v = 0; v < NV; ++v) acc[r][v].store(A + r * D + col + v * W);
 }
 
+// pv_block over every row, for D a multiple of NV * W (Gemma's 256 on AVX-512: two passes of 8
+// vectors, which with 4 rows' accumulators fill the registers without spilling).
 template <int NV>
-inline void pv_rows(const float* P, int64_t rows, int64_t stride, const float* const* values, int64_t n, float* A) {
-  constexpr int64_t D = NV * W;
-  int64_t i = 0;
-  for (; i + 4 <= rows; i += 4) pv_block<4, NV>(P + i * stride, stride, values, n, A + i * D);
-  switch (rows - i) {
-    case 3: pv_block<3, NV>(P + i * stride, stride, values, n, A + i * D); break;
-    case 2: pv_block<2, NV>(P + i * stride, stride, values, n, A + i * D); break;
-    case 1: pv_block<1, NV>(P + i * stride, stride, values, n, A + i * D); break;
-    default: break;
+inline void pv_rows(const float* P, int64_t rows, int64_t stride, const float* const* values, int64_t n, float* A,
+                    int64_t D) {
+  for (int64_t col = 0; col < D; col += NV * W) {
+    int64_t i = 0;
+    for (; i + 4 <= rows; i += 4) pv_block<4, NV>(P + i * stride, stride, values, n, A + i * D, D, col);
+    switch (rows - i) {
+      case 3: pv_block<3, NV>(P + i * stride, stride, values, n, A + i * D, D, col); break;
+      case 2: pv_block<2, NV>(P + i * stride, stride, values, n, A + i * D, D, col); break;
+      case 1: pv_block<1, NV>(P + i * stride, stride, values, n, A + i * D, D, col); break;
+      default: break;
+    }
   }
 }
 
@@ -173,18 +180,18 @@ struct Caches {
   }
 };
 
-// What one work item attends. Tile row i is (query row row0 + i / group, query head
-// head * group + i % group): the query heads that share this KV head, side by side. Its keys
-// are lo..hi, the union of what its rows see.
+// What one work item attends. Tile row i is (query row row0 + i / per_row, query head
+// head0 + i % per_row): the query heads that share this KV head (all of its group, or the
+// item's share of them), side by side. Its keys are lo..hi, the union of what its rows see.
 struct Tile {
-  int64_t row0, head, group;
+  int64_t row0, head, head0, per_row;
   int64_t qstart;     // the sequence's first token in q and out
   int64_t first_pos;  // the position of the sequence's first query row
   int64_t rows, lo, hi, span;
   const int32_t* table;  // the sequence's block table
-  int64_t pos(int64_t i) const { return first_pos + row0 + i / group; }
-  int64_t token(int64_t i) const { return qstart + row0 + i / group; }
-  int64_t q_head(int64_t i) const { return head * group + i % group; }
+  int64_t pos(int64_t i) const { return first_pos + row0 + i / per_row; }
+  int64_t token(int64_t i) const { return qstart + row0 + i / per_row; }
+  int64_t q_head(int64_t i) const { return head0 + i % per_row; }
 };
 
 inline float sink_of(const Geometry& g, const Tile& t, int64_t i) {
@@ -195,10 +202,11 @@ Tile tile_of(const WorkItem& w, const Geometry& g, const Sequences& seqs) {
   Tile t;
   t.row0 = w.row0;
   t.head = w.head;
-  t.group = g.group;
+  t.head0 = w.head * g.group + w.h0;
+  t.per_row = w.hn > 0 ? w.hn : g.group;
   t.qstart = seqs.query_start[w.seq];
   t.first_pos = seqs.context_lens[w.seq] - (seqs.query_start[w.seq + 1] - t.qstart);
-  t.rows = (w.row1 - w.row0) * g.group;
+  t.rows = (w.row1 - w.row0) * t.per_row;
   t.lo = first_visible(t.first_pos + w.row0, g.window);
   t.hi = t.first_pos + w.row1 - 1;  // the last key any row of the tile sees
   t.span = t.hi - t.lo + 1;
@@ -220,7 +228,7 @@ bool scores_avx512(const Tile& t, const Geometry& g, const T* q, const CacheRows
 #if defined(PAGEDLLM_AVX512)
   static_assert(W == 16, "ATen's vectors hold 16 floats on AVX-512");
   const int64_t D = g.dim;
-  if (D != 64 && D != 128) return false;
+  if (D != 64 && D != 128 && D != 256) return false;
 #if defined(PAGEDLLM_AVX512_BF16)
   if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, T>) {
     const T* query_rows[8];
@@ -229,8 +237,10 @@ bool scores_avx512(const Tile& t, const Geometry& g, const T* q, const CacheRows
     for (int64_t c = 0; c < n; ++c) bf16_keys[c] = keys.values + (slot + c) * D;
     if (D == 64)
       avx512::scores_16_bf16<2>(query_rows, t.rows, bf16_keys, n, out, t.span);
-    else
+    else if (D == 128)
       avx512::scores_16_bf16<4>(query_rows, t.rows, bf16_keys, n, out, t.span);
+    else
+      avx512::scores_16_bf16<8>(query_rows, t.rows, bf16_keys, n, out, t.span);
     return true;
   }
 #endif
@@ -238,8 +248,10 @@ bool scores_avx512(const Tile& t, const Geometry& g, const T* q, const CacheRows
   for (int64_t c = 0; c < n; ++c) key_rows[c] = keys.row(slot + c, kv + c * D);
   if (D == 64)
     avx512::scores_16<4>(Q, t.rows, key_rows, n, out, t.span);
-  else
+  else if (D == 128)
     avx512::scores_16<8>(Q, t.rows, key_rows, n, out, t.span);
+  else
+    avx512::scores_16<16>(Q, t.rows, key_rows, n, out, t.span);
   return true;
 #else
   return false;  // no AVX-512 on this target
@@ -346,9 +358,9 @@ void pv_tile(const Tile& t, const Geometry& g, const CacheRows<C>& vals, Scratch
     for (int64_t c = 0; c < n; ++c) value_rows[c] = vals.row(slot + c, kv + c * D);
     const float* P = s.scores.data() + (j - t.lo);
     if (D == 4 * W)
-      pv_rows<4>(P, t.rows, t.span, value_rows, n, A);
-    else if (D == 8 * W)
-      pv_rows<8>(P, t.rows, t.span, value_rows, n, A);
+      pv_rows<4>(P, t.rows, t.span, value_rows, n, A, D);
+    else if (D % (8 * W) == 0)
+      pv_rows<8>(P, t.rows, t.span, value_rows, n, A, D);
     else
       pv_any(P, t.rows, t.span, value_rows, n, D, A);
     j += n;
@@ -447,6 +459,26 @@ std::vector<std::vector<WorkItem>> deal(const Geometry& g, const Sequences& seqs
       const int64_t r1 = std::min(qlen, r0 + tile);
       for (int64_t h = 0; h < g.kv_heads; ++h) items.push_back({s, h, r0, r1, (r1 - r0) * keys + 64});
     }
+  }
+  // Fewer items than threads (one request decoding over few KV heads: Gemma 3 270M has one):
+  // a decode row's query heads are split among the threads, each reading the KV head's keys.
+  // Under 8 heads only: a row's arithmetic must not depend on what else is in the step, and a
+  // tile of 8 rows or more takes other paths (score_run, attend's AMX tiles).
+  const int64_t n_items = int64_t(items.size());
+  const int64_t parts = n_items > 0 && g.group < 8 ? std::min(g.group, (threads + n_items - 1) / n_items) : 1;
+  if (parts > 1) {
+    std::vector<WorkItem> split;
+    for (const auto& it : items) {
+      if (it.row1 - it.row0 > 1) {  // a prefill tile's rows interleave its heads: kept whole
+        split.push_back(it);
+        continue;
+      }
+      for (int64_t p = 0; p < parts; ++p) {
+        const int64_t h0 = g.group * p / parts, h1 = g.group * (p + 1) / parts;
+        split.push_back({it.seq, it.head, it.row0, it.row1, it.cost * (h1 - h0) / g.group + 1, h0, h1 - h0});
+      }
+    }
+    items = std::move(split);
   }
   std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
   std::vector<std::vector<WorkItem>> buckets(threads);

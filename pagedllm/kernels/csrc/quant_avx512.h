@@ -91,6 +91,7 @@ struct Int8Rows {
   std::vector<int8_t> lo, hi;     // [rows, padded_groups * 16]
   std::vector<float> scale16;     // [rows, padded_groups * 4]: each group's scale, once per dpbusd lane
   std::vector<float> block_sums;  // [rows, padded_groups]: scale x sum of the group's q (for offsets)
+  std::vector<float> half_sums;   // [rows, 2 x padded_groups]: the same per 16 columns (weights in groups of 16)
 };
 
 inline void quantize_rows(const float* X, int64_t rows, int64_t K, Int8Rows& r) {
@@ -102,20 +103,22 @@ inline void quantize_rows(const float* X, int64_t rows, int64_t K, Int8Rows& r) 
   r.hi.assign(rows * width, 0);
   r.scale16.assign(rows * r.padded_groups * 4, 0.f);
   r.block_sums.assign(rows * r.padded_groups, 0.f);
+  r.half_sums.assign(rows * r.padded_groups * 2, 0.f);
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t g = 0; g < r.groups; ++g) {
       const float* x = X + i * K + g * 32;
       float amax = 0.f;
       for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[j]));
       const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-      int sum = 0;
+      int sums[2] = {0, 0};
       for (int j = 0; j < 32; ++j) {
         const int q = int(std::nearbyint(x[j] * inv));
-        sum += q;
+        sums[j >> 4] += q;
         (j < 16 ? r.lo : r.hi)[i * width + g * 16 + (j & 15)] = int8_t(q);
       }
       for (int l = 0; l < 4; ++l) r.scale16[(i * r.padded_groups + g) * 4 + l] = scale;
-      r.block_sums[i * r.padded_groups + g] = scale * float(sum);
+      r.block_sums[i * r.padded_groups + g] = scale * float(sums[0] + sums[1]);
+      for (int h = 0; h < 2; ++h) r.half_sums[(i * r.padded_groups + g) * 2 + h] = scale * float(sums[h]);
     }
 }
 
@@ -226,17 +229,27 @@ inline void load_groups8(const uint8_t* p, int64_t groups, __m512i& lo, __m512i&
   hi = _mm512_xor_si512(_mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(3, 1, 3, 1)), flip);
 }
 
+// The 2 x `groups` (1-4) scales of 8-bit weights in groups of 16 at p, in lanes 0-7.
+inline __m512 load_half_scales(const float* p, int64_t groups) {
+  if (groups == 4) return _mm512_castps256_ps512(_mm256_loadu_ps(p));
+  return _mm512_maskz_loadu_ps(__mmask16((1u << (2 * groups)) - 1), p);
+}
+
 // As tile_vnni for 8-bit weights in groups of 32 (Q8_0 as stored): per 4 groups, 128 bytes of
-// weights, two dpbusd per row, as llama.cpp's Q8_0 x Q8 dot product sums them.
-template <int NC, int MR>
+// weights, two dpbusd per row, as llama.cpp's Q8_0 x Q8 dot product sums them. Halves: the
+// weights' groups are 16 columns (Q6_K, widened to a byte a value), so each 32 columns' first
+// and last 16 (lo, hi) take their own scale; x keeps one scale per 32.
+template <int NC, int MR, bool Halves>
 void tile_vnni8(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, int64_t n0, float* Y, int64_t ldy) {
   __m512 acc[NC][MR];
   for (int c = 0; c < NC; ++c)
     for (int r = 0; r < MR; ++r) acc[c][r] = _mm512_setzero_ps();
   const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  const int64_t G = m.groups();
-  for (int64_t g0 = 0; g0 < G; g0 += 4) {
-    const int64_t n_groups = std::min<int64_t>(4, G - g0);
+  const __m512i spread_lo = _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0);
+  const __m512i spread_hi = _mm512_set_epi32(7, 7, 7, 7, 5, 5, 5, 5, 3, 3, 3, 3, 1, 1, 1, 1);
+  const int64_t G = m.groups(), G32 = m.k / 32;
+  for (int64_t g0 = 0; g0 < G32; g0 += 4) {
+    const int64_t n_groups = std::min<int64_t>(4, G32 - g0);
     __m512i xlo[MR], xhi[MR];
     __m512 xs[MR];
     load_x_groups<MR>(xr, row0, g0, xlo, xhi, xs);
@@ -247,18 +260,30 @@ void tile_vnni8(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, int64_t 
       prefetch_ahead(p);
       prefetch_ahead(p + 64);
       load_groups8(p, n_groups, lo, hi);
-      const __m512 s = _mm512_permutexvar_ps(spread, load_scales(m.scale + n * G + g0, n_groups));
-      for (int r = 0; r < MR; ++r) {
-        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo[r]);
-        dot = _mm512_dpbusd_epi32(dot, hi, xhi[r]);
-        acc[c][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, xs[r]), acc[c][r]);
+      if constexpr (Halves) {
+        const __m512 s = load_half_scales(m.scale + n * G + 2 * g0, n_groups);
+        const __m512 s_lo = _mm512_permutexvar_ps(spread_lo, s), s_hi = _mm512_permutexvar_ps(spread_hi, s);
+        for (int r = 0; r < MR; ++r) {
+          const __m512i dot_lo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo[r]);
+          const __m512i dot_hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, xhi[r]);
+          acc[c][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_lo), _mm512_mul_ps(s_lo, xs[r]), acc[c][r]);
+          acc[c][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_hi), _mm512_mul_ps(s_hi, xs[r]), acc[c][r]);
+        }
+      } else {
+        const __m512 s = _mm512_permutexvar_ps(spread, load_scales(m.scale + n * G + g0, n_groups));
+        for (int r = 0; r < MR; ++r) {
+          __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo[r]);
+          dot = _mm512_dpbusd_epi32(dot, hi, xhi[r]);
+          acc[c][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, xs[r]), acc[c][r]);
+        }
       }
     }
   }
   for (int c = 0; c < NC; ++c) {
     const int64_t n = n0 + c;
     for (int r = 0; r < MR; ++r) {
-      const float* sums = xr.block_sums.data() + (row0 + r) * xr.padded_groups;
+      const float* sums = Halves ? xr.half_sums.data() + (row0 + r) * xr.padded_groups * 2
+                                 : xr.block_sums.data() + (row0 + r) * xr.padded_groups;
       float y = _mm512_reduce_add_ps(acc[c][r]) - 128.f * group_sums(m.scale + n * G, sums, G);
       if (m.zero) y += group_sums(m.zero + n * G, sums, G);
       Y[r * ldy + n] = y;
@@ -268,8 +293,10 @@ void tile_vnni8(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, int64_t 
 
 template <int NC, int MR>
 inline void tile_any_vnni(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, int64_t n0, float* Y, int64_t ldy) {
-  if (m.bits == 8)
-    tile_vnni8<NC, MR>(m, xr, row0, n0, Y, ldy);
+  if (m.bits == 8 && m.group == 16)
+    tile_vnni8<NC, MR, true>(m, xr, row0, n0, Y, ldy);
+  else if (m.bits == 8)
+    tile_vnni8<NC, MR, false>(m, xr, row0, n0, Y, ldy);
   else if (m.codes)
     tile_vnni<NC, MR, true>(m, xr, row0, n0, Y, ldy);
   else

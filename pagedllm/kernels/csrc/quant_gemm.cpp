@@ -6,7 +6,7 @@
 //   weights dequantized a layer at a time instead (the layer chooses), or, with bf16 activations
 //   on a CPU with AMX, to AMX tiles here (amx.h).
 //   With bfloat16 activations and 4-bit or 8-bit weights in groups of 32 (Q4_0/Q4_1/int4,
-//   Q8_0), each row of x is itself quantized to 8 bits per 32 columns (as llama.cpp does) and the
+//   Q8_0; 8-bit ones in groups of 16 too: Q6_K widened), each row of x is itself quantized to 8 bits per 32 columns (as llama.cpp does) and the
 //   products are summed as integers, 64 per instruction (AVX512-VNNI, quant_avx512.h): a quarter
 //   of the instructions of the float path. float32
 //   activations take the float path, which computes with the exact weight values (its results
@@ -129,7 +129,7 @@ Tensor quant_linear(const Tensor& x, const Tensor& qweight, const Tensor& scale,
   const int64_t tiles = (m.n + 3) / 4;
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, 4 * m.row_bytes()));
 #if defined(PAGEDLLM_VNNI)
-  if (x.scalar_type() == at::kBFloat16 && (m.bits == 4 || m.bits == 8) && m.group == 32) {
+  if (x.scalar_type() == at::kBFloat16 && (m.group == 32 || (m.bits == 8 && m.group == 16 && m.k % 32 == 0))) {
     avx512::Int8Rows xr;
     avx512::quantize_rows(xp, rows, m.k, xr);
     at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
