@@ -121,6 +121,12 @@ class EngineConfig:
     prompt_lookup_min: int = _knob(2, "ngram: the shortest suffix looked up", type=int)
     prompt_lookup_max: int = _knob(4, "ngram: the longest suffix looked up", type=int)
     draft_model: str | None = _knob(None, "draft_model: a smaller model of the same tokenizer", type=str)
+    expert_slots: int | None = _knob(
+        None,
+        "a mixture of experts from a GGUF: keep at most this many routed experts resident and read the "
+        "others from the file when chosen (default: all resident if they fit the budget, else as many as do)",
+        type=int,
+    )
     tensor_parallel_size: int = _knob(
         1,
         "ranks the model is split over (tensor parallelism): plan sizes each rank; the engine runs 1 only (for now)",
@@ -148,6 +154,7 @@ class EngineConfig:
             "max_num_seqs",
             "max_model_len",
             "threads",
+            "expert_slots",
             "tensor_parallel_size",
             "num_speculative_tokens",
             "prompt_lookup_min",

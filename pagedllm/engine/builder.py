@@ -81,6 +81,9 @@ def _build(config: EngineConfig, api_process_bytes: int, backend: Backend, group
         baseline_bytes=resident_bytes()[0],
         api_process_bytes=api_process_bytes,
         draft=draft_facts(config),
+        routed=loading.routed_experts(model_dir, config.quantization, config.expert_slots is not None)
+        if tp == 1
+        else None,
     )
     if group is not None:  # every rank loads its shard at once; the cache is the driver's plan's
         group.group.broadcast(RankSetup(config, plan.pool_blocks, plan.block_size, plan.kv_dtype))
@@ -93,6 +96,7 @@ def _build(config: EngineConfig, api_process_bytes: int, backend: Backend, group
             quantization=config.quantization,
             backend=backend,
             shard=shard,
+            expert_slots=plan.expert_slots,
         )
     except Exception as e:
         if group is not None:

@@ -57,6 +57,11 @@ class EngineStats(SchedulerCounters):
     max_batch_tokens: int = 0  # the effective step budget (lowered by out-of-memory recoveries)
     memory_resizes: int = 0  # budgets changed at run time (set_memory, memory="follow")
     idle_releases: int = 0  # idle spells whose free cache pages went back to the OS
+    # a mixture whose routed experts are read from the file (layers/expert_cache.py; 0 otherwise)
+    expert_slots: int = 0
+    expert_hits: int = 0  # chosen experts found resident
+    expert_misses: int = 0  # chosen experts read from the file
+    expert_bytes_read: int = 0
 
 
 class LLMEngine:
@@ -335,4 +340,17 @@ class LLMEngine:
             max_batch_tokens=s.max_batch_tokens,
             memory_resizes=self.elastic.resizes,
             idle_releases=self.elastic.idle_releases,
+            **self._expert_stats(),
         )
+
+    def _expert_stats(self) -> dict:
+        cache = self.loaded.model.expert_cache
+        if cache is None:
+            return {}
+        stats = cache.stats
+        return {
+            "expert_slots": sum(p.slots for p in cache.pools),
+            "expert_hits": stats.hits,
+            "expert_misses": stats.misses,
+            "expert_bytes_read": stats.bytes_read,
+        }

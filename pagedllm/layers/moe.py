@@ -13,6 +13,7 @@ token sent to another expert is a different answer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -21,9 +22,11 @@ from torch import nn
 from ..config import ModelConfig
 from .linear import Linear
 from .mlp import MLP
+from .quantized import QuantizedLinear
 
 if TYPE_CHECKING:
     from ..backends.base import Backend
+    from .expert_cache import ExpertCache
 
 
 # Checkpoint names of the routers (Mixtral's, gpt-oss's, the others'), whose weights load as float32.
@@ -43,6 +46,9 @@ class SparseMoE(nn.Module):
         self.experts = nn.ModuleList(
             MLP(cfg, backend, moe.expert_size, moe.swiglu_limit, moe.swiglu_alpha) for _ in range(moe.num_experts)
         )
+        # set when the routed experts stay in the checkpoint (``attach_expert_cache``)
+        self.expert_cache: ExpertCache | None = None
+        self.layer_index = -1
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: Linear | None = None
         if moe.shared_expert_size:
@@ -68,26 +74,100 @@ class SparseMoE(nn.Module):
             weights /= weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), experts
 
+    def attach_expert_cache(self, cache: ExpertCache, layer: int) -> None:
+        """The routed experts live in ``cache``'s slots from now on (none loaded here): each
+        expert's layers, and the expert kernel's argument lists, point at its slot while it is
+        resident and at nothing otherwise."""
+        self.expert_cache, self.layer_index = cache, layer
+        layers = [
+            (cast(QuantizedLinear, mlp.gate_up_proj), cast(QuantizedLinear, mlp.down_proj))
+            for mlp in self.expert_mlps()
+        ]
+        for pair in layers:
+            for linear in pair:
+                linear.streamed = True  # its bytes are the cache's
+        lists: dict[str, list] = {}
+        formats: dict[str, tuple[int, int]] = {}
+        placeholder: dict[str, torch.Tensor | None] = {}
+        pool = cache.pool_of[layer]
+        for projection in ("gate_up", "down"):
+            for part in ("qweight", "scale", "zero"):
+                key = f"{projection}.{part}"
+                stacked = pool.tensors.get(key)
+                placeholder[key] = None if stacked is None else stacked.new_empty((0,))
+                lists[key] = [placeholder[key]] * len(layers)
+            q, scale = pool.tensors[f"{projection}.qweight"], pool.tensors[f"{projection}.scale"]
+            bits = 4 if q.dtype == torch.uint8 else 8
+            formats[projection] = (bits, q.shape[2] * (2 if bits == 4 else 1) // scale.shape[2])
+
+        def moved(expert: int, slot: int | None) -> None:
+            gate_up_proj, down_proj = layers[expert]
+            if slot is None:
+                for key in lists:
+                    lists[key][expert] = placeholder[key]
+                gate_up_proj.segments, down_proj.segments = [], []
+                return
+            for key in lists:
+                stacked = pool.tensors.get(key)
+                lists[key][expert] = None if stacked is None else stacked[slot]
+            gate_up, down = cache.weights(layer, expert)
+            gate_up_proj.segments, down_proj.segments = [gate_up], [down]
+
+        cache.watch(layer, moved)
+        self.kernel_cache["quant_experts"] = (
+            *(lists[f"gate_up.{p}"] for p in ("qweight", "scale", "zero")),
+            *formats["gate_up"],
+            *(lists[f"down.{p}"] for p in ("qweight", "scale", "zero")),
+            *formats["down"],
+            [],
+            [],
+            0.0,
+            1.0,
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
-        out = self.backend.sparse_experts(self, x, weights, experts)
-        if out is None:
-            out = self._expert_loop(x, weights, experts)
+        if self.expert_cache is not None:
+            out = self._from_cache(self.expert_cache, x, weights, experts)
+        else:
+            kernel = self.backend.sparse_experts(self, x, weights, experts)
+            out = kernel if kernel is not None else self._expert_loop(x, weights, experts)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             gate = torch.sigmoid(self.shared_expert_gate(x))
             out += gate * self.shared_expert(x)
         return out
 
-    def _expert_loop(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """The reference: each chosen expert on its gathered rows, one at a time."""
+    def _from_cache(
+        self, cache: ExpertCache, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:
+        """The layer's experts from the cache's slots: all chosen made resident, then computed as
+        loaded ones are; where the pool cannot hold them all at once, one at a time."""
+        chosen = torch.unique(experts).tolist()
+        if len(chosen) <= cache.slots_of(self.layer_index):
+            cache.make_resident(self.layer_index, chosen)
+            out = self.backend.sparse_experts(self, x, weights, experts)
+            return out if out is not None else self._expert_loop(x, weights, experts)
+        return self._expert_loop(x, weights, experts, lambda e: cache.make_resident(self.layer_index, [e]))
+
+    def _expert_loop(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        experts: torch.Tensor,
+        before: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """The reference: each chosen expert on its gathered rows, one at a time (``before(e)``
+        first, when given: the expert cache reads it)."""
         out = torch.zeros_like(x)
         chosen = experts.flatten()
         order = torch.argsort(chosen, stable=True)  # the (token, expert) pairs grouped by expert
         counts = torch.bincount(chosen, minlength=len(self.experts)).tolist()
         tokens, pair_weights = order // self.top_k, weights.flatten()[order]
         start = 0
-        for expert, count in zip(self.experts, counts):
+        for e, (expert, count) in enumerate(zip(self.experts, counts)):
             if count:
+                if before is not None:
+                    before(e)
                 rows = tokens[start : start + count]
                 # unnamed: no expert's output outlives its add (the planner counts one at a time)
                 out.index_add_(0, rows, expert(x.index_select(0, rows)).mul_(pair_weights[start : start + count, None]))

@@ -203,6 +203,7 @@ class QuantizedLinear(StackedRows):
         self.pending: dict[int, QuantizedWeight] = {}
         self.segments: list[QuantizedWeight] = []
         self.packed = False
+        self.streamed = False  # a routed expert's: its segments are an expert cache's slot while resident
 
     def load_part(self, name: str, index: int, tensor: torch.Tensor) -> None:
         if name == "bias":

@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # torch is imported by the functions that load weights, not b
 
     from ..backends.base import Backend
     from ..distributed.shards import RankShard
+    from ..memory.footprint import RoutedExperts
     from ..models import DecoderLM
 
 log = logging.getLogger(__name__)
@@ -78,12 +79,14 @@ def load_dir(
     quantization: str | None = None,
     backend: Backend | None = None,
     shard: RankShard | None = None,
+    expert_slots: int = 0,
 ) -> LoadedModel:
     """Weights (and the tokenizer, unless the caller loaded it already) of an HF-style directory;
-    ``quantization``, ``backend`` and ``shard`` as ``checkpoint.load_decoder`` takes them."""
+    ``quantization``, ``backend``, ``shard`` and ``expert_slots`` as ``checkpoint.load_decoder``
+    takes them."""
     from .checkpoint import load_decoder
 
-    decoder = load_decoder(model_dir, torch_dtype(dtype), quantization, backend, shard)
+    decoder = load_decoder(model_dir, torch_dtype(dtype), quantization, backend, shard, expert_slots)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
     config = shard.cfg if shard is not None else decoder.config  # the whole model's, not the rank's
     return LoadedModel(decoder, config, tokenizer, model_dir, name, sampling_defaults(model_dir))
@@ -96,6 +99,13 @@ def checkpoint_weights(
     from .checkpoint import checkpoint_weights as weights
 
     return weights(model_dir, dtype, quantization, shard)
+
+
+def routed_experts(model_dir: Path, quantization: str | None, required: bool = False) -> RoutedExperts | None:
+    """A mixture's routed experts as stored, for a residency plan (``checkpoint.routed_experts``)."""
+    from .checkpoint import routed_experts as routed
+
+    return routed(model_dir, quantization, required)
 
 
 def load_tokenizer(model_dir: Path):

@@ -23,17 +23,20 @@ from torch import nn
 from ..backends.base import Backend
 from ..config import ModelConfig
 from ..distributed.shards import RankShard, Slice
+from ..engine_config import ConfigError
 from ..errors import ModelLoadError
 from ..layers.codebooks import CODEBOOKS
+from ..layers.expert_cache import FIELDS, PROJECTIONS, ExpertCache, StoredTensor, kind_of
 from ..layers.linear import Linear, StackedRows
-from ..layers.moe import ROUTER_SUFFIXES
+from ..layers.moe import ROUTER_SUFFIXES, SparseMoE
 from ..layers.norm import RMSNorm
 from ..layers.quantized import INT8_COMPUTE, QuantizedEmbedding, QuantizedLinear, QuantizedWeight
+from ..memory.footprint import RoutedExperts, expert_slot_floor
 from ..memory.machine import return_freed_heap
 from ..models import DecoderLM
 from ..sizes import QUANTIZATIONS, QUANTIZED
 from .gguf_convert import CODES, QUANTIZED_FIELDS
-from .safetensors_io import iter_tensors, read_header
+from .safetensors_io import DTYPES, iter_tensors, read_header
 
 # Buffers some checkpoints carry that we recompute.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -59,22 +62,83 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def stored_experts(cfg: ModelConfig, headers) -> tuple[dict[tuple[int, int], dict[str, list[StoredTensor]]], str]:
+    """Where every routed expert's quantized matrices are in the files, by the expert cache's
+    slot fields (``layers/expert_cache.py``), and "" ; or ({}, why they cannot be read so)."""
+    if cfg.moe is None:
+        return {}, "the model has no routed experts"
+    where: dict[str, StoredTensor] = {}
+    for path, header, start in headers:
+        for name, e in header.items():
+            begin, end = e["data_offsets"]
+            where[name] = StoredTensor(path, start + begin, end - begin, DTYPES[e["dtype"]], tuple(e["shape"]))
+    family = cfg.family
+    out: dict[tuple[int, int], dict[str, list[StoredTensor]]] = {}
+    for layer in range(cfg.num_layers):
+        if not cfg.is_moe_layer(layer):
+            continue
+        for e in range(cfg.moe.num_experts):
+            fields: dict[str, list[StoredTensor]] = {}
+            for projection, roles in PROJECTIONS.items():
+                for field in FIELDS:
+                    parts = [where.get(f"{family.name_of(role, layer, e)}.weight.{field}") for role in roles]
+                    if field == "zero" and all(p is None for p in parts):
+                        continue
+                    if any(p is None for p in parts):
+                        return (
+                            {},
+                            "its experts are not stored quantized, each in a tensor of its own (a GGUF file's are)",
+                        )
+                    fields[f"{projection}.{field}"] = cast(list[StoredTensor], parts)
+                if f"{family.name_of(roles[0], layer, e)}.weight.codes" in where:
+                    return {}, "its experts are stored as 4-bit codes"
+            for stacked in fields.values():
+                if len({(p.dtype, p.shape[1:]) for p in stacked}) != 1:
+                    return {}, f"layer {layer}'s expert {e} stores gate and up in different formats"
+            out[(layer, e)] = fields
+    return out, ""
+
+
+def routed_experts(model_dir: Path, quantization: str | None, required: bool = False) -> RoutedExperts | None:
+    """What a residency plan needs of the checkpoint's routed experts (``RoutedExperts``), or None
+    where they cannot stay in the files (no mixture, quantized at load, stored in float); then a
+    ``ConfigError`` on ``expert_slots`` saying why, when ``required`` (the user set it)."""
+    cfg = ModelConfig.from_file(model_dir)
+    why = "the model has no routed experts" if cfg.moe is None else ""
+    if not why and quantization is not None:
+        why = f"quantization={quantization!r} quantizes them at load; their files hold other values"
+    experts: dict = {}
+    if not why:
+        experts, why = stored_experts(cfg, [(f, *read_header(f)) for f in safetensors_files(model_dir)])
+    if not experts:
+        if required:
+            raise ConfigError("expert_slots", f"{model_dir}: its experts cannot be read from the file: {why}")
+        return None
+    sizes = [sum(p.nbytes for parts in fields.values() for p in parts) for fields in experts.values()]
+    kinds = {kind_of(fields) for fields in experts.values()}
+    return RoutedExperts(sum(sizes), max(sizes), len(sizes), expert_slot_floor(cfg) * len(kinds))
+
+
 def load_decoder(
     model_dir: Path,
     dtype: torch.dtype,
     quantization: str | None = None,
     backend: Backend | None = None,
     shard: RankShard | None = None,
+    expert_slots: int = 0,
 ) -> DecoderLM:
     """``backend``: what the model computes with (default: ``backends.get()``, as
     PAGEDLLM_KERNELS says); weights it re-lays out are packed by it after loading. ``shard``:
-    load one rank of a split model, reading only its slice of each tensor."""
+    load one rank of a split model, reading only its slice of each tensor. ``expert_slots``:
+    above 0, the routed experts stay in the files and that many of them are resident at once
+    (``layers/expert_cache.py``; the plan's residency when the weights exceed the budget)."""
     backend = backend or _default_backend()
     _check_quantization(quantization)
     cfg = ModelConfig.from_file(model_dir)
     files = safetensors_files(model_dir)
     headers = [(f, *read_header(f)) for f in files]  # validate every file before reading any
     stored = _stored_quantized(headers)
+    experts, streamed = _streamed_experts(model_dir, cfg, headers, expert_slots, shard, quantization)
     with torch.device("meta"):
         model = DecoderLM(cfg, backend, shard)
     _choose_quantized(model, stored, quantization, dtype)
@@ -95,8 +159,13 @@ def load_decoder(
     place = _placer(cfg, slots, loaded, dtype, backend, shard)
     select = _rank_slices(path_of=model_dir, shard=shard) if shard is not None else None
     unfuse = cfg.family.unfuse or (lambda name, value, cfg: None)
+
+    def wanted(name: str) -> bool:
+        return not streamed or name.rpartition(".")[0] not in streamed
+
+    loaded.update(streamed)
     for path, header, start in headers:
-        for name, tensor in iter_tensors(path, header, start, dtype, destination, keep_dtype, select):
+        for name, tensor in iter_tensors(path, header, start, dtype, destination, keep_dtype, select, wanted):
             value: torch.Tensor | QuantizedWeight = tensor
             if keep_dtype(name):
                 base, _, field = name.rpartition(".")
@@ -117,9 +186,45 @@ def load_decoder(
         raise ModelLoadError(f"{model_dir}: checkpoint lacks {len(missing)} tensor(s): {shown}")
     if cfg.tie_word_embeddings:
         model.tie_embeddings()
+    if experts:
+        _attach_expert_cache(model, ExpertCache(experts, expert_slots, expert_slot_floor(cfg)))
     model.pack()
     return_freed_heap()  # the plain copies packing replaced
     return model.eval()
+
+
+def _streamed_experts(
+    model_dir: Path, cfg: ModelConfig, headers, expert_slots: int, shard: RankShard | None, quantization: str | None
+) -> tuple[dict[tuple[int, int], dict[str, list[StoredTensor]]], set[str]]:
+    """(where each routed expert is stored, the checkpoint names of their weights: not loaded)
+    when ``expert_slots`` says they stay in the files; ({}, set()) otherwise."""
+    if not expert_slots:
+        return {}, set()
+    if shard is not None or quantization is not None:
+        raise ModelLoadError(
+            f"{model_dir}: the weights exceed the budget; reading experts from the file works for a model "
+            "of one rank with its weights as stored (no tensor_parallel_size, no quantization)"
+        )
+    experts, why = stored_experts(cfg, headers)
+    if not experts:
+        raise ModelLoadError(
+            f"{model_dir}: the weights exceed the budget and {why}: its experts cannot be read from the file"
+        )
+    family = cfg.family
+    names = {
+        f"{family.name_of(role, layer, e)}.weight"
+        for layer, e in experts
+        for roles in PROJECTIONS.values()
+        for role in roles
+    }
+    return experts, names
+
+
+def _attach_expert_cache(model: DecoderLM, cache: ExpertCache) -> None:
+    model.expert_cache = cache
+    for layer, decoder_layer in enumerate(model.model.decoder_layers()):
+        if isinstance(decoder_layer.mlp, SparseMoE):
+            decoder_layer.mlp.attach_expert_cache(cache, layer)
 
 
 def _placer(

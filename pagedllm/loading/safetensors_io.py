@@ -81,6 +81,7 @@ def iter_tensors(
     destination: Callable[[str], torch.Tensor | None] | None = None,
     keep_dtype: Callable[[str], bool] | None = None,
     select: Callable[[str, dict], tuple[int, int, int] | None] | None = None,
+    wanted: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (name, tensor) in file order, each in a fresh buffer of ``dtype`` (default: as stored),
     or read straight into ``destination(name)`` when that gives a contiguous tensor (the rows a
@@ -94,11 +95,14 @@ def iter_tensors(
     ``select(name, entry)``: ``(dim, start, stop)`` to read only that part of a tensor along one
     dimension (one run of bytes per index of the dimensions before it: rows of a matrix are one
     run, its columns a run per row), None for all of it: a rank of a split model reads its own
-    slice and nothing else.
+    slice and nothing else. ``wanted(name)`` false: the tensor is not read at all (the experts an
+    expert cache reads later).
     """
     scratch = torch.empty(CONVERT_CHUNK_BYTES, dtype=torch.uint8)
     with open(path, "rb") as f:
         for name, e in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            if wanted is not None and not wanted(name):
+                continue
             stored = DTYPES[e["dtype"]]
             target = stored if dtype is None or (keep_dtype is not None and keep_dtype(name)) else dtype
             shape, runs = _runs(e, data_start, select(name, e) if select is not None else None, stored.itemsize)

@@ -238,6 +238,25 @@ class StepShape:
 
 
 @dataclass(frozen=True)
+class RoutedExperts:
+    """A mixture's routed experts as the checkpoint stores them, for a residency plan: their
+    bytes in all, one expert's (the largest kind's), how many there are (every layer's), and the
+    fewest slots the expert cache may have (``expert_slot_floor`` per kind of expert)."""
+
+    total_bytes: int
+    slot_bytes: int
+    count: int
+    floor: int
+
+
+def expert_slot_floor(cfg: ModelConfig) -> int:
+    """The fewest slots one kind of expert needs: every expert a step's layer may choose on the
+    expert kernel's path (up to QUANT_KERNEL_MAX_ROWS tokens, top_k each) resident at once."""
+    assert cfg.moe is not None
+    return min(cfg.moe.num_experts, QUANT_KERNEL_MAX_ROWS * cfg.moe.top_k)
+
+
+@dataclass(frozen=True)
 class EngineSettings:
     dtype: str = "float32"
     kv_dtype: str | None = None  # default: as dtype
@@ -269,6 +288,10 @@ class EngineSettings:
     # the target's and are no larger, so the target's activation peak bounds them.
     draft_weights_bytes: int = 0
     draft_kv_bytes_per_block: int = 0
+    # A mixture whose weights may exceed the budget: its routed experts can then stay in the
+    # checkpoint, a number of them resident in an expert cache (layers/expert_cache.py)
+    routed_experts: RoutedExperts | None = None
+    expert_slots: int | None = None  # the user's bound on the resident experts (EngineConfig.expert_slots)
 
     @property
     def kv(self) -> str:

@@ -19,6 +19,7 @@ from ..sizes import GRAMMAR_CACHE_BYTES, QUANTIZED, ceil_div, dtype_bytes, gib, 
 from .budget import resolve_budget
 from .footprint import (
     EngineSettings,
+    RoutedExperts,
     activation_peak,
     kv_bytes_per_block,
     loader_bytes,
@@ -43,6 +44,9 @@ ESTIMATED_BASELINE_BYTES = 320 * 1024**2
 # CPU throughput vs max_batch_tokens flattens out by 512 tokens per step on this class of
 # machine (docs/memory.md has the sweep); larger steps only cost memory.
 AUTO_MAX_BATCH_TOKENS = 512
+# The context a residency plan keeps a cache for (one request), unless max_model_len says: the
+# rest of the budget goes to the expert cache, and the solve gives the KV cache what is left.
+EXPERT_CACHE_CONTEXT = 4096
 
 
 def overhead(s: EngineSettings) -> int:
@@ -86,6 +90,13 @@ class MemoryPlan:
     # window, blocks and bytes per block; and what one pool for every layer would hold instead
     window_pools: tuple[tuple[int, int, int], ...] = ()
     shared_pool_tokens: int = 0
+    # a mixture whose weights exceed the budget (or expert_slots): how many of its routed experts
+    # stay resident (0: all of them, loaded), of how many, each's bytes, and what a token is
+    # expected to read from the file with a router that chooses uniformly (layers/expert_cache.py)
+    expert_slots: int = 0
+    routed_experts: int = 0
+    expert_slot_bytes: int = 0
+    expert_reads_per_token: int = 0
 
     @property
     def pool_blocks(self) -> list[int]:
@@ -127,6 +138,19 @@ class MemoryPlan:
         d["window_pools"] = [{"window": w, "blocks": n, "bytes_per_block": b} for w, n, b in self.window_pools]
         return d
 
+    def _expert_rows(self) -> list[tuple[str, str]]:
+        if not self.expert_slots:
+            return []
+        return [
+            (
+                "  experts",
+                f"{gib(self.expert_slots * self.expert_slot_bytes, 8)} of them: {self.expert_slots} of the "
+                f"{self.routed_experts} routed experts resident, the others read from the file when chosen "
+                f"(~{self.expert_reads_per_token / 1024**2:.0f} MiB a token with a uniform router; "
+                "less as the router repeats itself)",
+            )
+        ]
+
     def table(self) -> str:
         rows = [("model", self.model)]
         if self.tensor_parallel_size > 1:
@@ -149,6 +173,7 @@ class MemoryPlan:
                 f"{gib(self.weights_bytes, 8)}  ({self.weights_format or self.dtype}"
                 + (f"; the draft model's {gib(self.draft_weights_bytes, 8)})" if self.draft_weights_bytes else ")"),
             ),
+            *self._expert_rows(),
             (
                 "KV cache",
                 f"{gib(self.kv_cache_bytes, 8)}  ({'full-attention layers: ' if self.window_pools else ''}"
@@ -333,15 +358,15 @@ def plan(
     - S unset: AUTO_MAX_NUM_SEQS, or N when the cache has fewer blocks (each running sequence
       holds one, so no more ever run at once), which frees their logits and sampler rows.
 
-    Results are integers, rounded down, never above the budget, and maximal: one more block or
-    one more token would not fit. ``cap_blocks`` bounds a solved N (blocks beyond what can ever
-    be used at once are waste).
+    Results are integers, rounded down, never above the budget, and maximal (one more block or
+    token would not fit). ``cap_blocks`` bounds a solved N (more could never be used at once).
     """
     s = settings or EngineSettings()
     model_len = cfg.max_position_embeddings
     given_len = min(s.max_model_len, model_len) if s.max_model_len else None
     costs = _Costs(cfg, s, max_num_seqs or AUTO_MAX_NUM_SEQS, baseline_bytes, loader_bytes(cfg, s))
     fail = _Failure(costs, budget_bytes, budget_source, num_blocks, max_batch_tokens, given_len or model_len)
+    slots, costs = _residency_plan(costs, budget_bytes, given_len, model_len, max_batch_tokens, fail)
     if costs.baseline + costs.weights + overhead(s) > budget_bytes:
         fail("the process baseline and the weights alone exceed the budget")
     solve = partial(
@@ -384,7 +409,64 @@ def plan(
         draft_kv_bytes_per_block=s.draft_kv_bytes_per_block,
         window_pools=tuple((w, n_w, b) for (w, b), n_w in zip(costs.windows, costs.window_blocks(n, m))),
         shared_pool_tokens=costs.shared_pool_tokens(budget_bytes, m, max_len),
+        **_residency(cfg, s.routed_experts, slots),
     )
+
+
+def _residency_plan(
+    costs: _Costs, budget: int, given_len: int | None, model_len: int, max_batch_tokens: int | None, fail
+) -> tuple[int, _Costs]:
+    """(how many routed experts stay resident, the costs with only those among the weights, which
+    the failure's figures take too): 0 (all loaded) unless the weights exceed the budget or
+    ``expert_slots`` bounds them."""
+    s, experts = costs.s, costs.s.routed_experts
+    context = given_len or min(model_len, EXPERT_CACHE_CONTEXT)
+    if experts is None or not (s.expert_slots or costs.baseline + costs.weights + overhead(s) > budget):
+        return 0, costs
+    slots = _expert_slots(costs, experts, budget, context, max_batch_tokens or AUTO_MAX_BATCH_TOKENS, fail)
+    if slots >= experts.count:
+        return 0, costs
+    resident = costs.weights - s.draft_weights_bytes - experts.total_bytes
+    fail.costs = replace(costs, s=replace(s, weights_bytes=resident + slots * experts.slot_bytes))
+    return slots, fail.costs
+
+
+def _expert_slots(costs: _Costs, experts: RoutedExperts, budget: int, context: int, m: int, fail) -> int:
+    """How many routed experts stay resident: the user's bound, else as many as the budget holds
+    beside everything else with a cache for one request of ``context`` tokens (the solve then
+    gives the cache what is left); fewer than the floor does not plan."""
+    s = costs.s
+    if s.expert_slots is not None:
+        if s.expert_slots < experts.floor:
+            fail(
+                f"expert_slots={s.expert_slots} is below the {experts.floor} experts a step's layer may choose at once"
+            )
+        return s.expert_slots
+    resident = costs.weights - experts.total_bytes
+    kv = costs.kv(ceil_div(context, s.block_size), m)
+    need = costs.baseline + resident + activation_peak(costs.cfg, s, m, costs.seqs, context) + overhead(s) + kv
+    slots = max(0, budget - need) // experts.slot_bytes
+    if slots < experts.floor:  # the figures the error gives: with the smallest expert cache
+        fail.costs = replace(costs, s=replace(s, weights_bytes=resident + experts.floor * experts.slot_bytes))
+        fail(
+            f"the weights exceed the budget, and beside what every token reads the budget holds {slots} of the "
+            f"{experts.count} routed experts, fewer than the {experts.floor} a step's layer may choose at once"
+        )
+    return slots
+
+
+def _residency(cfg: ModelConfig, experts: RoutedExperts | None, slots: int) -> dict:
+    """MemoryPlan's expert fields."""
+    if not slots or experts is None or cfg.moe is None:
+        return {}
+    chosen_per_token = cfg.moe.top_k * sum(cfg.moe.layers)
+    missed = chosen_per_token * (experts.count - slots) / experts.count
+    return {
+        "expert_slots": slots,
+        "routed_experts": experts.count,
+        "expert_slot_bytes": experts.slot_bytes,
+        "expert_reads_per_token": int(missed * experts.slot_bytes),
+    }
 
 
 def _windowed(pools: tuple[int | None, ...]) -> list[tuple[int, int]]:
@@ -569,6 +651,7 @@ def plan_engine(
     grammar_cache_bytes: int = 0,
     api_process_bytes: int = 0,
     draft: tuple[ModelConfig, int] | None = None,
+    routed: RoutedExperts | None = None,
 ) -> MemoryPlan:
     """The plan an engine starts from: the budget, then ``plan``. Everything the user chose is in
     ``config`` (default: ``EngineConfig()``); the rest are facts of this process and checkpoint.
@@ -587,7 +670,9 @@ def plan_engine(
     ``grammar_cache_bytes``: the bound of structured output's caches (when it is on), counted in the
     overhead. ``api_process_bytes``: the peak of the server's API process when the engine runs in
     its own (``engine_process``): the budget bounds the sum of both processes, so it joins the
-    baseline. ``draft``: a draft model's config and weights' bytes.
+    baseline. ``draft``: a draft model's config and weights' bytes. ``routed``: a mixture's
+    routed experts as the checkpoint stores them (``loading.routed_experts``), which may then stay
+    in the file when the weights exceed the budget (or ``config.expert_slots`` bounds them).
     """
     c = config or EngineConfig()
     cfg, split = _one_rank(cfg, c, weights_bytes, quantized_weights)
@@ -598,6 +683,8 @@ def plan_engine(
     if c.memory is None:
         budget, source = budget + baseline, f"{source} + the process baseline"
     settings = _settings(c, backend, weights_bytes, quantized_weights, grammar_cache_bytes, split)
+    if routed is not None and c.tensor_parallel_size == 1:
+        settings = replace(settings, routed_experts=routed, expert_slots=c.expert_slots)
     if draft is not None:
         settings = _with_draft(settings, cfg, *draft)
     seqs = c.max_num_seqs or AUTO_MAX_NUM_SEQS
@@ -635,6 +722,7 @@ def plan_for(
     already_loaded: int = 0,
     api_process_bytes: int = 0,
     draft: tuple[ModelConfig, int] | None = None,
+    routed: RoutedExperts | None = None,
 ) -> MemoryPlan:
     """The one way an engine is planned (``build_engine`` before loading, ``LLMEngine`` after, and
     again at each new budget): the config, the backend's facts, the checkpoint's weights, the
@@ -653,6 +741,7 @@ def plan_for(
         grammar_cache_bytes=GRAMMAR_CACHE_BYTES if grammars else 0,
         api_process_bytes=api_process_bytes,
         draft=draft,
+        routed=routed,
     )
 
 

@@ -39,6 +39,7 @@ from ..layers.rotary import Rotary
 if TYPE_CHECKING:
     from ..backends.base import Backend, DecodeProgram
     from ..distributed.group import RankGroup
+    from ..layers.expert_cache import ExpertCache
 
 
 class Attention(nn.Module):
@@ -161,6 +162,8 @@ class DecoderLM(nn.Module):
         # decode steps' layers in one compiled call (the backend's ``decode_program``); built on the first decode
         # step, once the weights are packed. False: always the Python layer loop (the reference).
         self.use_decode_program = True
+        # the routed experts' slots when they are read from the file (``loading.checkpoint``)
+        self.expert_cache: ExpertCache | None = None
         self._decode_program: DecodeProgram | None = None
         self._decode_program_built = False
         if cfg.tie_word_embeddings:
@@ -211,11 +214,13 @@ class DecoderLM(nn.Module):
             seen.add(id(p))
             total += p.numel() * p.element_size()
         for m in self.modules():
+            if getattr(m, "streamed", False):  # an expert whose weights are the expert cache's slots
+                continue
             for w in getattr(m, "quantized_weights", lambda: [])():
                 if id(w) not in seen:
                     seen.add(id(w))
                     total += w.nbytes()
-        return total
+        return total + (self.expert_cache.nbytes() if self.expert_cache is not None else 0)
 
     def checkpoint_slots(self) -> dict[str, tuple[nn.Module, str, int | None]]:
         """HF checkpoint name -> (module, parameter, part): ``part`` is the index of the rows a

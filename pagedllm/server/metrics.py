@@ -83,6 +83,10 @@ class _EngineCollector:
                 s.window_blocks_used,
             ),
             "pagedllm_kv_window_blocks_total": ("KV blocks of the sliding-window layers' pools", s.window_blocks_total),
+            "pagedllm_expert_slots": (
+                "Routed experts resident at once (0: all of them, none read from the file)",
+                s.expert_slots,
+            ),
             "pagedllm_max_batch_tokens": ("Effective tokens per step", s.max_batch_tokens),
             "pagedllm_kv_blocks_cached_free": ("Unused KV blocks kept for their cached prefix", s.blocks_cached_free),
             "pagedllm_prefix_cache_hit_rate": (
@@ -129,6 +133,9 @@ class _EngineCollector:
                 s.memory_resizes,
             ),
             "pagedllm_idle_releases": ("Idle spells whose free KV cache pages went back to the OS", s.idle_releases),
+            "pagedllm_expert_cache_hits": ("Chosen experts found resident in the expert cache", s.expert_hits),
+            "pagedllm_expert_cache_misses": ("Chosen experts read from the model file", s.expert_misses),
+            "pagedllm_expert_cache_read_bytes": ("Bytes of experts read from the model file", s.expert_bytes_read),
         }
         for family, table in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
             for name, (doc, value) in table.items():

@@ -69,6 +69,8 @@ def _linear_args(layer: torch.nn.Module) -> tuple[int, list[torch.Tensor], list[
 
 def _experts_args(moe: SparseMoE) -> tuple:
     """``DecodeStep.add_experts``' arguments for a sparse layer the program runs, else NotProgrammable."""
+    if moe.expert_cache is not None:  # the program holds every expert's weights; these come and go
+        raise NotProgrammable("experts read from the file into an expert cache")
     arguments = quantized_expert_arguments(moe)
     if arguments is None:
         raise NotProgrammable("experts the expert kernel does not take (float, mixed formats)")

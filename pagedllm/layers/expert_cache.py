@@ -1,0 +1,261 @@
+"""A mixture of experts larger than the budget: the routed experts stay in the checkpoint's files
+and a fixed number of slots hold the ones in use (the planner's residency plan, ``plan.expert_slots``).
+
+Everything a token always reads (embeddings, attention, norms, routers, shared experts, the head)
+is loaded as usual; each routed expert's quantized matrices are read with ``os.preadv`` from the
+converted checkpoint (``<name>.qweight`` / ``.scale`` / ``.zero``, the kernels' own layout) straight
+into a slot when the router first chooses it, and stay there until the slot is needed for another.
+Nothing is memory-mapped: a mapping's touched pages would count in the process's RSS beyond any
+bound, while ``pread`` leaves them in the page cache, which the kernel can drop.
+
+Which expert leaves: a segmented LRU (SLRU). A new expert enters on probation; one chosen again
+while resident is protected (up to ``PROTECTED_SHARE`` of the slots). A slot is taken from the
+probation's least recently used first, so the experts a router keeps choosing (real routers are
+skewed) survive a burst of rarely chosen ones.
+
+Slots are shared by every layer whose experts have the same shapes and formats (one pool per
+such kind: a Q4_K_M file keeps some layers' down projections in Q6_K). A step's layer makes all
+its chosen experts resident at once when the pool holds them (the expert kernel then runs on
+them as on loaded ones, in expert order: the same arithmetic), else runs them one at a time.
+
+A file changed underneath (its size, inode or modification time differ from when the engine
+started) or cut short is a ``ModelLoadError`` naming it, never wrong output.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+from ..errors import ModelLoadError
+from .quantized import QuantizedWeight
+
+# The share of a pool's slots that experts chosen more than once may hold (the rest is probation).
+PROTECTED_SHARE = 0.8
+# A checkpoint's expert roles (``Family.name_of``), by the slot matrix they fill: gate and up
+# stacked by rows (the layer's gate_up_proj), down alone.
+PROJECTIONS = {"gate_up": ("expert_gate", "expert_up"), "down": ("expert_down",)}
+FIELDS = ("qweight", "scale", "zero")
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where one checkpoint tensor's bytes are: file, byte offset, size, dtype, shape."""
+
+    file: Path
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass
+class _Pool:
+    """Slots of one kind of expert: per matrix field, a [slots, rows, cols] tensor."""
+
+    tensors: dict[str, torch.Tensor]
+    owner: list[tuple[int, int] | None]
+    free: list[int] = field(default_factory=list)
+    probation: OrderedDict = field(default_factory=OrderedDict)  # slot -> None, least recent first
+    protected: OrderedDict = field(default_factory=OrderedDict)
+
+    @property
+    def slots(self) -> int:
+        return len(self.owner)
+
+    def victim(self, pinned: set[int]) -> int:
+        """A free slot, else probation's least recently used unpinned one, else protected's."""
+        if self.free:
+            return self.free.pop()
+        for segment in (self.probation, self.protected):
+            for s in segment:
+                if s not in pinned:
+                    return s
+        raise AssertionError("every slot is pinned: the caller asked for more experts than the pool holds")
+
+    def touch(self, s: int, again: bool) -> None:
+        """Slot s used now: protected if its expert was chosen while resident, else on probation."""
+        if s in self.protected or again:
+            self.probation.pop(s, None)
+            self.protected[s] = None
+            self.protected.move_to_end(s)
+            while len(self.protected) > max(1, int(PROTECTED_SHARE * self.slots)):
+                demoted, _ = self.protected.popitem(last=False)
+                self.probation[demoted] = None
+        else:
+            self.probation[s] = None
+            self.probation.move_to_end(s)
+
+    def forget(self, s: int) -> None:
+        self.probation.pop(s, None)
+        self.protected.pop(s, None)
+
+
+@dataclass
+class ExpertCacheStats:
+    hits: int = 0  # chosen experts found resident
+    misses: int = 0  # chosen experts read from the file
+    bytes_read: int = 0
+
+
+class ExpertCache:
+    """``stored``: (layer, expert) -> {"gate_up.qweight": [StoredTensor of gate, of up], ...} for
+    every routed expert; ``slots``: how many experts stay resident, all pools together (each
+    pool at least ``floor`` of them: what one step's layer may choose at once on the kernel path)."""
+
+    def __init__(self, stored: dict[tuple[int, int], dict[str, list[StoredTensor]]], slots: int, floor: int):
+        self.stored = stored
+        self.stats = ExpertCacheStats()
+        self.frequency: dict[int, torch.Tensor] = {}  # layer -> how often the router chose each expert
+        self.where: dict[tuple[int, int], int] = {}  # resident (layer, expert) -> its slot
+        self._fds: dict[Path, int] = {}
+        self._identity: dict[Path, tuple[int, int, int]] = {}  # (inode, size, mtime) when opened
+        self._watchers: dict[int, Callable[[int, int | None], None]] = {}
+        kinds: dict[tuple, set[int]] = {}
+        for (layer, _), fields in stored.items():
+            kinds.setdefault(kind_of(fields), set()).add(layer)
+        if slots < floor * len(kinds):
+            raise ValueError(f"{slots} expert slots: each of the {len(kinds)} kinds of expert needs {floor}")
+        # the slots above the floors shared in proportion to the layers of each kind
+        layers, spare = sum(len(v) for v in kinds.values()), slots - floor * len(kinds)
+        ordered = sorted(kinds.items(), key=lambda kv: -len(kv[1]))
+        shares = [spare * len(its_layers) // layers for _, its_layers in ordered]
+        shares[0] += spare - sum(shares)
+        self.pools: list[_Pool] = []
+        self.pool_of: dict[int, _Pool] = {}
+        for (kind, its_layers), share in zip(ordered, shares):
+            count = floor + share
+            tensors = {name: torch.empty((count, *shape), dtype=dtype) for name, dtype, shape in kind}
+            pool = _Pool(tensors, [None] * count, free=list(range(count - 1, -1, -1)))
+            self.pools.append(pool)
+            for layer in its_layers:
+                self.pool_of[layer] = pool
+        for fields in stored.values():
+            for parts in fields.values():
+                for part in parts:
+                    self._open(part.file)
+
+    # -- what the model sees -------------------------------------------------------------------
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pool in self.pools for t in pool.tensors.values())
+
+    def slots_of(self, layer: int) -> int:
+        return self.pool_of[layer].slots
+
+    def watch(self, layer: int, listener: Callable[[int, int | None], None]) -> None:
+        """``listener(expert, slot)`` after one of the layer's experts enters a slot (None: it left)."""
+        self._watchers[layer] = listener
+
+    def weights(self, layer: int, expert: int) -> tuple[QuantizedWeight, QuantizedWeight]:
+        """(gate_up, down) of a resident expert: views of its slot."""
+        pool, s = self.pool_of[layer], self.where[(layer, expert)]
+
+        def matrix(projection: str) -> QuantizedWeight:
+            q, scale = pool.tensors[f"{projection}.qweight"][s], pool.tensors[f"{projection}.scale"][s]
+            zero = pool.tensors[f"{projection}.zero"][s] if f"{projection}.zero" in pool.tensors else None
+            bits = 4 if q.dtype == torch.uint8 else 8
+            columns = q.shape[1] * (2 if bits == 4 else 1)
+            return QuantizedWeight(q, scale, zero, bits, columns // scale.shape[1])
+
+        return matrix("gate_up"), matrix("down")
+
+    def make_resident(self, layer: int, experts: list[int]) -> None:
+        """Every expert in ``experts`` resident at once (a miss read from the file), each read once."""
+        pool = self.pool_of[layer]
+        if len(experts) > pool.slots:
+            raise ValueError(f"{len(experts)} experts at once; layer {layer}'s pool holds {pool.slots}")
+        counts = self.frequency.get(layer)
+        if counts is None:
+            counts = self.frequency[layer] = torch.zeros(max(e for (_, e) in self.stored) + 1, dtype=torch.int64)
+        pinned = {self.where[(layer, e)] for e in experts if (layer, e) in self.where}
+        for e in experts:
+            counts[e] += 1
+            s = self.where.get((layer, e))
+            if s is not None:
+                self.stats.hits += 1
+                pool.touch(s, again=True)
+                continue
+            s = pool.victim(pinned)
+            if pool.owner[s] is not None:
+                self._evict(pool, s)
+            try:
+                self._read(layer, e, pool, s)
+            except BaseException:
+                pool.free.append(s)  # half written, owned by no one
+                raise
+            self.stats.misses += 1
+            pinned.add(s)
+            pool.touch(s, again=False)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def _open(self, path: Path) -> None:
+        if path in self._fds:
+            return
+        fd = os.open(path, os.O_RDONLY)
+        st = os.fstat(fd)
+        self._fds[path] = fd
+        self._identity[path] = (st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def _read(self, layer: int, expert: int, pool: _Pool, s: int) -> None:
+        for name, parts in self.stored[(layer, expert)].items():
+            rows = 0
+            for part in parts:
+                target = pool.tensors[name][s, rows : rows + part.shape[0]]
+                rows += part.shape[0]
+                fd = self._fds[part.file]
+                self._check_unchanged(part.file, fd)
+                done = os.preadv(fd, [cast(Any, target.view(torch.uint8).numpy())], part.offset)
+                if done != part.nbytes:
+                    raise ModelLoadError(
+                        f"{part.file}: truncated: layer {layer}'s expert {expert} ends past the file's end"
+                    )
+                self.stats.bytes_read += done
+        self.where[(layer, expert)] = s
+        pool.owner[s] = (layer, expert)
+        if layer in self._watchers:
+            self._watchers[layer](expert, s)
+
+    def _check_unchanged(self, path: Path, fd: int) -> None:
+        st, (_, size, mtime) = os.fstat(fd), self._identity[path]
+        if st.st_size < size:
+            raise ModelLoadError(
+                f"{path}: truncated while the engine reads experts from it ({st.st_size} bytes, {size} when it "
+                "loaded); restart the engine on a whole file"
+            )
+        if (st.st_size, st.st_mtime_ns) != (size, mtime):
+            raise ModelLoadError(
+                f"{path}: the model file changed while the engine reads experts from it (its size or "
+                "modification time differ from when it loaded); restart the engine"
+            )
+
+    def _evict(self, pool: _Pool, s: int) -> None:
+        owner = pool.owner[s]
+        assert owner is not None
+        del self.where[owner]
+        pool.owner[s] = None
+        pool.forget(s)
+        if owner[0] in self._watchers:
+            self._watchers[owner[0]](owner[1], None)
+
+
+def kind_of(fields: dict[str, list[StoredTensor]]) -> tuple:
+    """(field, dtype, shape of one slot) for every field of an expert: experts of one kind share a pool."""
+    out = []
+    for name in sorted(fields):
+        parts = fields[name]
+        rows = sum(p.shape[0] for p in parts)
+        out.append((name, parts[0].dtype, (rows, *parts[0].shape[1:])))
+    return tuple(out)
