@@ -51,7 +51,17 @@ def run_one(model: str, memory: str | None, max_tokens: int, dtype: str, cold: b
         drop_from_page_cache(model)
     params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=1, ignore_eos=True)
     cache = llm.loaded.model.expert_cache
-    before = (cache.stats.hits, cache.stats.misses, cache.stats.bytes_read) if cache else (0, 0, 0)
+    before = (
+        (
+            cache.stats.hits,
+            cache.stats.misses,
+            cache.stats.bytes_read,
+            cache.stats.prefetched,
+            cache.stats.prefetch_unused,
+        )
+        if cache
+        else (0,) * 5
+    )
     start = time.perf_counter()
     out = llm.generate([PROMPT], params)[0]
     seconds = time.perf_counter() - start
@@ -66,7 +76,11 @@ def run_one(model: str, memory: str | None, max_tokens: int, dtype: str, cold: b
     if cache is not None:
         stats = cache.stats
         result.update(
-            hits=stats.hits - before[0], misses=stats.misses - before[1], bytes_read=stats.bytes_read - before[2]
+            hits=stats.hits - before[0],
+            misses=stats.misses - before[1],
+            bytes_read=stats.bytes_read - before[2],
+            ahead=stats.prefetched - before[3],
+            ahead_unused=stats.prefetch_unused - before[4],
         )
         shares = []
         for _, counts in sorted(cache.frequency.items()):
@@ -195,8 +209,11 @@ def main() -> int:
         f"# {a.model}, {a.dtype}, one request of {a.max_tokens} tokens (seeded sampling); cold: {a.cold}; "
         f"cgroup: {a.cgroup}"
     )
-    print("| memory= | tok/s | of unbounded | tokens | peak RSS | resident experts | hits / misses | read a token |")
-    print("|---|---:|---:|---|---:|---:|---:|---:|")
+    print(
+        "| memory= | tok/s | of unbounded | tokens | peak RSS | resident experts | hits / misses | read a token "
+        "| read ahead (unused) |"
+    )
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|")
     for r in rows:
         if "error" in r:
             print(f"| {r['memory']} | {r['error']} |")
@@ -210,7 +227,8 @@ def main() -> int:
         read = f"{r['bytes_read'] / a.max_tokens / 2**20:.0f} MiB" if r.get("slots") else ""
         print(
             f"| {r['memory']} | {r['tok_s']:.1f} | {r['tok_s'] / full['tok_s']:.2f}x | {same} | "
-            f"{r['peak_rss'] / 2**30:.3f} GiB | {r.get('slots') or 'all'} | {misses} | {read} |"
+            f"{r['peak_rss'] / 2**30:.3f} GiB | {r.get('slots') or 'all'} | {misses} | {read} | "
+            + (f"{r['ahead']} ({r['ahead_unused']}) |" if r.get("slots") else " |")
         )
     for r in rows:
         if r.get("top20_share"):

@@ -58,6 +58,13 @@ KERNEL_TARGET = Var(
 )
 COMPILER = Var("CXX", str, "c++", "the C++ compiler that builds the kernels")
 DECODE_STEP = Var("PAGEDLLM_DECODE_STEP", _flag, True, "0 runs every step in the Python layer loop")
+EXPERT_PREFETCH = Var(
+    "PAGEDLLM_EXPERT_PREFETCH",
+    _flag,
+    False,
+    "1 reads the next layer's likely experts ahead into an expert cache (guessed from this layer's "
+    "input: it missed 93% of the time on the benchmark's model, docs/memory.md)",
+)
 THREADS = Var("PAGEDLLM_THREADS", int, 0, "a whole number: the most torch threads (0: one per physical core)")
 PIN_THREADS = Var("PAGEDLLM_PIN_THREADS", _flag, True, "0 never pins threads to cores")
 ADAPT_THREADS = Var("PAGEDLLM_ADAPT_THREADS", _flag, True, "0 keeps the thread count fixed beside busy processes")

@@ -40,10 +40,13 @@ def moe_dir(tmp_path_factory):
     return model_dir, expected, unbounded.loaded.model.weight_bytes()
 
 
-def test_outputs_are_the_unbounded_runs_at_every_cache_size(moe_dir):
+@pytest.mark.parametrize("ahead", ["1", "0"])
+def test_outputs_are_the_unbounded_runs_at_every_cache_size(moe_dir, monkeypatch, ahead):
     """From the smallest cache that plans (one layer's experts: what a step's layer may choose at
-    once) to one expert short of all 16: the same tokens, greedy and seeded, alone and batched;
-    experts were read from the file, and never more resident than the slots."""
+    once) to one expert short of all 16: the same tokens, greedy and seeded, alone and batched,
+    with the next layer's likely experts read ahead or not; experts were read from the file, and
+    never more resident than the slots."""
+    monkeypatch.setenv("PAGEDLLM_EXPERT_PREFETCH", ahead)
     model_dir, expected, _ = moe_dir
     routed = routed_experts(model_dir, None)
     assert (routed.count, routed.floor) == (16, 8)
@@ -55,7 +58,8 @@ def test_outputs_are_the_unbounded_runs_at_every_cache_size(moe_dir):
             assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected[name], (slots, name)
             assert [o.token_ids for o in llm.generate(PROMPTS[:1], params)] == expected[name][:1], (slots, name)
         assert cache.stats.misses > 0 and len(cache.where) <= slots
-        assert cache.stats.bytes_read == cache.stats.misses * routed.slot_bytes
+        assert cache.stats.bytes_read == (cache.stats.misses + cache.stats.prefetched) * routed.slot_bytes
+        assert (cache.stats.prefetched > 0) == (ahead == "1")
         stats = llm.engine.stats  # what /metrics reports
         assert (stats.expert_slots, stats.expert_misses, stats.expert_hits) == (
             slots,

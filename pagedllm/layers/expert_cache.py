@@ -27,13 +27,16 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 
+from .. import env
 from ..errors import ModelLoadError
+from .linear import Linear
 from .quantized import QuantizedWeight
 
 # The share of a pool's slots that experts chosen more than once may hold (the rest is probation).
@@ -99,9 +102,11 @@ class _Pool:
 
 @dataclass
 class ExpertCacheStats:
-    hits: int = 0  # chosen experts found resident
-    misses: int = 0  # chosen experts read from the file
-    bytes_read: int = 0
+    hits: int = 0  # chosen experts found resident (read ahead included)
+    misses: int = 0  # chosen experts read from the file when chosen
+    bytes_read: int = 0  # of every read, the misses' and the reads ahead
+    prefetched: int = 0  # experts read ahead, while the layer before computed
+    prefetch_unused: int = 0  # of those, the ones their layer then did not choose
 
 
 class ExpertCache:
@@ -117,6 +122,14 @@ class ExpertCache:
         self._fds: dict[Path, int] = {}
         self._identity: dict[Path, tuple[int, int, int]] = {}  # (inode, size, mtime) when opened
         self._watchers: dict[int, Callable[[int, int | None], None]] = {}
+        # reads started ahead: (layer, expert) -> (its slot, the read); one reader thread, whose
+        # preadv releases the GIL while the layer before computes
+        self._ahead: dict[tuple[int, int], tuple[int, Future]] = {}
+        self._reader = (
+            ThreadPoolExecutor(1, thread_name_prefix="pagedllm-experts") if env.EXPERT_PREFETCH.get() else None
+        )
+        self.routers: dict[int, Linear] = {}  # layer -> its router, for guesses
+        self.top_k = 0
         kinds: dict[tuple, set[int]] = {}
         for (layer, _), fields in stored.items():
             kinds.setdefault(kind_of(fields), set()).add(layer)
@@ -174,6 +187,11 @@ class ExpertCache:
         counts = self.frequency.get(layer)
         if counts is None:
             counts = self.frequency[layer] = torch.zeros(max(e for (_, e) in self.stored) + 1, dtype=torch.int64)
+        chosen = set(experts)
+        for key in [k for k in self._ahead if k[0] == layer]:  # this layer's reads ahead: done by now
+            self._finish_ahead(key, pool)
+            if key[1] not in chosen:
+                self.stats.prefetch_unused += 1
         pinned = {self.where[(layer, e)] for e in experts if (layer, e) in self.where}
         for e in experts:
             counts[e] += 1
@@ -182,19 +200,44 @@ class ExpertCache:
                 self.stats.hits += 1
                 pool.touch(s, again=True)
                 continue
-            s = pool.victim(pinned)
-            if pool.owner[s] is not None:
-                self._evict(pool, s)
+            s = self._victim(pool, pinned)
             try:
-                self._read(layer, e, pool, s)
+                self.stats.bytes_read += self._fill(layer, e, pool, s)
             except BaseException:
                 pool.free.append(s)  # half written, owned by no one
                 raise
+            self._install(layer, e, pool, s)
             self.stats.misses += 1
             pinned.add(s)
             pool.touch(s, again=False)
 
+    def read_ahead(self, layer: int, x: torch.Tensor, chosen: list[int]) -> None:
+        """Starts reading the experts the next sparse layer would choose for ``x`` (this layer's
+        input: the residual stream moves little from one layer to the next) that are not
+        resident, into slots no one uses (never those of this layer's ``chosen``, about to be
+        computed with), while this layer computes."""
+        following = min((i for i in self.routers if i > layer), default=None)
+        if self._reader is None or following is None:
+            return
+        router, pool = self.routers[following], self.pool_of[following]
+        bias = router.bias.float() if router.bias is not None else None
+        logits = torch.nn.functional.linear(x.float(), router.weight.float(), bias)
+        guesses = torch.unique(torch.topk(logits, self.top_k, dim=-1).indices).tolist()
+        busy = self._busy(pool) | {self.where[(following, e)] for e in guesses if (following, e) in self.where}
+        busy |= {self.where[(layer, e)] for e in chosen if self.pool_of[layer] is pool}
+        for e in guesses:
+            key = (following, e)
+            if key in self.where or key in self._ahead or len(busy) >= pool.slots - self.top_k:
+                continue
+            s = pool.victim(busy)
+            if pool.owner[s] is not None:
+                self._evict(pool, s)
+            busy.add(s)
+            self._ahead[key] = (s, self._reader.submit(self._fill, following, e, pool, s))
+
     def close(self) -> None:
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
@@ -209,7 +252,46 @@ class ExpertCache:
         self._fds[path] = fd
         self._identity[path] = (st.st_ino, st.st_size, st.st_mtime_ns)
 
-    def _read(self, layer: int, expert: int, pool: _Pool, s: int) -> None:
+    def _busy(self, pool: _Pool) -> set[int]:
+        """The pool's slots being read ahead."""
+        return {s for (layer, _), (s, _) in self._ahead.items() if self.pool_of[layer] is pool}
+
+    def _victim(self, pool: _Pool, pinned: set[int]) -> int:
+        """A slot for a read now: never a pinned one nor one being read ahead (those finish first
+        if nothing else is left)."""
+        busy = self._busy(pool)
+        if len(pinned | busy) >= pool.slots:
+            for key in [k for k in self._ahead if self.pool_of[k[0]] is pool]:
+                self._finish_ahead(key, pool)
+                self.stats.prefetch_unused += 1
+            busy = set()
+        s = pool.victim(pinned | busy)
+        if pool.owner[s] is not None:
+            self._evict(pool, s)
+        return s
+
+    def _finish_ahead(self, key: tuple[int, int], pool: _Pool) -> None:
+        """A read started ahead, waited for and made resident (an error is raised here)."""
+        s, read = self._ahead.pop(key)
+        try:
+            self.stats.bytes_read += read.result()
+        except BaseException:
+            pool.free.append(s)
+            raise
+        self._install(key[0], key[1], pool, s)
+        self.stats.prefetched += 1
+        pool.touch(s, again=False)
+
+    def _install(self, layer: int, expert: int, pool: _Pool, s: int) -> None:
+        self.where[(layer, expert)] = s
+        pool.owner[s] = (layer, expert)
+        if layer in self._watchers:
+            self._watchers[layer](expert, s)
+
+    def _fill(self, layer: int, expert: int, pool: _Pool, s: int) -> int:
+        """The expert's bytes from the file into slot s; returns how many (the reader thread runs
+        this too: it touches nothing but the slot's memory)."""
+        done = 0
         for name, parts in self.stored[(layer, expert)].items():
             rows = 0
             for part in parts:
@@ -217,16 +299,13 @@ class ExpertCache:
                 rows += part.shape[0]
                 fd = self._fds[part.file]
                 self._check_unchanged(part.file, fd)
-                done = os.preadv(fd, [cast(Any, target.view(torch.uint8).numpy())], part.offset)
-                if done != part.nbytes:
+                got = os.preadv(fd, [cast(Any, target.view(torch.uint8).numpy())], part.offset)
+                if got != part.nbytes:
                     raise ModelLoadError(
                         f"{part.file}: truncated: layer {layer}'s expert {expert} ends past the file's end"
                     )
-                self.stats.bytes_read += done
-        self.where[(layer, expert)] = s
-        pool.owner[s] = (layer, expert)
-        if layer in self._watchers:
-            self._watchers[layer](expert, s)
+                done += got
+        return done
 
     def _check_unchanged(self, path: Path, fd: int) -> None:
         st, (_, size, mtime) = os.fstat(fd), self._identity[path]

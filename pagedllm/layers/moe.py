@@ -114,6 +114,7 @@ class SparseMoE(nn.Module):
             gate_up_proj.segments, down_proj.segments = [gate_up], [down]
 
         cache.watch(layer, moved)
+        cache.routers[layer], cache.top_k = self.router, self.top_k
         self.kernel_cache["quant_experts"] = (
             *(lists[f"gate_up.{p}"] for p in ("qweight", "scale", "zero")),
             *formats["gate_up"],
@@ -145,6 +146,7 @@ class SparseMoE(nn.Module):
         chosen = torch.unique(experts).tolist()
         if len(chosen) <= cache.slots_of(self.layer_index):
             cache.make_resident(self.layer_index, chosen)
+            cache.read_ahead(self.layer_index, x, chosen)
             out = self.backend.sparse_experts(self, x, weights, experts)
             return out if out is not None else self._expert_loop(x, weights, experts)
         return self._expert_loop(x, weights, experts, lambda e: cache.make_resident(self.layer_index, [e]))
