@@ -16,6 +16,8 @@ from pagedllm.engine_config import ConfigError, EngineConfig
 from pagedllm.errors import ModelLoadError
 from pagedllm.layers.moe import SparseMoE
 from pagedllm.loading import resolve_model_dir, routed_experts
+from pagedllm.loading.checkpoint import safetensors_files
+from pagedllm.loading.safetensors_io import iter_tensors, read_header
 from pagedllm.memory.footprint import RoutedExperts
 from pagedllm.memory.planner import plan_engine
 
@@ -93,18 +95,7 @@ def test_the_experts_are_held_only_in_the_cache_and_read_without_a_mapping(moe_d
     cache = model.expert_cache
     held = held_experts(model)
     assert sorted(held) == sorted(cache.where) and 0 < len(held) <= 9  # only the resident, as slot views
-    from pagedllm.loading.checkpoint import safetensors_files
-    from pagedllm.loading.safetensors_io import iter_tensors, read_header
-
-    stored = {}
-    for f in safetensors_files(model_dir):
-        stored.update(iter_tensors(f, *read_header(f)))
-    for (layer, expert), _ in cache.where.items():
-        gate_up, down = cache.weights(layer, expert)
-        base = f"model.layers.{layer}.mlp.experts.{expert}"
-        want = torch.cat([stored[f"{base}.gate_proj.weight.qweight"], stored[f"{base}.up_proj.weight.qweight"]])
-        assert torch.equal(gate_up.qweight, want)
-        assert torch.equal(down.scale, stored[f"{base}.down_proj.weight.scale"])
+    assert_slots_hold_the_files_bytes(model_dir, cache)
     maps = open(f"/proc/{os.getpid()}/maps").read()
     assert not any(str(f) in maps for f in safetensors_files(model_dir))
 
@@ -166,3 +157,35 @@ def test_expert_slots_on_experts_the_file_does_not_hold_as_they_run_is_refused_w
     model_dir, _, _ = moe_dir
     with pytest.raises(ConfigError, match="expert_slots.*quantizes them at load"):
         LLM(str(model_dir), quantization="int8", expert_slots=8)
+
+
+def test_a_new_number_of_slots_keeps_the_outputs_and_the_slots_hold_the_files_bytes(moe_dir):
+    """A new budget moves the slots first (EngineMemory.resize): fewer, the experts past the new
+    end move down (or leave) and every resident expert still holds its own bytes; more, they
+    fill again. The tokens stay the unbounded run's throughout."""
+    model_dir, expected, _ = moe_dir
+    llm = LLM(str(model_dir), block_size=8, num_blocks=64, expert_slots=15)
+    cache = llm.loaded.model.expert_cache
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected["greedy"]
+    assert len(cache.where) > 8
+    cache.resize(8)
+    assert cache.slots == 8 and len(cache.where) <= 8 and all(s < 8 for s in cache.where.values())
+    assert_slots_hold_the_files_bytes(model_dir, cache)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected["greedy"]
+    cache.resize(16)
+    assert [o.token_ids for o in llm.generate(PROMPTS, SEEDED)] == expected["seeded"]
+    assert_slots_hold_the_files_bytes(model_dir, cache)
+    assert cache.nbytes() == 16 * routed_experts(model_dir, None).slot_bytes
+
+
+def assert_slots_hold_the_files_bytes(model_dir, cache) -> None:
+    stored = {}
+    for f in safetensors_files(model_dir):
+        stored.update(iter_tensors(f, *read_header(f)))
+    for layer, expert in cache.where:
+        gate_up, down = cache.weights(layer, expert)
+        base = f"model.layers.{layer}.mlp.experts.{expert}"
+        want = torch.cat([stored[f"{base}.gate_proj.weight.qweight"], stored[f"{base}.up_proj.weight.qweight"]])
+        assert torch.equal(gate_up.qweight, want), (layer, expert)
+        assert torch.equal(down.qweight, stored[f"{base}.down_proj.weight.qweight"])
+        assert torch.equal(down.scale, stored[f"{base}.down_proj.weight.scale"])

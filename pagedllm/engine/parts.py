@@ -17,7 +17,7 @@ from ..layers.sampler import Sampler
 from ..limits import RequestLimits
 from ..loading import LoadedModel
 from ..memory.budget import total_memory
-from ..memory.footprint import window_pool_blocks
+from ..memory.footprint import RoutedExperts, window_pool_blocks
 from ..memory.machine import resident_bytes
 from ..memory.planner import AUTO_MAX_BATCH_TOKENS, AUTO_MAX_NUM_SEQS, MemoryPlan, plan_for
 from ..structured import Grammars
@@ -85,7 +85,9 @@ def assemble(
         resident=config.budgeted,
         capacity_blocks=pool_capacity(plan),  # set_memory's room
     )
-    memory = EngineMemory(plan, config, kv_cache, blocks, limits, scheduler, replanner(loaded, backend))
+    memory = EngineMemory(
+        plan, config, kv_cache, blocks, limits, scheduler, replanner(loaded, backend), loaded.model.expert_cache
+    )
     fixed = None
     if ranks is not None:
         fixed = "a split model's budget cannot change at run time yet"
@@ -123,6 +125,7 @@ def _plan(
     baseline_bytes: int,
     already_loaded: int = 0,
     api_process_bytes: int = 0,
+    routed: RoutedExperts | None = None,
 ) -> MemoryPlan:
     """``plan_for`` with what the loaded model says of itself."""
     return plan_for(
@@ -137,6 +140,7 @@ def _plan(
         already_loaded=already_loaded,
         api_process_bytes=api_process_bytes,
         draft=draft_facts(config),
+        routed=routed,
     )
 
 
@@ -186,7 +190,13 @@ def replanner(loaded: LoadedModel, backend: Backend) -> Callable[[EngineConfig, 
 
     def replan(config: EngineConfig, old: MemoryPlan) -> MemoryPlan:
         baseline = old.baseline_bytes - old.api_process_bytes
-        return _plan(loaded, backend, config, old.weights_bytes, baseline, api_process_bytes=old.api_process_bytes)
+        weights, routed = old.weights_bytes, None
+        cache = loaded.model.expert_cache
+        if cache is not None and config.expert_slots is None:  # the experts' share is solved again
+            routed = cache.facts
+            held = old.expert_slots * old.expert_slot_bytes if old.expert_slots else routed.total_bytes
+            weights = old.weights_bytes - held + routed.total_bytes
+        return _plan(loaded, backend, config, weights, baseline, api_process_bytes=old.api_process_bytes, routed=routed)
 
     return replan
 

@@ -18,6 +18,7 @@ from ..memory.machine import resident_bytes, return_freed_heap
 if TYPE_CHECKING:
     from ..backends.cpu.kv_cache import KVCache
     from ..engine_config import EngineConfig
+    from ..layers.expert_cache import ExpertCache
     from ..limits import RequestLimits
     from ..memory.planner import MemoryPlan
     from .block_pools import BlockPools
@@ -37,10 +38,12 @@ class EngineMemory:
         limits: RequestLimits,
         scheduler: Scheduler,
         replan: Callable[[EngineConfig, MemoryPlan], MemoryPlan],
+        experts: ExpertCache | None = None,
     ):
         self._plan, self._config, self._limits = plan, config, limits
         self._kv_cache, self._blocks, self._scheduler = kv_cache, blocks, scheduler
         self._replan = replan
+        self._experts = experts  # a mixture's expert cache, whose slots a new budget moves first
 
     # ---- what there is (read-only to everyone else) --------------------------------------------
 
@@ -96,6 +99,8 @@ class EngineMemory:
         n, old = plan.num_blocks, self._blocks.num_blocks
         sizes = plan.pool_blocks
         scheduler = self._scheduler
+        if self._experts is not None:  # fewer experts resident before any request is preempted
+            self._experts.resize(plan.expert_slots or self._experts.capacity)
         shrinks = any(new < was for new, was in zip(sizes, self._blocks.pool_sizes))
         # what lives past a shrinking pool's end moves down first; a growing pool just grows
         self._kv_cache.copy_blocks(scheduler.shrink_cache(sizes))

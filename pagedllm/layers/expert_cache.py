@@ -24,6 +24,8 @@ started) or cut short is a ``ModelLoadError`` naming it, never wrong output.
 
 from __future__ import annotations
 
+import math
+import mmap
 import os
 from collections import OrderedDict
 from collections.abc import Callable
@@ -60,17 +62,22 @@ class StoredTensor:
 
 @dataclass
 class _Pool:
-    """Slots of one kind of expert: per matrix field, a [slots, rows, cols] tensor."""
+    """Slots of one kind of expert: per matrix field, a [capacity, rows, cols] tensor over an
+    anonymous mapping of its own, room for every expert of the kind, of which the first
+    ``slots`` are in use: a page is resident only once written, and the pages of slots past a
+    smaller ``slots`` go back to the OS (``ExpertCache.resize``)."""
 
     tensors: dict[str, torch.Tensor]
-    owner: list[tuple[int, int] | None]
+    owner: list[tuple[int, int] | None]  # per slot of the capacity
+    slots: int
+    maps: dict[str, mmap.mmap] = field(default_factory=dict)
     free: list[int] = field(default_factory=list)
     probation: OrderedDict = field(default_factory=OrderedDict)  # slot -> None, least recent first
     protected: OrderedDict = field(default_factory=OrderedDict)
 
     @property
-    def slots(self) -> int:
-        return len(self.owner)
+    def slot_bytes(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in self.tensors.values())
 
     def victim(self, pinned: set[int]) -> int:
         """A free slot, else probation's least recently used unpinned one, else protected's."""
@@ -129,26 +136,33 @@ class ExpertCache:
             ThreadPoolExecutor(1, thread_name_prefix="pagedllm-experts") if env.EXPERT_PREFETCH.get() else None
         )
         self.routers: dict[int, Linear] = {}  # layer -> its router, for guesses
+        self.facts: Any = None  # the checkpoint's RoutedExperts (the loader's), for a new plan
         self.top_k = 0
         kinds: dict[tuple, set[int]] = {}
         for (layer, _), fields in stored.items():
             kinds.setdefault(kind_of(fields), set()).add(layer)
         if slots < floor * len(kinds):
             raise ValueError(f"{slots} expert slots: each of the {len(kinds)} kinds of expert needs {floor}")
-        # the slots above the floors shared in proportion to the layers of each kind
-        layers, spare = sum(len(v) for v in kinds.values()), slots - floor * len(kinds)
-        ordered = sorted(kinds.items(), key=lambda kv: -len(kv[1]))
-        shares = [spare * len(its_layers) // layers for _, its_layers in ordered]
-        shares[0] += spare - sum(shares)
+        self.floor = floor
         self.pools: list[_Pool] = []
         self.pool_of: dict[int, _Pool] = {}
-        for (kind, its_layers), share in zip(ordered, shares):
-            count = floor + share
-            tensors = {name: torch.empty((count, *shape), dtype=dtype) for name, dtype, shape in kind}
-            pool = _Pool(tensors, [None] * count, free=list(range(count - 1, -1, -1)))
+        self._layers_of: list[int] = []  # per pool, how many layers share it
+        for kind, its_layers in sorted(kinds.items(), key=lambda kv: -len(kv[1])):
+            capacity = sum(1 for (layer, _) in stored if layer in its_layers)
+            maps = {name: _anonymous(capacity, shape, dtype) for name, dtype, shape in kind}
+            tensors = {
+                name: torch.frombuffer(maps[name], dtype=dtype, count=capacity * math.prod(shape)).view(
+                    capacity, *shape
+                )
+                for name, dtype, shape in kind
+            }
+            pool = _Pool(tensors, [None] * capacity, 0, maps)
             self.pools.append(pool)
+            self._layers_of.append(len(its_layers))
             for layer in its_layers:
                 self.pool_of[layer] = pool
+        for pool, count in zip(self.pools, self._shares(slots)):
+            pool.slots, pool.free = count, list(range(count - 1, -1, -1))
         for fields in stored.values():
             for parts in fields.values():
                 for part in parts:
@@ -157,7 +171,64 @@ class ExpertCache:
     # -- what the model sees -------------------------------------------------------------------
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for pool in self.pools for t in pool.tensors.values())
+        """The slots in use (the planned ones), whatever the pools could grow to."""
+        return sum(pool.slots * pool.slot_bytes for pool in self.pools)
+
+    @property
+    def slots(self) -> int:
+        return sum(pool.slots for pool in self.pools)
+
+    @property
+    def capacity(self) -> int:
+        """Every routed expert: the most slots the pools can grow to."""
+        return sum(len(pool.owner) for pool in self.pools)
+
+    def resize(self, slots: int) -> None:
+        """A new number of slots (a new budget): fewer, the experts in slots past each pool's new
+        end move down into the least recently used slots below it (their experts leave), then
+        the pages past the end go back to the OS; more, the new slots are free (read into as
+        chosen). Between two steps only."""
+        for key in list(self._ahead):
+            self._finish_ahead(key, self.pool_of[key[0]])
+        for pool, count in zip(self.pools, self._shares(slots)):
+            if count > pool.slots:
+                pool.free += range(count - 1, pool.slots - 1, -1)
+            elif count < pool.slots:
+                self._shrink(pool, count)
+            pool.slots = count
+
+    def _shares(self, slots: int) -> list[int]:
+        """Each pool's slots: its floor, and of the rest a share as its layers' (at most its capacity)."""
+        kinds, floor = len(self.pools), self.floor
+        if slots < floor * kinds:
+            raise ValueError(f"{slots} expert slots: each of the {kinds} kinds of expert needs {floor}")
+        layers, spare = sum(self._layers_of), slots - floor * kinds
+        shares = [floor + spare * n // layers for n in self._layers_of]
+        shares[0] += slots - sum(shares)
+        return [min(count, len(pool.owner)) for count, pool in zip(shares, self.pools)]
+
+    def _shrink(self, pool: _Pool, count: int) -> None:
+        pool.free = [s for s in pool.free if s < count]
+        outside = set(range(count, len(pool.owner)))
+        for s in range(count, pool.slots):
+            owner = pool.owner[s]
+            if owner is None:
+                continue
+            t = pool.victim(outside)  # a free slot below the end, else the least recently used there
+            if pool.owner[t] is not None:
+                self._evict(pool, t)
+            for tensor in pool.tensors.values():
+                tensor[t].copy_(tensor[s])
+            protected = s in pool.protected
+            self._evict(pool, s)
+            self._install(owner[0], owner[1], pool, t)
+            pool.touch(t, again=protected)
+        for name, tensor in pool.tensors.items():
+            stride = tensor[0].numel() * tensor.element_size()
+            start = -(-count * stride // mmap.PAGESIZE) * mmap.PAGESIZE
+            end = len(pool.owner) * stride // mmap.PAGESIZE * mmap.PAGESIZE
+            if end > start:
+                pool.maps[name].madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def slots_of(self, layer: int) -> int:
         return self.pool_of[layer].slots
@@ -328,6 +399,12 @@ class ExpertCache:
         pool.forget(s)
         if owner[0] in self._watchers:
             self._watchers[owner[0]](owner[1], None)
+
+
+def _anonymous(capacity: int, shape: tuple[int, ...], dtype: torch.dtype) -> mmap.mmap:
+    """A private anonymous mapping for ``capacity`` slots: no page is resident until written."""
+    nbytes = max(1, capacity * math.prod(shape) * dtype.itemsize)
+    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
 def kind_of(fields: dict[str, list[StoredTensor]]) -> tuple:

@@ -114,6 +114,10 @@ def routed_experts(model_dir: Path, quantization: str | None, required: bool = F
         if required:
             raise ConfigError("expert_slots", f"{model_dir}: its experts cannot be read from the file: {why}")
         return None
+    return _routed_facts(cfg, experts)
+
+
+def _routed_facts(cfg: ModelConfig, experts: dict[tuple[int, int], dict[str, list[StoredTensor]]]) -> RoutedExperts:
     sizes = [sum(p.nbytes for parts in fields.values() for p in parts) for fields in experts.values()]
     kinds = {kind_of(fields) for fields in experts.values()}
     return RoutedExperts(sum(sizes), max(sizes), len(sizes), expert_slot_floor(cfg) * len(kinds))
@@ -187,7 +191,9 @@ def load_decoder(
     if cfg.tie_word_embeddings:
         model.tie_embeddings()
     if experts:
-        _attach_expert_cache(model, ExpertCache(experts, expert_slots, expert_slot_floor(cfg)))
+        cache = ExpertCache(experts, expert_slots, expert_slot_floor(cfg))
+        cache.facts = _routed_facts(cfg, experts)
+        _attach_expert_cache(model, cache)
     model.pack()
     return_freed_heap()  # the plain copies packing replaced
     return model.eval()
