@@ -143,6 +143,24 @@ def test_the_memory_bar_shows_the_plans_own_numbers(server, browser):
     used, cached, free = (int(element(browser, f"#kv-{k}").text) for k in ("used", "cached", "free"))
     assert used + cached + free == total
     assert element(browser, "#rss").text.endswith("GiB")
+    assert browser.execute_script("return document.getElementById('experts').hidden;")  # a dense model
+
+
+def test_the_expert_cache_line_shows_the_metrics_it_is_given(server, browser):
+    """A mixture whose experts stay in the file: the panel says how many are resident of how
+    many, and the hits, misses and bytes read, as /metrics and /v1/plan give them (figures here
+    written by the test, drawn and read back in one script: the page redraws every second)."""
+    shown = browser.execute_script(
+        "showExperts({routed_experts: 768}, {pagedllm_expert_slots: 219, pagedllm_expert_cache_hits_total: 11579,"
+        " pagedllm_expert_cache_misses_total: 859, pagedllm_expert_cache_read_bytes_total: 2 ** 30});"
+        "const line = document.getElementById('experts');"
+        "return [line.hidden, line.innerText];"
+    )
+    assert shown == [
+        False,
+        "routed experts: 219 resident of 768 (in the weights), the others read from the file when chosen: "
+        "11579 hits, 859 misses, 1.000 GiB read",
+    ]
 
 
 def test_shift_enter_is_a_new_line_and_enter_sends_a_streamed_answer(server, browser):

@@ -268,6 +268,18 @@ function showPlan(plan) {
   }
 }
 
+// A mixture whose experts stay in the file: how many are resident (the plan's slots, of all of
+// them) and what the router's choices cost (hits, misses, bytes read from the file).
+function showExperts(plan, m) {
+  const slots = m.pagedllm_expert_slots || 0;
+  $("experts").hidden = slots === 0;
+  $("experts-slots").textContent = slots;
+  $("experts-total").textContent = plan.routed_experts || slots;
+  $("experts-hits").textContent = m.pagedllm_expert_cache_hits_total || 0;
+  $("experts-misses").textContent = m.pagedllm_expert_cache_misses_total || 0;
+  $("experts-read").textContent = gib(m.pagedllm_expert_cache_read_bytes_total || 0);
+}
+
 function showMetrics(m, budget) {
   const total = m.pagedllm_kv_blocks_total || 0;
   const used = m.pagedllm_kv_blocks_used || 0;
@@ -298,7 +310,9 @@ async function refresh() {
   try {
     const plan = await (await api("/v1/plan")).json();
     showPlan(plan);
-    showMetrics(parseMetrics(await (await api("/metrics")).text()), plan.budget_bytes);
+    const metrics = parseMetrics(await (await api("/metrics")).text());
+    showMetrics(metrics, plan.budget_bytes);
+    showExperts(plan, metrics);
   } catch (e) {
     // shown again on the next tick: a missing key opens the key box, a restart passes
   }
