@@ -14,6 +14,7 @@ import sys
 import httpx
 import pytest
 from server_process import ServerProcess
+from tiny_models import save_tiny_gguf
 
 from pagedllm.engine_process.client import API_PROCESS_GROWTH_BYTES
 from pagedllm.memory.planner import OVERHEAD_BYTES
@@ -64,7 +65,8 @@ ranks = llm.engine.ranks.memory() if split else []  # every rank's (before loadi
 print(json.dumps({"hwm": resident_bytes()[1], "budget": p.budget_bytes, "plan": p.total_bytes,
                   "overhead": p.overhead_bytes, "max_model_len": p.max_model_len,
                   "preemptions": llm.stats.preemptions, "ranks": ranks,
-                  "resident_after_shrink": resident_after_shrink}))
+                  "resident_after_shrink": resident_after_shrink, "expert_slots": p.expert_slots,
+                  "baseline": p.baseline_bytes, "weights": p.weights_bytes}))
 """
 
 # A wrapper whose only child is the command: its children's peak is the command's.
@@ -135,6 +137,34 @@ def test_a_tiny_hf_checkpoint_stays_within_a_tight_budget(tiny_checkpoints):
     directory = str(tiny_checkpoints["qwen3"][0])
     r = run_library(directory, "520MiB", "float32", [40, 90, 200, 300], 16)
     check_within_and_used(r, 520 * MiB)
+
+
+def test_a_mixture_larger_than_its_budget_stays_within_it_under_load(tmp_path):
+    """Weights above the budget (a 53 MiB Q8_0 Qwen3-MoE of 128 routed experts; the budget set
+    from a first run's baseline and weights, a process's own baseline varying by tens of MiB with
+    what it has built or loaded): the plan keeps some experts resident and reads the others from
+    the file; the whole process stays within the budget under load, the slots filled."""
+    path = tmp_path / "moe-Q8_0.gguf"
+    save_tiny_gguf(
+        "qwen3-moe",
+        path,
+        experts="Q8_0",
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_experts=32,
+        num_experts_per_tok=4,
+        moe_intermediate_size=512,
+        mlp_only_layers=[],
+        intermediate_size=256,
+    )
+    lengths = [40, 90, 200, 300, 120, 60, 250, 30]
+    whole = run_library(str(path), "1GiB", "float32", lengths, 4)  # every expert resident: the sizes
+    assert whole["expert_slots"] == 0
+    # what every token reads, about half of the experts' 53 MiB, and room for one request
+    budget = whole["baseline"] + whole["weights"] - 26 * MiB + whole["overhead"] + 20 * MiB
+    r = run_library(str(path), str(budget), "float32", lengths, 24)
+    assert 32 <= r["expert_slots"] < 128  # some experts resident, not all
+    check_within_and_used(r, budget)
 
 
 def test_a_budget_lowered_under_load_bounds_the_process_from_then_on(tiny_checkpoints):

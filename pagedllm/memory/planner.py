@@ -417,13 +417,18 @@ def _residency_plan(
     costs: _Costs, budget: int, given_len: int | None, model_len: int, max_batch_tokens: int | None, fail
 ) -> tuple[int, _Costs]:
     """(how many routed experts stay resident, the costs with only those among the weights, which
-    the failure's figures take too): 0 (all loaded) unless the weights exceed the budget or
-    ``expert_slots`` bounds them."""
+    the failure's figures take too): 0 (all loaded) unless ``expert_slots`` bounds them or every
+    expert resident leaves no room for one request of ``context`` tokens (min(the model's, 4096)
+    unless max_model_len says)."""
     s, experts = costs.s, costs.s.routed_experts
     context = given_len or min(model_len, EXPERT_CACHE_CONTEXT)
-    if experts is None or not (s.expert_slots or costs.baseline + costs.weights + overhead(s) > budget):
+    m = max_batch_tokens or AUTO_MAX_BATCH_TOKENS
+    if experts is None:
         return 0, costs
-    slots = _expert_slots(costs, experts, budget, context, max_batch_tokens or AUTO_MAX_BATCH_TOKENS, fail)
+    one_request = costs.kv(ceil_div(context, s.block_size), m) + activation_peak(costs.cfg, s, m, costs.seqs, context)
+    if not s.expert_slots and costs.baseline + costs.weights + overhead(s) + one_request <= budget:
+        return 0, costs
+    slots = _expert_slots(costs, experts, budget, context, m, fail)
     if slots >= experts.count:
         return 0, costs
     resident = costs.weights - s.draft_weights_bytes - experts.total_bytes
