@@ -142,7 +142,7 @@ def cmd_plan(args) -> int:
     elif path is not None and (path / "config.json").is_file():
         cfg, name = ModelConfig.from_file(path), path.name
     else:  # the default model, or a GGUF file: converted once (needs torch), then read
-        from .loading import checkpoint_weights, resolve_model_dir, routed_experts
+        from .loading import checkpoint_weights, resolve_model_dir, routed_experts, streamable_layers
 
         model_dir, name = resolve_model_dir(args.model)
         cfg = ModelConfig.from_file(model_dir)
@@ -150,6 +150,8 @@ def cmd_plan(args) -> int:
             model_dir, config.dtype, config.quantization
         )
         facts["routed"] = routed_experts(model_dir, config.quantization, config.expert_slots is not None)
+        if cfg.moe is None:
+            facts["layers"] = streamable_layers(model_dir, config.quantization, config.resident_layers is not None)
     try:
         result = plan_engine(cfg, config, model_name=name, **facts)
     except CacheDoesNotFitError as e:

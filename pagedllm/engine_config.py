@@ -127,6 +127,12 @@ class EngineConfig:
         "others from the file when chosen (default: all resident if they fit the budget, else as many as do)",
         type=int,
     )
+    resident_layers: int | None = _knob(
+        None,
+        "a dense model from a GGUF: keep only this many decoder layers resident and read the others from the "
+        "file every step (default: all resident if they fit the budget, else as many as do)",
+        type=int,
+    )
     tensor_parallel_size: int = _knob(
         1,
         "ranks the model is split over (tensor parallelism): plan sizes each rank; the engine runs 1 only (for now)",
@@ -163,6 +169,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(name, f"must be a whole number >= 1, got {value!r}")
+        layers = self.resident_layers
+        if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 0):
+            raise ConfigError("resident_layers", f"must be a whole number >= 0, got {layers!r}")
         if self.memory is not None and self.memory_fraction is not None:
             raise ConfigError("memory", "give memory or memory_fraction, not both")
         if self.memory is not None and self.memory != "follow":

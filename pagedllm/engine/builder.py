@@ -84,6 +84,9 @@ def _build(config: EngineConfig, api_process_bytes: int, backend: Backend, group
         routed=loading.routed_experts(model_dir, config.quantization, config.expert_slots is not None)
         if tp == 1
         else None,
+        layers=loading.streamable_layers(model_dir, config.quantization, config.resident_layers is not None)
+        if tp == 1 and model_config.moe is None
+        else None,
     )
     if group is not None:  # every rank loads its shard at once; the cache is the driver's plan's
         group.group.broadcast(RankSetup(config, plan.pool_blocks, plan.block_size, plan.kv_dtype))
@@ -97,6 +100,7 @@ def _build(config: EngineConfig, api_process_bytes: int, backend: Backend, group
             backend=backend,
             shard=shard,
             expert_slots=plan.expert_slots,
+            streamed_layers=(plan.resident_layers, plan.layer_slots),
         )
     except Exception as e:
         if group is not None:

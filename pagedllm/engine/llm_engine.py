@@ -62,6 +62,10 @@ class EngineStats(SchedulerCounters):
     expert_hits: int = 0  # chosen experts found resident
     expert_misses: int = 0  # chosen experts read from the file
     expert_bytes_read: int = 0
+    # a dense model whose last layers are read from the file every step (layers/layer_stream.py)
+    streamed_layers: int = 0
+    streamed_layer_reads: int = 0
+    streamed_layer_bytes_read: int = 0
 
 
 class LLMEngine:
@@ -341,7 +345,18 @@ class LLMEngine:
             memory_resizes=self.elastic.resizes,
             idle_releases=self.elastic.idle_releases,
             **self._expert_stats(),
+            **self._layer_stream_stats(),
         )
+
+    def _layer_stream_stats(self) -> dict:
+        stream = self.loaded.model.layer_stream
+        if stream is None:
+            return {}
+        return {
+            "streamed_layers": len(stream.order),
+            "streamed_layer_reads": stream.stats.reads,
+            "streamed_layer_bytes_read": stream.stats.bytes_read,
+        }
 
     def _expert_stats(self) -> dict:
         cache = self.loaded.model.expert_cache

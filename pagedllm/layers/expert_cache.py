@@ -4,9 +4,8 @@ and a fixed number of slots hold the ones in use (the planner's residency plan, 
 Everything a token always reads (embeddings, attention, norms, routers, shared experts, the head)
 is loaded as usual; each routed expert's quantized matrices are read with ``os.preadv`` from the
 converted checkpoint (``<name>.qweight`` / ``.scale`` / ``.zero``, the kernels' own layout) straight
-into a slot when the router first chooses it, and stay there until the slot is needed for another.
-Nothing is memory-mapped: a mapping's touched pages would count in the process's RSS beyond any
-bound, while ``pread`` leaves them in the page cache, which the kernel can drop.
+into a slot when the router first chooses it, and stay there until the slot is needed for another
+(``stored_reads``: no mapping, so the file's pages never count in the process's RSS).
 
 Which expert leaves: a segmented LRU (SLRU). A new expert enters on probation; one chosen again
 while resident is protected (up to ``PROTECTED_SHARE`` of the slots). A slot is taken from the
@@ -18,28 +17,24 @@ such kind: a Q4_K_M file keeps some layers' down projections in Q6_K). A step's 
 its chosen experts resident at once when the pool holds them (the expert kernel then runs on
 them as on loaded ones, in expert order: the same arithmetic), else runs them one at a time.
 
-A file changed underneath (its size, inode or modification time differ from when the engine
-started) or cut short is a ``ModelLoadError`` naming it, never wrong output.
+A file changed underneath or cut short is a ``ModelLoadError`` naming it, never wrong output.
 """
 
 from __future__ import annotations
 
-import math
 import mmap
-import os
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 
 from .. import env
-from ..errors import ModelLoadError
 from .linear import Linear
 from .quantized import QuantizedWeight
+from .stored_reads import StoredFiles, StoredTensor, anonymous_slots
 
 # The share of a pool's slots that experts chosen more than once may hold (the rest is probation).
 PROTECTED_SHARE = 0.8
@@ -47,17 +42,6 @@ PROTECTED_SHARE = 0.8
 # stacked by rows (the layer's gate_up_proj), down alone.
 PROJECTIONS = {"gate_up": ("expert_gate", "expert_up"), "down": ("expert_down",)}
 FIELDS = ("qweight", "scale", "zero")
-
-
-@dataclass(frozen=True)
-class StoredTensor:
-    """Where one checkpoint tensor's bytes are: file, byte offset, size, dtype, shape."""
-
-    file: Path
-    offset: int
-    nbytes: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
 
 
 @dataclass
@@ -126,8 +110,7 @@ class ExpertCache:
         self.stats = ExpertCacheStats()
         self.frequency: dict[int, torch.Tensor] = {}  # layer -> how often the router chose each expert
         self.where: dict[tuple[int, int], int] = {}  # resident (layer, expert) -> its slot
-        self._fds: dict[Path, int] = {}
-        self._identity: dict[Path, tuple[int, int, int]] = {}  # (inode, size, mtime) when opened
+        self._files = StoredFiles()
         self._watchers: dict[int, Callable[[int, int | None], None]] = {}
         # reads started ahead: (layer, expert) -> (its slot, the read); one reader thread, whose
         # preadv releases the GIL while the layer before computes
@@ -149,14 +132,9 @@ class ExpertCache:
         self._layers_of: list[int] = []  # per pool, how many layers share it
         for kind, its_layers in sorted(kinds.items(), key=lambda kv: -len(kv[1])):
             capacity = sum(1 for (layer, _) in stored if layer in its_layers)
-            maps = {name: _anonymous(capacity, shape, dtype) for name, dtype, shape in kind}
-            tensors = {
-                name: torch.frombuffer(maps[name], dtype=dtype, count=capacity * math.prod(shape)).view(
-                    capacity, *shape
-                )
-                for name, dtype, shape in kind
-            }
-            pool = _Pool(tensors, [None] * capacity, 0, maps)
+            mapped = {name: anonymous_slots(capacity, shape, dtype) for name, dtype, shape in kind}
+            tensors = {name: tensor for name, (_, tensor) in mapped.items()}
+            pool = _Pool(tensors, [None] * capacity, 0, {name: buffer for name, (buffer, _) in mapped.items()})
             self.pools.append(pool)
             self._layers_of.append(len(its_layers))
             for layer in its_layers:
@@ -166,7 +144,7 @@ class ExpertCache:
         for fields in stored.values():
             for parts in fields.values():
                 for part in parts:
-                    self._open(part.file)
+                    self._files.open(part.file)
 
     # -- what the model sees -------------------------------------------------------------------
 
@@ -309,19 +287,9 @@ class ExpertCache:
     def close(self) -> None:
         if self._reader is not None:
             self._reader.shutdown(wait=True)
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self._files.close()
 
     # -- reading -------------------------------------------------------------------------------
-
-    def _open(self, path: Path) -> None:
-        if path in self._fds:
-            return
-        fd = os.open(path, os.O_RDONLY)
-        st = os.fstat(fd)
-        self._fds[path] = fd
-        self._identity[path] = (st.st_ino, st.st_size, st.st_mtime_ns)
 
     def _busy(self, pool: _Pool) -> set[int]:
         """The pool's slots being read ahead."""
@@ -368,28 +336,8 @@ class ExpertCache:
             for part in parts:
                 target = pool.tensors[name][s, rows : rows + part.shape[0]]
                 rows += part.shape[0]
-                fd = self._fds[part.file]
-                self._check_unchanged(part.file, fd)
-                got = os.preadv(fd, [cast(Any, target.view(torch.uint8).numpy())], part.offset)
-                if got != part.nbytes:
-                    raise ModelLoadError(
-                        f"{part.file}: truncated: layer {layer}'s expert {expert} ends past the file's end"
-                    )
-                done += got
+                done += self._files.read_into(part, target, f"layer {layer}'s expert {expert}")
         return done
-
-    def _check_unchanged(self, path: Path, fd: int) -> None:
-        st, (_, size, mtime) = os.fstat(fd), self._identity[path]
-        if st.st_size < size:
-            raise ModelLoadError(
-                f"{path}: truncated while the engine reads experts from it ({st.st_size} bytes, {size} when it "
-                "loaded); restart the engine on a whole file"
-            )
-        if (st.st_size, st.st_mtime_ns) != (size, mtime):
-            raise ModelLoadError(
-                f"{path}: the model file changed while the engine reads experts from it (its size or "
-                "modification time differ from when it loaded); restart the engine"
-            )
 
     def _evict(self, pool: _Pool, s: int) -> None:
         owner = pool.owner[s]
@@ -399,12 +347,6 @@ class ExpertCache:
         pool.forget(s)
         if owner[0] in self._watchers:
             self._watchers[owner[0]](owner[1], None)
-
-
-def _anonymous(capacity: int, shape: tuple[int, ...], dtype: torch.dtype) -> mmap.mmap:
-    """A private anonymous mapping for ``capacity`` slots: no page is resident until written."""
-    nbytes = max(1, capacity * math.prod(shape) * dtype.itemsize)
-    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
 def kind_of(fields: dict[str, list[StoredTensor]]) -> tuple:

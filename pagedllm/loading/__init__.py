@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # torch is imported by the functions that load weights, not b
 
     from ..backends.base import Backend
     from ..distributed.shards import RankShard
-    from ..memory.footprint import RoutedExperts
+    from ..memory.footprint import RoutedExperts, StreamableLayers
     from ..models import DecoderLM
 
 log = logging.getLogger(__name__)
@@ -80,13 +80,14 @@ def load_dir(
     backend: Backend | None = None,
     shard: RankShard | None = None,
     expert_slots: int = 0,
+    streamed_layers: tuple[int, int] = (0, 0),
 ) -> LoadedModel:
     """Weights (and the tokenizer, unless the caller loaded it already) of an HF-style directory;
-    ``quantization``, ``backend``, ``shard`` and ``expert_slots`` as ``checkpoint.load_decoder``
-    takes them."""
+    ``quantization``, ``backend``, ``shard``, ``expert_slots`` and ``streamed_layers`` as
+    ``checkpoint.load_decoder`` takes them."""
     from .checkpoint import load_decoder
 
-    decoder = load_decoder(model_dir, torch_dtype(dtype), quantization, backend, shard, expert_slots)
+    decoder = load_decoder(model_dir, torch_dtype(dtype), quantization, backend, shard, expert_slots, streamed_layers)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
     config = shard.cfg if shard is not None else decoder.config  # the whole model's, not the rank's
     return LoadedModel(decoder, config, tokenizer, model_dir, name, sampling_defaults(model_dir))
@@ -106,6 +107,13 @@ def routed_experts(model_dir: Path, quantization: str | None, required: bool = F
     from .checkpoint import routed_experts as routed
 
     return routed(model_dir, quantization, required)
+
+
+def streamable_layers(model_dir: Path, quantization: str | None, required: bool = False) -> StreamableLayers | None:
+    """A dense model's layers as stored, for a residency plan (``streamed_layers.streamable_layers``)."""
+    from .streamed_layers import streamable_layers as streamable
+
+    return streamable(model_dir, quantization, required)
 
 
 def load_tokenizer(model_dir: Path):

@@ -26,17 +26,20 @@ from ..distributed.shards import RankShard, Slice
 from ..engine_config import ConfigError
 from ..errors import ModelLoadError
 from ..layers.codebooks import CODEBOOKS
-from ..layers.expert_cache import FIELDS, PROJECTIONS, ExpertCache, StoredTensor, kind_of
+from ..layers.expert_cache import FIELDS, PROJECTIONS, ExpertCache, kind_of
+from ..layers.layer_stream import LayerStream
 from ..layers.linear import Linear, StackedRows
 from ..layers.moe import ROUTER_SUFFIXES, SparseMoE
 from ..layers.norm import RMSNorm
 from ..layers.quantized import INT8_COMPUTE, QuantizedEmbedding, QuantizedLinear, QuantizedWeight
+from ..layers.stored_reads import StoredTensor
 from ..memory.footprint import RoutedExperts, expert_slot_floor
 from ..memory.machine import return_freed_heap
 from ..models import DecoderLM
 from ..sizes import QUANTIZATIONS, QUANTIZED
 from .gguf_convert import CODES, QUANTIZED_FIELDS
-from .safetensors_io import DTYPES, iter_tensors, read_header
+from .safetensors_io import iter_tensors, read_header
+from .streamed_layers import stored_layers, stored_tensors, streamed_names
 
 # Buffers some checkpoints carry that we recompute.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -67,12 +70,7 @@ def stored_experts(cfg: ModelConfig, headers) -> tuple[dict[tuple[int, int], dic
     slot fields (``layers/expert_cache.py``), and "" ; or ({}, why they cannot be read so)."""
     if cfg.moe is None:
         return {}, "the model has no routed experts"
-    where: dict[str, StoredTensor] = {}
-    for path, header, start in headers:
-        for name, e in header.items():
-            begin, end = e["data_offsets"]
-            where[name] = StoredTensor(path, start + begin, end - begin, DTYPES[e["dtype"]], tuple(e["shape"]))
-    family = cfg.family
+    where, family = stored_tensors(headers), cfg.family
     out: dict[tuple[int, int], dict[str, list[StoredTensor]]] = {}
     for layer in range(cfg.num_layers):
         if not cfg.is_moe_layer(layer):
@@ -130,12 +128,15 @@ def load_decoder(
     backend: Backend | None = None,
     shard: RankShard | None = None,
     expert_slots: int = 0,
+    streamed_layers: tuple[int, int] = (0, 0),
 ) -> DecoderLM:
     """``backend``: what the model computes with (default: ``backends.get()``, as
     PAGEDLLM_KERNELS says); weights it re-lays out are packed by it after loading. ``shard``:
     load one rank of a split model, reading only its slice of each tensor. ``expert_slots``:
     above 0, the routed experts stay in the files and that many of them are resident at once
-    (``layers/expert_cache.py``; the plan's residency when the weights exceed the budget)."""
+    (``layers/expert_cache.py``; the plan's residency when the weights exceed the budget).
+    ``streamed_layers``: (resident, slots), slots above 0: the decoder layers from ``resident`` on
+    stay in the files and are read into that many slots each step (``layers/layer_stream.py``)."""
     backend = backend or _default_backend()
     _check_quantization(quantization)
     cfg = ModelConfig.from_file(model_dir)
@@ -143,6 +144,8 @@ def load_decoder(
     headers = [(f, *read_header(f)) for f in files]  # validate every file before reading any
     stored = _stored_quantized(headers)
     experts, streamed = _streamed_experts(model_dir, cfg, headers, expert_slots, shard, quantization)
+    layers = _streamed_layers(model_dir, cfg, headers, streamed_layers, shard, quantization)
+    streamed |= streamed_names(cfg, layers)
     with torch.device("meta"):
         model = DecoderLM(cfg, backend, shard)
     _choose_quantized(model, stored, quantization, dtype)
@@ -194,6 +197,9 @@ def load_decoder(
         cache = ExpertCache(experts, expert_slots, expert_slot_floor(cfg))
         cache.facts = _routed_facts(cfg, experts)
         _attach_expert_cache(model, cache)
+    if layers:
+        model.layer_stream = LayerStream(layers, streamed_layers[1])
+        model.layer_stream.attach(model.model.decoder_layers())
     model.pack()
     return_freed_heap()  # the plain copies packing replaced
     return model.eval()
@@ -224,6 +230,24 @@ def _streamed_experts(
         for role in roles
     }
     return experts, names
+
+
+def _streamed_layers(
+    model_dir: Path, cfg: ModelConfig, headers, plan: tuple[int, int], shard: RankShard | None, quantization
+) -> dict:
+    """Where each streamed decoder layer is stored (``plan``: (resident layers, slots)), or {}."""
+    resident, slots = plan
+    if not slots:
+        return {}
+    if shard is not None or quantization is not None:
+        raise ModelLoadError(
+            f"{model_dir}: the weights exceed the budget; reading layers from the file works for a model "
+            "of one rank with its weights as stored (no tensor_parallel_size, no quantization)"
+        )
+    layers, why = stored_layers(cfg, headers)
+    if not layers:
+        raise ModelLoadError(f"{model_dir}: the weights exceed the budget and {why}: its layers cannot be streamed")
+    return {i: layers[i] for i in range(resident, cfg.num_layers)}
 
 
 def _attach_expert_cache(model: DecoderLM, cache: ExpertCache) -> None:

@@ -249,6 +249,14 @@ class RoutedExperts:
     floor: int
 
 
+@dataclass(frozen=True)
+class StreamableLayers:
+    """A dense model's decoder layers whose matrices the checkpoint stores as the kernels read
+    them, for a residency plan: each layer's bytes in a slot (``layers/layer_stream.py``), in order."""
+
+    layer_bytes: tuple[int, ...]
+
+
 def expert_slot_floor(cfg: ModelConfig) -> int:
     """The fewest slots one kind of expert needs: every expert a step's layer may choose on the
     expert kernel's path (up to QUANT_KERNEL_MAX_ROWS tokens, top_k each) resident at once."""
@@ -292,6 +300,10 @@ class EngineSettings:
     # checkpoint, a number of them resident in an expert cache (layers/expert_cache.py)
     routed_experts: RoutedExperts | None = None
     expert_slots: int | None = None  # the user's bound on the resident experts (EngineConfig.expert_slots)
+    # A dense model whose weights may exceed the budget: its last decoder layers can then stay in
+    # the checkpoint, read into slots each step (layers/layer_stream.py)
+    streamable_layers: StreamableLayers | None = None
+    resident_layers: int | None = None  # the user's bound (EngineConfig.resident_layers)
 
     @property
     def kv(self) -> str:

@@ -20,6 +20,7 @@ from .budget import resolve_budget
 from .footprint import (
     EngineSettings,
     RoutedExperts,
+    StreamableLayers,
     activation_peak,
     kv_bytes_per_block,
     loader_bytes,
@@ -97,6 +98,14 @@ class MemoryPlan:
     routed_experts: int = 0
     expert_slot_bytes: int = 0
     expert_reads_per_token: int = 0
+    # a dense model whose weights exceed the budget (or resident_layers): its decoder layers from
+    # ``resident_layers`` on are read from the file every step into ``layer_slots`` slots of
+    # ``layer_slot_bytes`` (0 slots: every layer loaded), ``layer_reads_per_step`` bytes a step
+    resident_layers: int = 0
+    model_layers: int = 0
+    layer_slots: int = 0
+    layer_slot_bytes: int = 0
+    layer_reads_per_step: int = 0
 
     @property
     def pool_blocks(self) -> list[int]:
@@ -151,6 +160,19 @@ class MemoryPlan:
             )
         ]
 
+    def _layer_rows(self) -> list[tuple[str, str]]:
+        if not self.layer_slots:
+            return []
+        streamed = self.model_layers - self.resident_layers
+        return [
+            (
+                "  layers",
+                f"{self.resident_layers} of the {self.model_layers} decoder layers resident; the other {streamed} "
+                f"read from the file every step into {self.layer_slots} slot(s) of "
+                f"{gib(self.layer_slot_bytes, 8)} (~{self.layer_reads_per_step / 1024**2:.0f} MiB a step)",
+            )
+        ]
+
     def table(self) -> str:
         rows = [("model", self.model)]
         if self.tensor_parallel_size > 1:
@@ -174,6 +196,7 @@ class MemoryPlan:
                 + (f"; the draft model's {gib(self.draft_weights_bytes, 8)})" if self.draft_weights_bytes else ")"),
             ),
             *self._expert_rows(),
+            *self._layer_rows(),
             (
                 "KV cache",
                 f"{gib(self.kv_cache_bytes, 8)}  ({'full-attention layers: ' if self.window_pools else ''}"
@@ -362,11 +385,32 @@ def plan(
     token would not fit). ``cap_blocks`` bounds a solved N (more could never be used at once).
     """
     s = settings or EngineSettings()
+    if s.streamable_layers is not None and s.resident_layers is None:
+        # layers stream only where every layer resident does not plan (or the user says so)
+        arguments = dict(
+            budget_source=budget_source,
+            model_name=model_name,
+            num_blocks=num_blocks,
+            max_batch_tokens=max_batch_tokens,
+            max_num_seqs=max_num_seqs,
+            cap_blocks=cap_blocks,
+            baseline_bytes=baseline_bytes,
+            baseline_source=baseline_source,
+        )
+        try:
+            return plan(cfg, budget_bytes, settings=replace(s, streamable_layers=None), **arguments)  # type: ignore[arg-type]
+        except CacheDoesNotFitError as refused:
+            try:
+                streamed = replace(s, resident_layers=-1)  # -1: as many as fit
+                return plan(cfg, budget_bytes, settings=streamed, **arguments)  # type: ignore[arg-type]
+            except CacheDoesNotFitError:
+                raise refused from None
     model_len = cfg.max_position_embeddings
     given_len = min(s.max_model_len, model_len) if s.max_model_len else None
     costs = _Costs(cfg, s, max_num_seqs or AUTO_MAX_NUM_SEQS, baseline_bytes, loader_bytes(cfg, s))
     fail = _Failure(costs, budget_bytes, budget_source, num_blocks, max_batch_tokens, given_len or model_len)
     slots, costs = _residency_plan(costs, budget_bytes, given_len, model_len, max_batch_tokens, fail)
+    layer_plan, costs = _layer_residency_plan(costs, budget_bytes, given_len, model_len, max_batch_tokens, fail)
     if costs.baseline + costs.weights + overhead(s) > budget_bytes:
         fail("the process baseline and the weights alone exceed the budget")
     solve = partial(
@@ -410,6 +454,7 @@ def plan(
         window_pools=tuple((w, n_w, b) for (w, b), n_w in zip(costs.windows, costs.window_blocks(n, m))),
         shared_pool_tokens=costs.shared_pool_tokens(budget_bytes, m, max_len),
         **_residency(cfg, s.routed_experts, slots),
+        **_layer_residency(s.streamable_layers, layer_plan),
     )
 
 
@@ -471,6 +516,64 @@ def _residency(cfg: ModelConfig, experts: RoutedExperts | None, slots: int) -> d
         "routed_experts": experts.count,
         "expert_slot_bytes": experts.slot_bytes,
         "expert_reads_per_token": int(missed * experts.slot_bytes),
+    }
+
+
+def _layer_residency_plan(
+    costs: _Costs, budget: int, given_len: int | None, model_len: int, max_batch_tokens: int | None, fail
+) -> tuple[tuple[int, int], _Costs]:
+    """((resident layers, slots), the costs with only those among the weights) where a dense
+    model's last layers are read from the file every step; ((0, 0), costs) where all load.
+
+    Every step reads every streamed layer, so no cache of layers helps: as many whole layers stay
+    resident as fit beside a cache for one request of ``context`` tokens (the solve then gives the
+    KV cache what is left), the first ones, and the others take turns in two slots (one read
+    ahead while the other computes), or one where two do not fit. ``plan`` asks this only where
+    every layer resident does not plan, or ``resident_layers`` says how many stay (-1: solve)."""
+    s, layers = costs.s, costs.s.streamable_layers
+    if layers is None or s.resident_layers is None:
+        return (0, 0), costs
+    sizes, count = layers.layer_bytes, len(layers.layer_bytes)
+    if 0 <= s.resident_layers < count:
+        resident, slots = s.resident_layers, min(2, count - s.resident_layers)
+    elif s.resident_layers >= count:
+        return (0, 0), costs
+    else:
+        context = given_len or min(model_len, EXPERT_CACHE_CONTEXT)
+        m = max_batch_tokens or AUTO_MAX_BATCH_TOKENS
+        one_request = costs.kv(ceil_div(context, s.block_size), m)
+        one_request += activation_peak(costs.cfg, s, m, costs.seqs, context)
+        room = budget - (costs.baseline + costs.weights - sum(sizes) + overhead(s) + one_request)
+        fits = [(r, k) for k in (2, 1) for r in range(count - k, -1, -1) if _held(sizes, r, k) <= room]
+        if not fits:
+            fail.costs = replace(costs, s=replace(s, weights_bytes=costs.weights - sum(sizes) + max(sizes)))
+            fail(
+                "the weights exceed the budget, and beside what every step reads the budget holds no slot for one "
+                f"decoder layer read from the file ({max(sizes) / 1024**2:.0f} MiB) with a cache for {context} tokens"
+            )
+        resident, slots = fits[0]
+    weights = costs.weights - sum(sizes) + _held(sizes, resident, slots)
+    fail.costs = replace(costs, s=replace(s, weights_bytes=weights))
+    return (resident, slots), fail.costs
+
+
+def _held(sizes: tuple[int, ...], resident: int, slots: int) -> int:
+    """The layers' bytes in memory with the first ``resident`` loaded and the rest in ``slots`` slots."""
+    return sum(sizes[:resident]) + slots * max(sizes[resident:])
+
+
+def _layer_residency(layers: StreamableLayers | None, layer_plan: tuple[int, int]) -> dict:
+    """MemoryPlan's layer fields."""
+    resident, slots = layer_plan
+    if not slots or layers is None:
+        return {}
+    streamed = layers.layer_bytes[resident:]
+    return {
+        "resident_layers": resident,
+        "model_layers": len(layers.layer_bytes),
+        "layer_slots": slots,
+        "layer_slot_bytes": max(streamed),
+        "layer_reads_per_step": sum(streamed),
     }
 
 
@@ -657,6 +760,7 @@ def plan_engine(
     api_process_bytes: int = 0,
     draft: tuple[ModelConfig, int] | None = None,
     routed: RoutedExperts | None = None,
+    layers: StreamableLayers | None = None,
 ) -> MemoryPlan:
     """The plan an engine starts from: the budget, then ``plan``. Everything the user chose is in
     ``config`` (default: ``EngineConfig()``); the rest are facts of this process and checkpoint.
@@ -678,6 +782,9 @@ def plan_engine(
     baseline. ``draft``: a draft model's config and weights' bytes. ``routed``: a mixture's
     routed experts as the checkpoint stores them (``loading.routed_experts``), which may then stay
     in the file when the weights exceed the budget (or ``config.expert_slots`` bounds them).
+    ``layers``: a dense model's layers as stored (``loading.streamable_layers``): the last ones
+    may then be read from the file every step, where every layer resident does not plan (or
+    ``config.resident_layers`` says how many stay).
     """
     c = config or EngineConfig()
     cfg, split = _one_rank(cfg, c, weights_bytes, quantized_weights)
@@ -690,6 +797,8 @@ def plan_engine(
     settings = _settings(c, backend, weights_bytes, quantized_weights, grammar_cache_bytes, split)
     if routed is not None and c.tensor_parallel_size == 1:
         settings = replace(settings, routed_experts=routed, expert_slots=c.expert_slots)
+    if layers is not None and c.tensor_parallel_size == 1:
+        settings = replace(settings, streamable_layers=layers, resident_layers=c.resident_layers)
     if draft is not None:
         settings = _with_draft(settings, cfg, *draft)
     seqs = c.max_num_seqs or AUTO_MAX_NUM_SEQS
@@ -728,6 +837,7 @@ def plan_for(
     api_process_bytes: int = 0,
     draft: tuple[ModelConfig, int] | None = None,
     routed: RoutedExperts | None = None,
+    layers: StreamableLayers | None = None,
 ) -> MemoryPlan:
     """The one way an engine is planned (``build_engine`` before loading, ``LLMEngine`` after, and
     again at each new budget): the config, the backend's facts, the checkpoint's weights, the
@@ -747,6 +857,7 @@ def plan_for(
         api_process_bytes=api_process_bytes,
         draft=draft,
         routed=routed,
+        layers=layers,
     )
 
 

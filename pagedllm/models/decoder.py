@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from ..backends.base import Backend, DecodeProgram
     from ..distributed.group import RankGroup
     from ..layers.expert_cache import ExpertCache
+    from ..layers.layer_stream import LayerStream
 
 
 class Attention(nn.Module):
@@ -164,6 +165,8 @@ class DecoderLM(nn.Module):
         self.use_decode_program = True
         # the routed experts' slots when they are read from the file (``loading.checkpoint``)
         self.expert_cache: ExpertCache | None = None
+        # the last decoder layers' slots when they are read from the file each step (``loading.checkpoint``)
+        self.layer_stream: LayerStream | None = None
         self._decode_program: DecodeProgram | None = None
         self._decode_program_built = False
         if cfg.tie_word_embeddings:
@@ -214,13 +217,15 @@ class DecoderLM(nn.Module):
             seen.add(id(p))
             total += p.numel() * p.element_size()
         for m in self.modules():
-            if getattr(m, "streamed", False):  # an expert whose weights are the expert cache's slots
+            if getattr(m, "streamed", False):  # weights that are an expert cache's or a layer stream's slots
                 continue
             for w in getattr(m, "quantized_weights", lambda: [])():
                 if id(w) not in seen:
                     seen.add(id(w))
                     total += w.nbytes()
-        return total + (self.expert_cache.nbytes() if self.expert_cache is not None else 0)
+        for slots in (self.expert_cache, self.layer_stream):
+            total += slots.nbytes() if slots is not None else 0
+        return total
 
     def checkpoint_slots(self) -> dict[str, tuple[nn.Module, str, int | None]]:
         """HF checkpoint name -> (module, parameter, part): ``part`` is the index of the rows a
@@ -299,11 +304,13 @@ class DecoderLM(nn.Module):
 
     def layer_loop(self, h: torch.Tensor, ropes: dict[str, tuple[torch.Tensor, torch.Tensor]], attn) -> torch.Tensor:
         """Every decoder layer, then the final norm; ``h`` is added to in place."""
-        body, tp = self.model, self.tensor_parallel
+        body, tp, stream = self.model, self.tensor_parallel, self.layer_stream
         layers = body.decoder_layers()
         x = layers[0].input_layernorm(h)
         summed = tp.all_reduce_ if tp is not None else _whole
         for i, layer in enumerate(layers):
+            if stream is not None:  # a layer read from the file: its weights in its slot first
+                stream.before(i)
             # each sub-layer's residual add is fused with the norm that follows it
             x = summed(layer.self_attn(x, ropes, attn))
             if layer.attn_out_norm is not None:
@@ -314,6 +321,8 @@ class DecoderLM(nn.Module):
             if layer.post_feedforward_layernorm is not None:
                 x = layer.post_feedforward_layernorm(x)
             x = add_rms_norm(h, x, following)
+        if stream is not None:
+            stream.after_step()
         return x
 
     def decode_program(self) -> DecodeProgram | None:

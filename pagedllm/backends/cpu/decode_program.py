@@ -53,6 +53,8 @@ def _linear_args(layer: torch.nn.Module) -> tuple[int, list[torch.Tensor], list[
     own_bias = getattr(layer, "bias", None)
     bias = own_bias.data if isinstance(own_bias, torch.Tensor) else none
     if isinstance(layer, QuantizedLinear):
+        if layer.streamed:  # the program holds every layer's weights; these are read into slots each step
+            raise NotProgrammable("a layer read from the file each step (a layer stream)")
         if not layer.packed or not layer.segments:
             raise NotProgrammable("a quantized layer not packed")
         if layer.int8_activations and not all(s.int8_per_row for s in layer.segments):
