@@ -215,7 +215,7 @@ def test_gemm_scratch_bounds_what_onednn_takes_at_each_thread_count(threads):
         # (1536, 320): oneDNN's blocked weight copy from 33 rows; (64, 49152): all of it at 384
         for k, n in [(64, 576), (576, 3072), (1536, 64), (1536, 320), (64, 49152)]:
             weight = torch.randn(n, k, generator=g).bfloat16()
-            for rows in [1, 16, 33, 256, 384]:
+            for rows in [1, 16, 33, 256, 384, 513]:
                 x = torch.randn(rows, k, generator=g).bfloat16()
                 for packed in [False, True] if kind != "avx2" else [False]:
                     taken, bound = (

@@ -69,8 +69,8 @@ def gemm_scratch(
       (k x n, blocked at 512 x 4096: only from 192 rows, or above 32 with k over 1024); per
       thread a few KiB of tiles up to 32 rows, then 128 bytes a row (measured on k in [64, 4096],
       n in [64, 49152], rows in [1, 512], 1-8 threads).
-    - ``avx512_bf16`` (no AMX): each thread accumulates a block of up to 256 rows x 64 columns
-      in fp32; plain weights add each thread's copy of an input block (k up to 512 columns, up to
+    - ``avx512_bf16`` (no AMX): each thread accumulates a block of rows x 64 columns in fp32,
+      the rows cut into equal blocks of at most 256 (384 rows: two of 192); plain weights add each thread's copy of an input block (k up to 512 columns, up to
       1024 above 1024) (measured on k in [64, 8192], n in [32, 49152], rows in [1, 512], 1-8 threads).
     - ``avx512`` (no bf16 instructions): the whole output in fp32, whatever the threads (and,
       for a few rows on plain weights, 256 bytes a thread).
@@ -84,7 +84,8 @@ def gemm_scratch(
     if isa == "avx512":  # few rows on plain weights: a reduction buffer per thread besides
         return 4 * rows * n + (128 * (2 * threads - 1) if rows < 16 and not packed else 128)
     if isa == "avx512_bf16":
-        scratch = threads * (256 * min(rows, 256) + 640) + 384
+        row_block = ceil_div(rows, ceil_div(rows, 256))
+        scratch = threads * (256 * row_block + 640) + 384
         if not packed:
             scratch += threads * 128 * (min(k, 512) if k <= 1024 or rows == 1 else 1024)
         return scratch
