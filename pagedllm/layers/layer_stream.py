@@ -100,9 +100,10 @@ class _Slot:
 
 class LayerStream:
     """``stored``: layer index -> how it is stored, for every streamed layer (the last ones);
-    ``slots``: 1 (each read in the step's path) or 2 (the next read while this layer computes)."""
+    ``slots``: 1 (each read in the step's path) or 2 (the next read while this layer computes);
+    ``layers``: the model's decoder layers, whose streamed ones compute on slot views from now on."""
 
-    def __init__(self, stored: dict[int, StoredLayer], slots: int):
+    def __init__(self, stored: dict[int, StoredLayer], slots: int, layers: Sequence[nn.Module]):
         if not stored or slots < 1:
             raise ValueError("a layer stream needs a layer to stream and a slot")
         self.stored = stored
@@ -123,6 +124,7 @@ class LayerStream:
                     for parts in segment.fields.values():
                         for part in parts:
                             self._files.open(part.file)
+        self._attach(layers)
 
     @property
     def slots(self) -> int:
@@ -131,7 +133,7 @@ class LayerStream:
     def nbytes(self) -> int:
         return self.slots * self.slot_bytes
 
-    def attach(self, layers: Sequence[nn.Module]) -> None:
+    def _attach(self, layers: Sequence[nn.Module]) -> None:
         """Each streamed layer's quantized linear layers compute on views of its slot from now on."""
         for i in self.order:
             placed, _ = self._layouts[i]

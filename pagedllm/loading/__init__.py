@@ -111,9 +111,10 @@ def routed_experts(model_dir: Path, quantization: str | None, required: bool = F
 
 def streamable_layers(model_dir: Path, quantization: str | None, required: bool = False) -> StreamableLayers | None:
     """A dense model's layers as stored, for a residency plan (``streamed_layers.streamable_layers``)."""
+    from .checkpoint import safetensors_files
     from .streamed_layers import streamable_layers as streamable
 
-    return streamable(model_dir, quantization, required)
+    return streamable(model_dir, safetensors_files(model_dir), quantization, required)
 
 
 def load_tokenizer(model_dir: Path):

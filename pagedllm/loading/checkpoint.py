@@ -134,9 +134,7 @@ def load_decoder(
     PAGEDLLM_KERNELS says); weights it re-lays out are packed by it after loading. ``shard``:
     load one rank of a split model, reading only its slice of each tensor. ``expert_slots``:
     above 0, the routed experts stay in the files and that many of them are resident at once
-    (``layers/expert_cache.py``; the plan's residency when the weights exceed the budget).
-    ``streamed_layers``: (resident, slots), slots above 0: the decoder layers from ``resident`` on
-    stay in the files and are read into that many slots each step (``layers/layer_stream.py``)."""
+    (``layers/expert_cache.py``). ``streamed_layers``: (resident, slots): layers from ``resident`` on read each step."""
     backend = backend or _default_backend()
     _check_quantization(quantization)
     cfg = ModelConfig.from_file(model_dir)
@@ -144,8 +142,9 @@ def load_decoder(
     headers = [(f, *read_header(f)) for f in files]  # validate every file before reading any
     stored = _stored_quantized(headers)
     experts, streamed = _streamed_experts(model_dir, cfg, headers, expert_slots, shard, quantization)
-    layers = _streamed_layers(model_dir, cfg, headers, streamed_layers, shard, quantization)
-    streamed |= streamed_names(cfg, layers)
+    streamed |= streamed_names(
+        cfg, layers := _streamed_layers(model_dir, cfg, headers, streamed_layers, shard, quantization)
+    )
     with torch.device("meta"):
         model = DecoderLM(cfg, backend, shard)
     _choose_quantized(model, stored, quantization, dtype)
@@ -198,8 +197,7 @@ def load_decoder(
         cache.facts = _routed_facts(cfg, experts)
         _attach_expert_cache(model, cache)
     if layers:
-        model.layer_stream = LayerStream(layers, streamed_layers[1])
-        model.layer_stream.attach(model.model.decoder_layers())
+        model.layer_stream = LayerStream(layers, streamed_layers[1], model.model.decoder_layers())
     model.pack()
     return_freed_heap()  # the plain copies packing replaced
     return model.eval()

@@ -61,7 +61,9 @@ def stored_layers(cfg: ModelConfig, headers) -> tuple[dict[int, StoredLayer], st
     return out, ""
 
 
-def streamable_layers(model_dir: Path, quantization: str | None, required: bool = False) -> StreamableLayers | None:
+def streamable_layers(
+    model_dir: Path, files: list[Path], quantization: str | None, required: bool = False
+) -> StreamableLayers | None:
     """What a residency plan needs of a dense model's layers (``StreamableLayers``), or None where
     they cannot stream (a mixture, quantized at load, stored in float); then a ``ConfigError`` on
     ``resident_layers`` saying why, when ``required`` (the user set it)."""
@@ -69,9 +71,7 @@ def streamable_layers(model_dir: Path, quantization: str | None, required: bool 
     why = f"quantization={quantization!r} quantizes them at load; their files hold other values" if quantization else ""
     layers: dict[int, StoredLayer] = {}
     if not why:
-        from .checkpoint import safetensors_files
-
-        layers, why = stored_layers(cfg, [(f, *read_header(f)) for f in safetensors_files(model_dir)])
+        layers, why = stored_layers(cfg, [(f, *read_header(f)) for f in files])
     if not layers:
         if required:
             raise ConfigError("resident_layers", f"{model_dir}: its layers cannot be read from the file: {why}")

@@ -374,37 +374,15 @@ def plan(
     plus everything the engine adds. N = num_blocks, M = max_batch_tokens, L = max_model_len:
 
     - N and M given: checked. One given: the other is the largest that fits. Neither: M =
-      AUTO_MAX_BATCH_TOKENS (smaller if even one block does not fit), N the largest that fits.
+      AUTO_MAX_BATCH_TOKENS (smaller if one block does not fit), N the largest that fits.
     - L given (``settings.max_model_len``): the cache must hold one request of L tokens, else
       the error says which L fits. L unset: the model's context, or, if the cache is smaller,
       the longest context the cache holds (a solved N is solved together with it).
     - S unset: AUTO_MAX_NUM_SEQS, or N when the cache has fewer blocks (each running sequence
-      holds one, so no more ever run at once), which frees their logits and sampler rows.
-
+      holds one, so no more ever run at once), freeing their logits and sampler rows.
     Results are integers, rounded down, never above the budget, and maximal (one more block or
-    token would not fit). ``cap_blocks`` bounds a solved N (more could never be used at once).
-    """
+    token would not fit). ``cap_blocks`` bounds a solved N (more could never be used at once)."""
     s = settings or EngineSettings()
-    if s.streamable_layers is not None and s.resident_layers is None:
-        # layers stream only where every layer resident does not plan (or the user says so)
-        arguments = dict(
-            budget_source=budget_source,
-            model_name=model_name,
-            num_blocks=num_blocks,
-            max_batch_tokens=max_batch_tokens,
-            max_num_seqs=max_num_seqs,
-            cap_blocks=cap_blocks,
-            baseline_bytes=baseline_bytes,
-            baseline_source=baseline_source,
-        )
-        try:
-            return plan(cfg, budget_bytes, settings=replace(s, streamable_layers=None), **arguments)  # type: ignore[arg-type]
-        except CacheDoesNotFitError as refused:
-            try:
-                streamed = replace(s, resident_layers=-1)  # -1: as many as fit
-                return plan(cfg, budget_bytes, settings=streamed, **arguments)  # type: ignore[arg-type]
-            except CacheDoesNotFitError:
-                raise refused from None
     model_len = cfg.max_position_embeddings
     given_len = min(s.max_model_len, model_len) if s.max_model_len else None
     costs = _Costs(cfg, s, max_num_seqs or AUTO_MAX_NUM_SEQS, baseline_bytes, loader_bytes(cfg, s))
@@ -517,6 +495,18 @@ def _residency(cfg: ModelConfig, experts: RoutedExperts | None, slots: int) -> d
         "expert_slot_bytes": experts.slot_bytes,
         "expert_reads_per_token": int(missed * experts.slot_bytes),
     }
+
+
+def _all_resident_else_streamed(cfg: ModelConfig, budget: int, *, settings: EngineSettings, **arguments) -> MemoryPlan:
+    """The plan with every layer resident; where that does not fit, with the last layers read
+    from the file every step (as many resident as fit); where neither does, the first's error."""
+    try:
+        return plan(cfg, budget, settings=replace(settings, streamable_layers=None), **arguments)
+    except CacheDoesNotFitError as refused:
+        try:
+            return plan(cfg, budget, settings=replace(settings, resident_layers=-1), **arguments)  # -1: solve
+        except CacheDoesNotFitError:
+            raise refused from None
 
 
 def _layer_residency_plan(
@@ -807,7 +797,8 @@ def plan_engine(
     measured_source = "measured" if baseline_bytes is not None else "estimated"
     if api_process_bytes:
         measured_source += f", with the API process's {api_process_bytes / 1024**2:.0f} MiB"
-    result = plan(
+    solver = _all_resident_else_streamed if settings.streamable_layers and c.resident_layers is None else plan
+    result = solver(
         cfg,
         budget,
         budget_source=source,

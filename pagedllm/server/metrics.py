@@ -87,10 +87,7 @@ class _EngineCollector:
                 "Routed experts resident at once (0: all of them, none read from the file)",
                 s.expert_slots,
             ),
-            "pagedllm_streamed_layers": (
-                "Decoder layers read from the model file every step (0: all of them resident)",
-                s.streamed_layers,
-            ),
+            "pagedllm_streamed_layers": ("Decoder layers read from the model file every step", s.streamed_layers),
             "pagedllm_max_batch_tokens": ("Effective tokens per step", s.max_batch_tokens),
             "pagedllm_kv_blocks_cached_free": ("Unused KV blocks kept for their cached prefix", s.blocks_cached_free),
             "pagedllm_prefix_cache_hit_rate": (
@@ -140,9 +137,8 @@ class _EngineCollector:
             "pagedllm_expert_cache_hits": ("Chosen experts found resident in the expert cache", s.expert_hits),
             "pagedllm_expert_cache_misses": ("Chosen experts read from the model file", s.expert_misses),
             "pagedllm_expert_cache_read_bytes": ("Bytes of experts read from the model file", s.expert_bytes_read),
-            "pagedllm_layer_stream_reads": ("Decoder layers read from the model file", s.streamed_layer_reads),
             "pagedllm_layer_stream_read_bytes": (
-                "Bytes of decoder layers read from the model file",
+                "Bytes of layers read from the model file",
                 s.streamed_layer_bytes_read,
             ),
         }
