@@ -1,6 +1,7 @@
-"""A mixture of experts under a budget smaller than its weights (issue 51): one request's tok/s,
-its tokens and the process's peak RSS, with every expert resident (no budget) and at each budget
-given, every run in a fresh process; and the same with the file's pages dropped from the page
+"""A model under a budget smaller than its weights (issue 51): one request's tok/s, its tokens and
+the process's peak RSS, with every weight resident (no budget) and at each budget given, every
+run in a fresh process; a mixture of experts keeps some experts resident (the expert cache), a
+dense model some layers (the others streamed every step); and the same with the file's pages dropped from the page
 cache first (``--cold``: posix_fadvise DONTNEED on the converted checkpoint's files).
 
     python benchmarks/expert_cache.py --model /tmp/moe-a3b/qwen3-moe-a3b-small.Q8_0.gguf \\
@@ -50,7 +51,8 @@ def run_one(model: str, memory: str | None, max_tokens: int, dtype: str, cold: b
     if cold:
         drop_from_page_cache(model)
     params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=1, ignore_eos=True)
-    cache = llm.loaded.model.expert_cache
+    cache, stream = llm.loaded.model.expert_cache, llm.loaded.model.layer_stream
+    streamed_before = stream.stats.bytes_read if stream else 0
     before = (
         (
             cache.stats.hits,
@@ -73,6 +75,8 @@ def run_one(model: str, memory: str | None, max_tokens: int, dtype: str, cold: b
         "peak_rss": peak,
         "slots": sum(p.slots for p in cache.pools) if cache else None,
     }
+    if stream is not None:
+        result.update(streamed=len(stream.order), bytes_read=stream.stats.bytes_read - streamed_before)
     if cache is not None:
         stats = cache.stats
         result.update(
@@ -210,8 +214,8 @@ def main() -> int:
         f"cgroup: {a.cgroup}"
     )
     print(
-        "| memory= | tok/s | of unbounded | tokens | peak RSS | resident experts | hits / misses | read a token "
-        "| read ahead (unused) |"
+        "| memory= | tok/s | of unbounded | tokens | peak RSS | resident experts (or layers streamed) "
+        "| hits / misses | read a token | read ahead (unused) |"
     )
     print("|---|---:|---:|---|---:|---:|---:|---:|---:|")
     for r in rows:
@@ -224,10 +228,11 @@ def main() -> int:
             else ("(its own)" if r["memory"] == "llama.cpp" else "DIFFER")
         )
         misses = f"{r['hits']} / {r['misses']}" if r.get("slots") else ""
-        read = f"{r['bytes_read'] / a.max_tokens / 2**20:.0f} MiB" if r.get("slots") else ""
+        read = f"{r['bytes_read'] / a.max_tokens / 2**20:.0f} MiB" if "bytes_read" in r else ""
+        resident = r.get("slots") or (f"{r['streamed']} streamed" if r.get("streamed") else "all")
         print(
             f"| {r['memory']} | {r['tok_s']:.1f} | {r['tok_s'] / full['tok_s']:.2f}x | {same} | "
-            f"{r['peak_rss'] / 2**30:.3f} GiB | {r.get('slots') or 'all'} | {misses} | {read} | "
+            f"{r['peak_rss'] / 2**30:.3f} GiB | {resident} | {misses} | {read} | "
             + (f"{r['ahead']} ({r['ahead_unused']}) |" if r.get("slots") else " |")
         )
     for r in rows:

@@ -70,8 +70,9 @@ def gemm_scratch(
       thread a few KiB of tiles up to 32 rows, then 128 bytes a row (measured on k in [64, 4096],
       n in [64, 49152], rows in [1, 512], 1-8 threads).
     - ``avx512_bf16`` (no AMX): each thread accumulates a block of rows x 64 columns in fp32,
-      the rows cut into equal blocks of at most 256 (384 rows: two of 192); plain weights add each thread's copy of an input block (k up to 512 columns, up to
-      1024 above 1024) (measured on k in [64, 8192], n in [32, 49152], rows in [1, 512], 1-8 threads).
+      the rows cut into equal blocks of at most 256 (384 rows: two of 192); plain weights add
+      each thread's copy of an input block (k up to 512 columns, up to 1024 above 1024)
+      (measured on k in [64, 8192], n in [32, 49152], rows in [1, 513], 1-8 threads).
     - ``avx512`` (no bf16 instructions): the whole output in fp32, whatever the threads (and,
       for a few rows on plain weights, 256 bytes a thread).
     - ``avx2``: torch's own bf16 GEMM, no scratch."""
