@@ -95,6 +95,61 @@ def test_dequantize_kernel_equals_the_torch_path_and_picks_rows(ops):
         compiled_backend().dequantize(w, torch.float32, rows=torch.tensor([40]))
 
 
+# ---- K-quants kept as the file stores them -------------------------------------------------
+
+K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+# Byte offsets of each K-quant's f16 d (and dmin) in its block (ggml-common.h)
+_K_F16 = {"Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+
+
+def k_quant_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random K-quant blocks: every bit of the quants, sub-scales and high-bit planes random, d
+    and dmin small f16 numbers of either sign (so that sums of many products stay comparable)."""
+    rng = np.random.default_rng(seed)
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    raw = rng.integers(0, 256, (rows, cols // block * size), dtype=np.uint8)
+    blocks = raw.reshape(rows, cols // block, size)
+    for offset in _K_F16[type_name]:
+        d = (rng.standard_normal(blocks.shape[:2]) / 100).astype(np.float16)
+        blocks[..., offset : offset + 2] = d[..., None].view(np.uint8)
+    return raw
+
+
+@pytest.mark.parametrize("type_name", K_QUANTS)
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 9, 17])
+def test_k_quants_kept_as_stored_multiply_as_the_gguf_package_dequantizes_them(ops, type_name, rows):
+    """A K-quant matrix in its file's bytes (no float scale, no widened value): fp32 rows give
+    x @ W^T with W as ``gguf.quants.dequantize`` reads the blocks; bf16 rows within 1% (8-bit
+    rounded activations on VNNI, bf16 tiles on AMX); the dequantize kernel is gguf's bit for bit,
+    and picks rows. 1280 columns: five blocks, so an odd count of them and both halves of each."""
+    cols = 1280
+    raw = k_quant_blocks(type_name, 37, cols, seed=rows)
+    w = Q.QuantizedWeight.of_blocks(torch.from_numpy(raw), type_name)
+    assert w.shape == (37, cols) and w.nbytes() == raw.nbytes  # the file's bytes, no more
+    values = torch.from_numpy(gguf.quants.dequantize(raw, GGMLQuantizationType[type_name]))
+    torch.testing.assert_close(compiled_backend().dequantize(w, torch.float32), values, rtol=0, atol=0)
+    picked = torch.tensor([36, 0, 5, 5])
+    torch.testing.assert_close(compiled_backend().dequantize(w, torch.bfloat16, rows=picked), values[picked].bfloat16())
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
+    exact = (x.double() @ values.double().T).float()
+    atol = 1e-4 * max([1.0, *exact.abs().flatten().tolist()])
+    kernel = ops.quant_linear(x, w.qweight, w.scale, w.zero, w.layout, w.group)
+    torch.testing.assert_close(kernel, exact, rtol=1e-4, atol=atol)
+    for backend in (compiled_backend(), torch_backend()):
+        torch.testing.assert_close(backend.quantized_matmul(x, w), exact, rtol=1e-4, atol=atol)
+    got = ops.quant_linear(x.bfloat16(), w.qweight, w.scale, w.zero, w.layout, w.group).float()
+    assert (got - exact).norm() <= 0.01 * exact.norm()
+
+
+def test_k_quant_blocks_of_another_size_are_refused(ops):
+    raw = torch.zeros(2, 143, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="multiple of its block"):
+        Q.QuantizedWeight.of_blocks(raw, "Q4_K")
+    w = Q.QuantizedWeight.of_blocks(torch.zeros(2, 144, dtype=torch.uint8), "Q4_K")
+    with pytest.raises(RuntimeError, match=r"blocks x 144"):
+        ops.quant_linear(torch.zeros(1, 256), raw, w.scale, None, w.layout, w.group)
+
+
 # ---- GGUF files ---------------------------------------------------------------------------
 
 H, FF, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 512, 2, 4, 2, 96

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from . import superblocks
 from .codebooks import CODEBOOK_NUMBERS, CODEBOOKS
 from .linear import StackedRows
 
@@ -50,21 +51,29 @@ class QuantizedWeight:
     bits: int
     group: int
     codebook: str | None = None  # 4-bit q are codes into CODEBOOKS[codebook]; None: q is the value
+    # a K-quant kept as the file stores it (layers/superblocks.py): qweight its blocks' bytes,
+    # scale empty [rows, 0], zero None, group 256
+    block_type: str | None = None
 
     @property
     def layout(self) -> int:
-        """What the kernels take as ``bits``: the bits, plus 256 x the codebook's number."""
+        """What the kernels take as ``bits``: the bits, plus 256 x the codebook's number; for a
+        K-quant as stored, ``RAW_LAYOUT`` + its ggml type number."""
+        if self.block_type is not None:
+            return superblocks.RAW_LAYOUT + superblocks.BLOCK_TYPES[self.block_type][0]
         return self.bits + (256 * CODEBOOK_NUMBERS[self.codebook] if self.codebook else 0)
 
     @property
     def shape(self) -> tuple[int, int]:
         rows, width = self.qweight.shape
+        if self.block_type is not None:
+            return rows, superblocks.columns(self.block_type, width)
         return rows, width * 2 if self.bits == 4 else width
 
     @property
     def int8_per_row(self) -> bool:
         """int8 with one scale per output row and no offsets: what w8a8's integer GEMM takes."""
-        return self.bits == 8 and self.zero is None and self.group == self.shape[1]
+        return self.block_type is None and self.bits == 8 and self.zero is None and self.group == self.shape[1]
 
     @property
     def format(self) -> tuple[int, int, bool]:
@@ -84,7 +93,13 @@ class QuantizedWeight:
     def rows(self, start: int, stop: int) -> QuantizedWeight:
         zero = None if self.zero is None else self.zero[start:stop]
         return QuantizedWeight(
-            self.qweight[start:stop], self.scale[start:stop], zero, self.bits, self.group, self.codebook
+            self.qweight[start:stop],
+            self.scale[start:stop],
+            zero,
+            self.bits,
+            self.group,
+            self.codebook,
+            self.block_type,
         )
 
     @staticmethod
@@ -100,7 +115,19 @@ class QuantizedWeight:
             first.bits,
             first.group,
             first.codebook,
+            first.block_type,
         )
+
+    @staticmethod
+    def of_blocks(blocks: torch.Tensor, block_type: str) -> QuantizedWeight:
+        """A K-quant matrix kept as stored: ``blocks`` uint8 [rows, blocks x block bytes]."""
+        if block_type not in superblocks.BLOCK_TYPES:
+            raise ValueError(f"{block_type} is not a K-quant kept as stored ({', '.join(superblocks.BLOCK_TYPES)})")
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % superblocks.block_bytes(block_type):
+            raise ValueError(f"{block_type} blocks must be uint8 [rows, a multiple of its block's bytes]")
+        empty = torch.empty(blocks.shape[0], 0)
+        bits = 8 if block_type in ("Q5_K", "Q6_K") else 4  # what its values need, for what reads bits
+        return QuantizedWeight(blocks, empty, None, bits, superblocks.SUPERBLOCK, None, block_type)
 
 
 def empty_quantized(rows: int, columns: int, scheme: str) -> QuantizedWeight:
@@ -167,7 +194,13 @@ def dequantize_reference(w: QuantizedWeight, dtype: torch.dtype, rows: torch.Ten
     """The float values of ``w`` (or of its ``rows``), in ``dtype``, in plain PyTorch."""
     if rows is not None:
         zero = None if w.zero is None else w.zero[rows]
-        w = QuantizedWeight(w.qweight[rows], w.scale[rows], zero, w.bits, w.group, w.codebook)
+        w = QuantizedWeight(w.qweight[rows], w.scale[rows], zero, w.bits, w.group, w.codebook, w.block_type)
+    if w.block_type is not None:  # the gguf package's own dequantize (numpy) reads the blocks
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        stored = dequantize(w.qweight.numpy(), GGMLQuantizationType[w.block_type])
+        return torch.from_numpy(stored).to(dtype)
     n, k = w.shape
     if w.bits == 4:
         packed = w.qweight.view(n, k // 32, 1, 16)

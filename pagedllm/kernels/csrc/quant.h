@@ -11,9 +11,14 @@
 // table of 16 int8 values (MXFP4's e2m1 values doubled; IQ4_NL's and IQ4_XS's non-linear grid),
 // read as value = table[q] * scale + zero. The kernels take the codebook in their `bits`
 // argument: bits + 256 x the codebook's number (layers/codebooks.py's CODEBOOKS, in this order, from 1).
+//
+// K-quant super-blocks as the file stores them (quant_blocks.h): layout kRawLayout + ggml's type
+// number, q the blocks' bytes, no scale or zero (they are in the blocks).
 #pragma once
 
 #include <cstdint>
+
+#include "quant_blocks.h"
 
 namespace pagedllm {
 
@@ -34,11 +39,16 @@ struct QuantMatrix {
   int64_t G;      // groups per row
   int shift;      // log2(group) when a power of two: the inner loops must not divide (~40 cycles)
   const int8_t* codes = nullptr;  // 4-bit q's values (kCodebooks), or nullptr: q itself
-  int64_t row_bytes() const { return bits == 4 ? k / 2 : k; }
-  int64_t byte_of(int64_t k0) const { return bits == 4 ? k0 / 2 : k0; }  // column k0's byte in its row
+  int64_t raw = 0;                // a K-quant's ggml type number (quant_blocks.h), or 0
+  int64_t row_bytes() const { return raw ? k / kSuperBlock * raw_block_bytes(raw) : bits == 4 ? k / 2 : k; }
+  // column k0's byte in its row (a raw block's first byte)
+  int64_t byte_of(int64_t k0) const {
+    return raw ? k0 / kSuperBlock * raw_block_bytes(raw) : bits == 4 ? k0 / 2 : k0;
+  }
   int64_t groups() const { return G; }
   int64_t group_of(int64_t k0) const { return shift >= 0 ? k0 >> shift : k0 / group; }
-  // Columns handled per step: a 4-bit step unpacks 16 bytes into 32 values, an 8-bit one 16.
+  // Columns handled per step: a 4-bit step unpacks 16 bytes into 32 values, an 8-bit one 16; a
+  // raw block's step is 32 columns (bits is 4 for them, so every path takes a step as 4-bit's).
   int64_t step() const { return bits == 4 ? 32 : 16; }
 };
 
@@ -52,6 +62,13 @@ inline void prefetch_ahead(const uint8_t* p) { __builtin_prefetch(p + PREFETCH_B
 
 // The values of columns [k0, k0 + step) of row n, in order, into `out` (scalar; any CPU).
 inline void dequant_step_scalar(const QuantMatrix& m, int64_t n, int64_t k0, float* out) {
+  if (m.raw) {
+    uint8_t u[32];
+    float s[2], z[2];
+    raw_step_scalar(m.raw, m.q + n * m.row_bytes(), k0, u, s, z);
+    for (int j = 0; j < 32; ++j) out[j] = float(u[j]) * s[j >> 4] + z[j >> 4];
+    return;
+  }
   const int64_t g = n * m.G + m.group_of(k0);
   const float s = m.scale[g], z = m.zero ? m.zero[g] : 0.f;
   const uint8_t* row = m.q + n * m.row_bytes();

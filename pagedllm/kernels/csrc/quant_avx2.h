@@ -18,6 +18,17 @@ namespace pagedllm::avx2 {
 // dequant_step_scalar in registers: w[v] = columns k0 + 8v .. k0 + 8v + 7 (v < 4 for 4 bits,
 // v < 2 for 8 bits).
 inline void dequant_step(const QuantMatrix& m, int64_t n, int64_t k0, __m256 w[4]) {
+  if (m.raw) {  // a K-quant block's 32 columns, decoded by the scalar code (quant_blocks.h)
+    alignas(16) uint8_t u[32];
+    float s[2], z[2];
+    raw_step_scalar(m.raw, m.q + n * m.row_bytes(), k0, u, s, z);
+    for (int v = 0; v < 4; ++v) {
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(u + 8 * v));
+      w[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), _mm256_set1_ps(s[v / 2]),
+                             _mm256_set1_ps(z[v / 2]));
+    }
+    return;
+  }
   const int64_t g = n * m.G + m.group_of(k0);
   const __m256 s = _mm256_set1_ps(m.scale[g]), z = _mm256_set1_ps(m.zero ? m.zero[g] : 0.f);
   const uint8_t* row = m.q + n * m.row_bytes();
@@ -124,9 +135,32 @@ void tile_of(const QuantMatrix& m, const float* X, int64_t ldx, int64_t n0, floa
       Y[r * ldy + n0 + c] = sum(S > 1 ? _mm256_add_ps(acc[0][c][r], acc[S - 1][c][r]) : acc[0][c][r]);
 }
 
+// tile_of for K-quant blocks kept as stored: each 32 columns decoded once (dequant_step) for
+// every row.
+template <int NC, int MR>
+void tile_raw(const QuantMatrix& m, const float* X, int64_t ldx, int64_t n0, float* Y, int64_t ldy) {
+  __m256 acc[NC][MR];
+  for (int c = 0; c < NC; ++c)
+    for (int r = 0; r < MR; ++r) acc[c][r] = _mm256_setzero_ps();
+  for (int64_t k0 = 0; k0 < m.k; k0 += 32) {
+    for (int c = 0; c < NC; ++c) {
+      if (k0 % kSuperBlock == 0) prefetch_ahead(m.q + (n0 + c) * m.row_bytes() + m.byte_of(k0));
+      __m256 w[4];
+      dequant_step(m, n0 + c, k0, w);
+      for (int v = 0; v < 4; ++v)
+        for (int r = 0; r < MR; ++r)
+          acc[c][r] = _mm256_fmadd_ps(w[v], _mm256_loadu_ps(X + r * ldx + k0 + 8 * v), acc[c][r]);
+    }
+  }
+  for (int c = 0; c < NC; ++c)
+    for (int r = 0; r < MR; ++r) Y[r * ldy + n0 + c] = sum(acc[c][r]);
+}
+
 template <int NC, int MR>
 void tile(const QuantMatrix& m, const float* X, int64_t ldx, int64_t n0, float* Y, int64_t ldy) {
-  if (m.bits == 4 && m.codes)
+  if (m.raw)
+    tile_raw<NC, MR>(m, X, ldx, n0, Y, ldy);
+  else if (m.bits == 4 && m.codes)
     tile_of<NC, MR, 4, true>(m, X, ldx, n0, Y, ldy);
   else if (m.bits == 4)
     tile_of<NC, MR, 4, false>(m, X, ldx, n0, Y, ldy);

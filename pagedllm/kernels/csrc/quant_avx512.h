@@ -11,8 +11,12 @@
 
 namespace pagedllm::avx512 {
 
+// K-quant blocks kept as stored: quant_blocks_avx512.h, included at the end of this file.
+inline void raw_dequant_step(const QuantMatrix& m, int64_t n, int64_t k0, __m512& lo, __m512& hi);
+
 // dequant_step_scalar in registers: lo = columns k0..k0+15, hi = k0+16..k0+31 (4-bit only).
 inline void dequant_step(const QuantMatrix& m, int64_t n, int64_t k0, __m512& lo, __m512& hi) {
+  if (m.raw) return raw_dequant_step(m, n, k0, lo, hi);
   const int64_t g = n * m.G + m.group_of(k0);
   const __m512 s = _mm512_set1_ps(m.scale[g]), z = _mm512_set1_ps(m.zero ? m.zero[g] : 0.f);
   const uint8_t* row = m.q + n * m.row_bytes();
@@ -292,8 +296,13 @@ void tile_vnni8(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, int64_t 
 }
 
 template <int NC, int MR>
+void tile_any_vnni_raw(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, int64_t n0, float* Y, int64_t ldy);
+
+template <int NC, int MR>
 inline void tile_any_vnni(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, int64_t n0, float* Y, int64_t ldy) {
-  if (m.bits == 8 && m.group == 16)
+  if (m.raw)
+    tile_any_vnni_raw<NC, MR>(m, xr, row0, n0, Y, ldy);
+  else if (m.bits == 8 && m.group == 16)
     tile_vnni8<NC, MR, true>(m, xr, row0, n0, Y, ldy);
   else if (m.bits == 8)
     tile_vnni8<NC, MR, false>(m, xr, row0, n0, Y, ldy);
@@ -325,3 +334,5 @@ inline void channels_vnni(const QuantMatrix& m, const Int8Rows& xr, int64_t n0, 
 }  // namespace pagedllm::avx512
 
 #endif  // PAGEDLLM_AVX512
+
+#include "quant_blocks_avx512.h"

@@ -50,9 +50,34 @@ void channels(const QuantMatrix& m, const float* X, int64_t rows, int64_t n0, in
 #endif
 }
 
-// `bits`: 4 or 8, plus 256 x a codebook's number for 4-bit codes (quant.h).
+// K-quant blocks as stored: q uint8 [N, K / 256 x the type's block bytes]; scale holds nothing
+// ([N, 0]: the blocks carry their scales), zero none.
+QuantMatrix check_raw(const Tensor& q, const Tensor& scale, int64_t type) {
+  const int64_t block_bytes = raw_block_bytes(type);
+  TORCH_CHECK(block_bytes > 0, "layout ", kRawLayout + type, ": ggml type ", type, " is not a K-quant the kernels read");
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kByte && q.size(1) % block_bytes == 0,
+              "a K-quant's qweight must be contiguous uint8 [rows, blocks x ", block_bytes, "]");
+  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == q.size(0) && scale.size(1) == 0,
+              "a K-quant's scale must be empty [rows, 0]: its scales are in its blocks");
+  QuantMatrix m;
+  m.q = q.data_ptr<uint8_t>();
+  m.scale = nullptr;
+  m.zero = nullptr;
+  m.raw = type;
+  m.bits = 4;  // a step is 32 columns, as 4-bit's (quant.h)
+  m.n = q.size(0);
+  m.k = q.size(1) / block_bytes * kSuperBlock;
+  m.group = kSuperBlock;
+  m.G = m.k / kSuperBlock;
+  m.shift = 8;
+  return m;
+}
+
+// `bits`: 4 or 8, plus 256 x a codebook's number for 4-bit codes (quant.h); or kRawLayout + a
+// K-quant's ggml type number.
 QuantMatrix check_quant(const Tensor& q, const Tensor& scale, const c10::optional<Tensor>& zero, int64_t layout,
                         int64_t group) {
+  if (layout >= kRawLayout) return check_raw(q, scale, layout - kRawLayout);
   const int64_t bits = layout & 255, codebook = layout >> 8;
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
   TORCH_CHECK(codebook >= 0 && codebook < kCodebookCount && (codebook == 0 || bits == 4),
@@ -129,7 +154,9 @@ Tensor quant_linear(const Tensor& x, const Tensor& qweight, const Tensor& scale,
   const int64_t tiles = (m.n + 3) / 4;
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, 4 * m.row_bytes()));
 #if defined(PAGEDLLM_VNNI)
-  if (x.scalar_type() == at::kBFloat16 && (m.group == 32 || (m.bits == 8 && m.group == 16 && m.k % 32 == 0))) {
+  const bool vnni_layout =
+      m.raw ? avx512::vnni_takes_raw(m.raw) : m.group == 32 || (m.bits == 8 && m.group == 16 && m.k % 32 == 0);
+  if (x.scalar_type() == at::kBFloat16 && vnni_layout) {
     avx512::Int8Rows xr;
     avx512::quantize_rows(xp, rows, m.k, xr);
     at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {

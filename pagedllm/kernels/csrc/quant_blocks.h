@@ -1,0 +1,163 @@
+// GGUF's K-quant super-blocks kept as the file stores them (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): 256
+// columns a block, their 4-, 6- or 8-bit sub-scales, f16 d (and dmin), and the high-bit planes
+// all left packed, so a weight costs in RAM what it costs on disk (Q4_K: 4.5 bits). Widening
+// them (a float32 scale and offset per 32 columns, a byte per 5- or 6-bit value) cost 1.39x the
+// file's bytes for a Q4_K_M file and as much more read per decode step.
+//
+// A matrix in this layout is uint8 [N, K / 256 * block_bytes], row n's blocks one after another;
+// the kernels take it as layout kRawLayout + ggml's type number. Each 32-column step is decoded
+// here into 32 small integers u and two (scale, offset) pairs, one per 16 columns:
+//     value[k0 + j] = u[j] * scale[j / 16] + offset[j / 16]
+// which is how ggml's dequantize_row_* forms each value (d * sc * q - dmin * m), with q's own
+// offset (Q3_K's -4, Q6_K's -32) folded into the offset. The byte layouts, per block:
+//     Q2_K  scales[16] (low nibble sc, high m), qs[64] (2 bits), d, dmin f16           84 bytes
+//     Q3_K  hmask[32] (third bit), qs[64] (2 bits), scales 6-bit x 16 in 12, d f16     110 bytes
+//     Q4_K  d, dmin f16, scales 6-bit sc and m x 8 in 12, qs[128] (4 bits)            144 bytes
+//     Q5_K  as Q4_K, then qh[32] (fifth bit) before qs                                 176 bytes
+//     Q6_K  ql[128] (low 4 bits), qh[64] (high 2 bits), sc int8[16], d f16            210 bytes
+// loading/gguf_quants.py's docstring says which bits go where; tests/test_gguf_quants.py pins
+// every type to the gguf package's dequantize, bit for bit.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace pagedllm {
+
+constexpr int64_t kRawLayout = 4096;  // layout = kRawLayout + ggml type number
+enum RawType : int64_t { kQ2K = 10, kQ3K = 11, kQ4K = 12, kQ5K = 13, kQ6K = 14 };
+constexpr int64_t kSuperBlock = 256;
+
+// Bytes of one 256-column block of a raw type, or 0 for a number that is not one.
+inline int64_t raw_block_bytes(int64_t type) {
+  switch (type) {
+    case kQ2K: return 84;
+    case kQ3K: return 110;
+    case kQ4K: return 144;
+    case kQ5K: return 176;
+    case kQ6K: return 210;
+    default: return 0;
+  }
+}
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 31, mant = h & 1023;
+  uint32_t bits;
+  if (exp == 31) {
+    bits = sign | 0x7F800000u | (mant << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise the mantissa
+    int e = -1;
+    uint32_t m = mant;
+    do {
+      ++e;
+      m <<= 1;
+    } while ((m & 1024) == 0);
+    bits = sign | uint32_t(112 - e) << 23 | ((m & 1023) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+// Q4_K/Q5_K's 12 scale bytes -> sc[0..7] in out[0..7] and m[0..7] in out[8..15] (6 bits each).
+// Bytes 0-3: sc[0..3] in their low 6 bits, the top 2 bits of sc[4..7]; bytes 4-7 the same for
+// m; bytes 8-11: sc[4..7]'s low nibble | m[4..7]'s low nibble << 4. Done four bytes at a time.
+inline void k4_scales(const uint8_t* s, uint8_t out[16]) {
+  uint32_t lo, mid, hi;
+  std::memcpy(&lo, s, 4);
+  std::memcpy(&mid, s + 4, 4);
+  std::memcpy(&hi, s + 8, 4);
+  const uint32_t six = 0x3F3F3F3Fu, nib = 0x0F0F0F0Fu, two = 0x03030303u;
+  const uint32_t words[4] = {lo & six, (hi & nib) | (((lo >> 6) & two) << 4), mid & six,
+                             ((hi >> 4) & nib) | (((mid >> 6) & two) << 4)};
+  std::memcpy(out, words, 16);
+}
+
+// Q3_K's 12 scale bytes -> its 16 six-bit scales (each stands for sc - 32): scale i's low nibble
+// is byte i % 8's low (i < 8) or high (i >= 8) nibble; its top 2 bits are bits 2 * (i / 4) of
+// byte 8 + i % 4.
+inline void k3_scales(const uint8_t* s, uint8_t out[16]) {
+  for (int i = 0; i < 16; ++i) {
+    const int low = i < 8 ? s[i] & 15 : s[i - 8] >> 4;
+    out[i] = uint8_t(low | (((s[8 + (i & 3)] >> (2 * (i >> 2))) & 3) << 4));
+  }
+}
+
+// Columns [k0, k0 + 32) of row n of a raw matrix whose row starts at `row`: u and the two
+// (scale, offset) pairs of the header comment.
+inline void raw_step_scalar(int64_t type, const uint8_t* row, int64_t k0, uint8_t u[32], float scale[2],
+                            float offset[2]) {
+  const int64_t j = (k0 % kSuperBlock) / 32;  // the 32-column group within its block (0..7)
+  const uint8_t* b = row + k0 / kSuperBlock * raw_block_bytes(type);
+  switch (type) {
+    case kQ4K:
+    case kQ5K: {
+      uint8_t sm[16];
+      k4_scales(b + 4, sm);
+      const float d = half_to_float(b), dmin = half_to_float(b + 2);
+      const bool five = type == kQ5K;
+      const uint8_t* qs = b + (five ? 48 : 16) + 32 * (j / 2);
+      for (int l = 0; l < 32; ++l) {
+        u[l] = (qs[l] >> (4 * (j & 1))) & 15;
+        if (five) u[l] |= ((b[16 + l] >> j) & 1) << 4;
+      }
+      scale[0] = scale[1] = d * float(sm[j]);
+      offset[0] = offset[1] = -(dmin * float(sm[8 + j]));
+      return;
+    }
+    case kQ6K: {
+      const int64_t h = j / 4, t = j % 4;
+      const uint8_t* ql = b + 64 * h + 32 * (t & 1);
+      const uint8_t* qh = b + 128 + 32 * h;
+      for (int l = 0; l < 32; ++l) u[l] = uint8_t(((ql[l] >> (4 * (t >> 1))) & 15) | (((qh[l] >> (2 * t)) & 3) << 4));
+      const float d = half_to_float(b + 208);
+      for (int i = 0; i < 2; ++i) {
+        scale[i] = d * float(int8_t(b[192 + 2 * j + i]));
+        offset[i] = -32.f * scale[i];
+      }
+      return;
+    }
+    case kQ2K: {
+      const int64_t h = j / 4, t = j % 4;
+      const uint8_t* qs = b + 16 + 32 * h;
+      for (int l = 0; l < 32; ++l) u[l] = (qs[l] >> (2 * t)) & 3;
+      const float d = half_to_float(b + 80), dmin = half_to_float(b + 82);
+      for (int i = 0; i < 2; ++i) {
+        const uint8_t sc = b[8 * h + 2 * t + i];
+        scale[i] = d * float(sc & 15);
+        offset[i] = -(dmin * float(sc >> 4));
+      }
+      return;
+    }
+    case kQ3K: {
+      const int64_t h = j / 4, t = j % 4;
+      const uint8_t* qs = b + 32 + 32 * h;
+      for (int l = 0; l < 32; ++l) u[l] = uint8_t(((qs[l] >> (2 * t)) & 3) | (((b[l] >> j) & 1) << 2));
+      uint8_t sc[16];
+      k3_scales(b + 96, sc);
+      const float d = half_to_float(b + 108);
+      for (int i = 0; i < 2; ++i) {
+        scale[i] = d * float(int(sc[8 * h + 2 * t + i]) - 32);
+        offset[i] = -4.f * scale[i];
+      }
+      return;
+    }
+    default: return;
+  }
+}
+
+}  // namespace pagedllm

@@ -1,0 +1,220 @@
+// The AVX-512 paths for K-quant blocks kept as stored (quant_blocks.h): a 32-column step
+// decoded in registers (raw_dequant_step: the float tile, AMX's bf16 tiles, dequantize), and,
+// with AVX512-VNNI, Q4_K, Q5_K and Q6_K against bf16 rows quantized to 8 bits per 32 columns
+// (Int8Rows), summed as integers (tile_vnni_raw). Included at the end of quant_avx512.h.
+#pragma once
+
+#include "quant_blocks.h"
+
+#if defined(PAGEDLLM_AVX512)
+
+namespace pagedllm::avx512 {
+
+// 32 bytes as 256 bits shifted right by `bits` within each byte's 16-bit pair (the bits that
+// cross into a byte from its neighbour are masked off by the caller).
+inline __m256i shift_right(__m256i v, int bits) { return _mm256_srl_epi16(v, _mm_cvtsi32_si128(bits)); }
+
+// Columns [k0, k0 + 32) of raw row n: lo = the first 16, hi = the last 16.
+inline void raw_dequant_step(const QuantMatrix& m, int64_t n, int64_t k0, __m512& lo, __m512& hi) {
+  const uint8_t* b = m.q + n * m.row_bytes() + k0 / kSuperBlock * raw_block_bytes(m.raw);
+  const int j = int(k0 % kSuperBlock) / 32;
+  const __m256i low4 = _mm256_set1_epi8(15);
+  __m256i u;
+  float s[2], z[2];
+  if (m.raw == kQ4K || m.raw == kQ5K) {
+    alignas(16) uint8_t sm[16];
+    k4_scales(b + 4, sm);
+    s[0] = s[1] = half_to_float(b) * float(sm[j]);
+    z[0] = z[1] = -(half_to_float(b + 2) * float(sm[8 + j]));
+    const bool five = m.raw == kQ5K;
+    const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (five ? 48 : 16) + 32 * (j / 2)));
+    u = _mm256_and_si256(shift_right(qs, 4 * (j & 1)), low4);
+    if (five) {
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+      const __mmask32 fifth = _mm256_test_epi8_mask(qh, _mm256_set1_epi8(char(1 << j)));
+      u = _mm256_mask_add_epi8(u, fifth, u, _mm256_set1_epi8(16));
+    }
+  } else if (m.raw == kQ6K) {
+    const int h = j / 4, t = j % 4;
+    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * (t & 1)));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+    const __m256i top = _mm256_and_si256(shift_right(qh, 2 * t), _mm256_set1_epi8(3));
+    u = _mm256_or_si256(_mm256_and_si256(shift_right(ql, 4 * (t >> 1)), low4), _mm256_slli_epi16(top, 4));
+    const float d = half_to_float(b + 208);
+    for (int i = 0; i < 2; ++i) {
+      s[i] = d * float(int8_t(b[192 + 2 * j + i]));
+      z[i] = -32.f * s[i];
+    }
+  } else {  // Q2_K, Q3_K: the scalar decode
+    alignas(32) uint8_t bytes[32];
+    raw_step_scalar(m.raw, m.q + n * m.row_bytes(), k0, bytes, s, z);
+    u = _mm256_load_si256(reinterpret_cast<const __m256i*>(bytes));
+  }
+  lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(u))), _mm512_set1_ps(s[0]),
+                       _mm512_set1_ps(z[0]));
+  hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(u, 1))),
+                       _mm512_set1_ps(s[1]), _mm512_set1_ps(z[1]));
+}
+
+#if defined(PAGEDLLM_VNNI)
+inline bool vnni_takes_raw(int64_t type) { return type == kQ4K || type == kQ5K || type == kQ6K; }
+
+// 64 weight bytes of a block unpack into two vectors of 64 values, a and b, each two 32-column
+// groups in its 256-bit halves (or, for Q6_K, four 16-column ones). Q4_K/Q5_K: a = groups 0 and
+// 2 of the 128 columns, b = groups 1 and 3 (the low and high nibbles of 32-byte runs); Q6_K: a =
+// columns 0-63, b = 64-127. x's rows are permuted to match, once per row for every channel:
+// from Int8Rows' lo (each group's first 16) and hi (each group's last 16), 128-bit lanes.
+template <int64_t Type>
+inline void raw_x(const Int8Rows& xr, int64_t row, int64_t g0, __m512i& a, __m512i& b, __m512& sa, __m512& sb) {
+  const int64_t width = xr.padded_groups * 16;
+  const __m512i lo = _mm512_loadu_si512(xr.lo.data() + row * width + g0 * 16);
+  const __m512i hi = _mm512_loadu_si512(xr.hi.data() + row * width + g0 * 16);
+  const __m512 s = _mm512_loadu_ps(xr.scale16.data() + (row * xr.padded_groups + g0) * 4);  // 4 lanes a group
+  if constexpr (Type == kQ6K) {
+    a = _mm512_permutex2var_epi64(lo, _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), hi);
+    b = _mm512_permutex2var_epi64(lo, _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15), hi);
+    sa = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4), s);
+    sb = _mm512_permutexvar_ps(_mm512_setr_epi32(8, 8, 8, 8, 8, 8, 8, 8, 12, 12, 12, 12, 12, 12, 12, 12), s);
+  } else {
+    a = _mm512_permutex2var_epi64(lo, _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), hi);
+    b = _mm512_permutex2var_epi64(lo, _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15), hi);
+    sa = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8), s);
+    sb = _mm512_permutexvar_ps(_mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 12, 12, 12, 12, 12, 12, 12, 12), s);
+  }
+}
+
+// A block's scales as floats: Q4_K/Q5_K lanes 0-7 d x sc[j], 8-15 -(dmin x m[j]); Q6_K d x sc[i]
+// for its 16 groups of 16.
+template <int64_t Type>
+inline __m512 raw_block_scales(const uint8_t* b) {
+  if constexpr (Type == kQ6K) {
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)), _mm512_set1_ps(half_to_float(b + 208)));
+  } else {
+    alignas(16) uint8_t sm[16];
+    k4_scales(b + 4, sm);
+    const __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(half_to_float(b)),
+                                          _mm512_set1_ps(-half_to_float(b + 2)));
+    const __m128i bytes = _mm_load_si128(reinterpret_cast<const __m128i*>(sm));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)), d);
+  }
+}
+
+// Half h (columns 128h .. 128h + 127) of block b's weights as a and b (raw_x's order), unsigned.
+template <int64_t Type>
+inline void raw_weights(const uint8_t* blk, int h, __m512i& wa, __m512i& wb) {
+  const __m512i low4 = _mm512_set1_epi8(15);
+  if constexpr (Type == kQ6K) {
+    const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
+    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h)));
+    const __m512i three = _mm512_set1_epi8(3);
+    const __m512i shift_a = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    const __m512i shift_b = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+    const __m512i top_a = _mm512_and_si512(_mm512_srlv_epi16(qh, shift_a), three);
+    const __m512i top_b = _mm512_and_si512(_mm512_srlv_epi16(qh, shift_b), three);
+    wa = _mm512_or_si512(_mm512_and_si512(ql, low4), _mm512_slli_epi16(top_a, 4));
+    wb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4), _mm512_slli_epi16(top_b, 4));
+  } else {
+    const __m512i qs = _mm512_loadu_si512(blk + (Type == kQ5K ? 48 : 16) + 64 * h);
+    wa = _mm512_and_si512(qs, low4);
+    wb = _mm512_and_si512(_mm512_srli_epi16(qs, 4), low4);
+    if constexpr (Type == kQ5K) {  // fifth bit of group i of the block: bit i of qh[l]
+      const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16)));
+      const int i = 4 * h;
+      const __m512i bit_a = _mm512_inserti64x4(_mm512_set1_epi8(char(1 << i)), _mm256_set1_epi8(char(1 << (i + 2))), 1);
+      const __m512i bit_b =
+          _mm512_inserti64x4(_mm512_set1_epi8(char(1 << (i + 1))), _mm256_set1_epi8(char(1 << (i + 3))), 1);
+      const __m512i sixteen = _mm512_set1_epi8(16);
+      wa = _mm512_mask_add_epi8(wa, _mm512_test_epi8_mask(qh, bit_a), wa, sixteen);
+      wb = _mm512_mask_add_epi8(wb, _mm512_test_epi8_mask(qh, bit_b), wb, sixteen);
+    }
+  }
+}
+
+// Each lane's weight scale for half h's a and b (raw_block_scales' floats, spread to the lanes
+// that hold their group's products).
+template <int64_t Type>
+inline void raw_lane_scales(__m512 scales, int h, __m512& sa, __m512& sb) {
+  if constexpr (Type == kQ6K) {  // 4 lanes (16 columns) a scale
+    const __m512i a = _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                       _mm512_set1_epi32(8 * h));
+    sa = _mm512_permutexvar_ps(a, scales);
+    sb = _mm512_permutexvar_ps(_mm512_add_epi32(a, _mm512_set1_epi32(4)), scales);
+  } else {  // 8 lanes (32 columns) a scale: a holds groups 4h and 4h + 2, b 4h + 1 and 4h + 3
+    const __m512i a = _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2),
+                                       _mm512_set1_epi32(4 * h));
+    sa = _mm512_permutexvar_ps(a, scales);
+    sb = _mm512_permutexvar_ps(_mm512_add_epi32(a, _mm512_set1_epi32(1)), scales);
+  }
+}
+
+// What the unsigned integer sums leave out, per block and row: Q4_K/Q5_K's offsets -(dmin x m)
+// times each 32 columns' scaled sum of x; Q6_K's -32 x d x sc times each 16 columns' sum.
+template <int64_t Type>
+inline __m512 raw_offsets(__m512 scales, const Int8Rows& xr, int64_t row, int64_t blk) {
+  if constexpr (Type == kQ6K) {
+    const __m512 sums = _mm512_loadu_ps(xr.half_sums.data() + row * xr.padded_groups * 2 + 16 * blk);
+    return _mm512_mul_ps(_mm512_mul_ps(scales, _mm512_set1_ps(-32.f)), sums);
+  } else {
+    const __m512 mins = _mm512_maskz_permutexvar_ps(
+        0x00FF, _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0), scales);
+    const __m512 sums = _mm512_zextps256_ps512(_mm256_loadu_ps(xr.block_sums.data() + row * xr.padded_groups + 8 * blk));
+    return _mm512_mul_ps(mins, sums);
+  }
+}
+
+// Y[r][n0 + c] for NC channels of a raw Q4_K/Q5_K/Q6_K matrix and MR rows: per 128 columns, 64
+// weight bytes unpacked once into a and b, then two dpbusd per row; each lane's product scaled
+// by its weight's and its x's scale, the offsets added once a block.
+template <int NC, int MR, int64_t Type>
+void tile_vnni_raw(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, int64_t n0, float* Y, int64_t ldy) {
+  __m512 acc[NC][MR];
+  for (int c = 0; c < NC; ++c)
+    for (int r = 0; r < MR; ++r) acc[c][r] = _mm512_setzero_ps();
+  const int64_t block_bytes = raw_block_bytes(Type), blocks = m.k / kSuperBlock, rb = m.row_bytes();
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    __m512 scales[NC];
+    for (int c = 0; c < NC; ++c) {
+      const uint8_t* p = m.q + (n0 + c) * rb + blk * block_bytes;
+      for (int64_t line = 0; line < block_bytes; line += 64) prefetch_ahead(p + line);
+      scales[c] = raw_block_scales<Type>(p);
+    }
+    for (int h = 0; h < 2; ++h) {
+      __m512i xa[MR], xb[MR];
+      __m512 xsa[MR], xsb[MR];
+      for (int r = 0; r < MR; ++r) raw_x<Type>(xr, row0 + r, blk * 8 + 4 * h, xa[r], xb[r], xsa[r], xsb[r]);
+      for (int c = 0; c < NC; ++c) {
+        __m512i wa, wb;
+        raw_weights<Type>(m.q + (n0 + c) * rb + blk * block_bytes, h, wa, wb);
+        __m512 sa, sb;
+        raw_lane_scales<Type>(scales[c], h, sa, sb);
+        for (int r = 0; r < MR; ++r) {
+          const __m512i da = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wa, xa[r]);
+          const __m512i db = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wb, xb[r]);
+          acc[c][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(da), _mm512_mul_ps(sa, xsa[r]), acc[c][r]);
+          acc[c][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(db), _mm512_mul_ps(sb, xsb[r]), acc[c][r]);
+        }
+      }
+    }
+    for (int c = 0; c < NC; ++c)
+      for (int r = 0; r < MR; ++r) acc[c][r] = _mm512_add_ps(acc[c][r], raw_offsets<Type>(scales[c], xr, row0 + r, blk));
+  }
+  for (int c = 0; c < NC; ++c)
+    for (int r = 0; r < MR; ++r) Y[r * ldy + n0 + c] = _mm512_reduce_add_ps(acc[c][r]);
+}
+
+template <int NC, int MR>
+void tile_any_vnni_raw(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, int64_t n0, float* Y,
+                              int64_t ldy) {
+  if (m.raw == kQ4K)
+    tile_vnni_raw<NC, MR, kQ4K>(m, xr, row0, n0, Y, ldy);
+  else if (m.raw == kQ5K)
+    tile_vnni_raw<NC, MR, kQ5K>(m, xr, row0, n0, Y, ldy);
+  else
+    tile_vnni_raw<NC, MR, kQ6K>(m, xr, row0, n0, Y, ldy);
+}
+#endif  // PAGEDLLM_VNNI
+
+}  // namespace pagedllm::avx512
+
+#endif  // PAGEDLLM_AVX512
