@@ -1,7 +1,7 @@
 """A random-weight Llama of a realistic size, for speed and memory figures where no larger
 checkpoint can be downloaded (quality is measured on the real default model only).
 
-    python benchmarks/random_llama.py OUT_DIR [--config tinyllama|qwen2.5-0.5b] [--dtype bfloat16]
+    python benchmarks/random_llama.py OUT_DIR [--config tinyllama|llama-2b|qwen2.5-0.5b] [--dtype bfloat16]
 
 Writes config.json, model.safetensors (normal(0, 0.02) weights, unit norms: one tensor in memory
 at a time) and the default model's tokenizer, so ``pagedllm bench --model OUT_DIR`` runs its
@@ -31,6 +31,18 @@ CONFIGS = {
         num_key_value_heads=4,
         max_position_embeddings=2048,
         rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+    ),
+    # A 1.9B Llama (Llama-3.2-1B's width, 28 layers): its Q4_K_M file is 1.1 GB, over twice the
+    # 480 MiB L3 of the AMX Xeon, so a decode step reads it from memory (issue 65)
+    "llama-2b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=28,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=4096,
+        rope_theta=500000.0,
         rms_norm_eps=1e-5,
     ),
     # Qwen2.5-0.5B's shapes (as a Llama: no q/k/v bias): 14 heads and 2 KV heads split over 2

@@ -7,7 +7,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from pagedllm.loading.gguf_quants import SUPPORTED, QuantizedTensor, dequantize, permute_rows, unpack
+from pagedllm.loading.gguf_quants import KEPT_AS_STORED, SUPPORTED, QuantizedTensor, dequantize, permute_rows, unpack
 
 # Byte offsets of each type's f16 fields (d, and dmin or m) inside its block.
 _F16_FIELDS = {
@@ -19,6 +19,8 @@ _F16_FIELDS = {
     "MXFP4": [],
     "IQ4_NL": [0],
     "IQ4_XS": [0],
+    "Q2_K": [80, 82],
+    "Q3_K": [108],
     "Q4_K": [0, 2],
     "Q5_K": [0, 2],
     "Q6_K": [208],
@@ -38,9 +40,6 @@ _FORMAT = {
     "MXFP4": (4, 32, np.uint8, 0.5, False),
     "IQ4_NL": (4, 32, np.uint8, 0.5, False),
     "IQ4_XS": (4, 32, np.uint8, 0.5, False),
-    "Q4_K": (4, 32, np.uint8, 0.5, True),
-    "Q5_K": (8, 32, np.int8, 1, True),
-    "Q6_K": (8, 16, np.int8, 1, False),
 }
 
 
@@ -76,6 +75,10 @@ def test_every_supported_type_unpacks_to_gguf_values_bit_for_bit(type_name):
     with np.errstate(over="ignore"):  # MXFP4's largest scales times 12: inf, as gguf has it
         assert_exact(type_name, dequantize(qt), raw)
 
+    if type_name in KEPT_AS_STORED:  # the file's blocks, byte for byte
+        assert qt.block_type == type_name and qt.shape == (rows, cols) and qt.zero is None
+        np.testing.assert_array_equal(qt.qweight.reshape(rows, -1), raw)
+        return
     bits, group, dtype, per_col, has_zero = _FORMAT[type_name]
     assert (qt.bits, qt.group, qt.shape, qt.codebook) == (bits, group, (rows, cols), _CODEBOOK.get(type_name))
     assert qt.qweight.dtype == dtype and qt.qweight.shape == (rows, int(cols * per_col))
@@ -86,21 +89,18 @@ def test_every_supported_type_unpacks_to_gguf_values_bit_for_bit(type_name):
     assert all(a.flags.c_contiguous for a in (qt.qweight, qt.scale, qt.zero) if a is not None)
 
 
-@pytest.mark.parametrize("type_name", sorted(SUPPORTED))
+@pytest.mark.parametrize("type_name", sorted(SUPPORTED - KEPT_AS_STORED))
 def test_q_stays_in_its_range(type_name):
     qt = unpack(type_name, random_blocks(type_name, 3, 256), 3, 256)
     lo, hi = {
         "Q4_0": (0, 15),
         "Q4_1": (0, 15),
-        "Q4_K": (0, 15),
         "Q8_0": (-128, 127),
         "Q5_0": (-16, 15),
         "Q5_1": (0, 31),
         "MXFP4": (0, 15),  # codes
         "IQ4_NL": (0, 15),
         "IQ4_XS": (0, 15),
-        "Q5_K": (0, 31),
-        "Q6_K": (-32, 31),
     }[type_name]
     q = qt.qweight
     if qt.bits == 4:
@@ -156,17 +156,20 @@ def test_int4_nibble_order_low_is_element_j_high_is_element_j_plus_16():
     np.testing.assert_array_equal(dequantize(qt)[0], np.array(expected, dtype=np.float32))
 
 
-def test_q4_k_is_repacked_into_the_q4_0_nibble_order():
-    # A Q4_K super-block with d = 1, dmin = 0, every scale 1: element k of the 256 is k % 16.
-    # Q4_K keeps elements c*64 + j (low) and c*64 + 32 + j (high) in byte c*32 + j.
-    q = np.arange(256) % 16
-    qs = (q.reshape(4, 2, 32)[:, 0] | (q.reshape(4, 2, 32)[:, 1] << 4)).astype(np.uint8).reshape(-1)
-    scales = np.array([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1], dtype=np.uint8)
-    raw = np.concatenate([np.array([1.0, 0.0], dtype=np.float16).view(np.uint8), scales, qs])[None, :]
-    qt = unpack("Q4_K", raw, 1, 256)
-    np.testing.assert_array_equal(qt.qweight[0], np.tile(np.arange(16) | (np.arange(16) << 4), 8))
-    np.testing.assert_array_equal(dequantize(qt)[0], q.astype(np.float32))
-    assert_exact("Q4_K", dequantize(qt), raw)
+def test_a_q4_k_block_reads_as_ggml_lays_it_out():
+    # A Q4_K super-block with d = 1, dmin = 0.5, sub-block j's scale j + 1 and min 1 except
+    # sub-block 5's 40 (its 6 bits split: low nibble in byte 9, top 2 bits in byte 5's top bits)
+    # and every q 3: element k of sub-block j is 3 (j + 1) - 0.5 m_j. qs byte c*32 + i holds
+    # element c*64 + i (low) and c*64 + 32 + i (high).
+    sc, m = list(range(1, 9)), [1] * 8
+    m[5] = 40
+    packed = [sc[i] | ((sc[4 + i] >> 4) << 6) for i in range(4)] + [m[i] | ((m[4 + i] >> 4) << 6) for i in range(4)]
+    packed += [(sc[4 + i] & 15) | ((m[4 + i] & 15) << 4) for i in range(4)]
+    header = np.array([1.0, 0.5], dtype=np.float16).view(np.uint8)
+    raw = np.concatenate([header, np.array(packed, dtype=np.uint8), np.full(128, 0x33, dtype=np.uint8)])[None, :]
+    expected = np.repeat([3.0 * sc[j] - 0.5 * m[j] for j in range(8)], 32).astype(np.float32)
+    np.testing.assert_array_equal(dequantize(unpack("Q4_K", raw, 1, 256))[0], expected)
+    assert_exact("Q4_K", dequantize(unpack("Q4_K", raw, 1, 256)), raw)
 
 
 def test_mxfp4_reads_e2m1_codes_scaled_by_2_to_the_e_minus_127():
@@ -180,9 +183,9 @@ def test_mxfp4_reads_e2m1_codes_scaled_by_2_to_the_e_minus_127():
         np.testing.assert_array_equal(dequantize(qt)[0].view(np.uint32), expected.view(np.uint32))
 
 
-@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 def test_permute_rows_moves_every_array_with_its_row(type_name):
-    rows, cols = 6, 64
+    rows, cols = 6, 256
     qt = unpack(type_name, random_blocks(type_name, rows, cols), rows, cols)
     order = np.array([3, 0, 5, 1, 4, 2])
     moved = permute_rows(qt, order)
@@ -192,7 +195,7 @@ def test_permute_rows_moves_every_array_with_its_row(type_name):
         permute_rows(qt, np.array([0, 0, 1, 2, 3, 4]))
 
 
-@pytest.mark.parametrize("type_name", ["Q2_K", "IQ3_S", "F16", "Q3_K"])
+@pytest.mark.parametrize("type_name", ["IQ3_S", "F16", "IQ2_XS", "Q8_K"])
 def test_an_unsupported_type_is_refused_by_name(type_name):
     with pytest.raises(ValueError, match=type_name):
         unpack(type_name, np.zeros((1, 256), dtype=np.uint8), 1, 256)
@@ -221,3 +224,26 @@ def test_the_default_model_tensors_unpack_exactly():
         type_name = tensor.tensor_type.name
         assert type_name in SUPPORTED
         assert_exact(type_name, dequantize(unpack(type_name, raw, raw.shape[0], int(tensor.shape[0]))), raw)
+
+
+# README's and docs/quantization.md's table: what a type costs in RAM against the file's bytes.
+_RAM_PER_FILE = {
+    **{name: 1.0 for name in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")},
+    "Q8_0": 36 / 34,
+    "IQ4_NL": 20 / 18,
+    "IQ4_XS": 20 * 8 / 136,
+    "MXFP4": 20 / 17,
+    "Q4_0": 24 / 18,
+    "Q4_1": 24 / 20,
+    "Q5_0": 36 / 22,
+    "Q5_1": 40 / 24,
+}
+
+
+@pytest.mark.parametrize("type_name", sorted(SUPPORTED))
+def test_what_each_type_costs_in_ram_against_the_file(type_name):
+    rows, cols = 4, 1024
+    raw = random_blocks(type_name, rows, cols)
+    qt = unpack(type_name, raw, rows, cols)
+    held = sum(a.nbytes for a in (qt.qweight, qt.scale, qt.zero) if a is not None)
+    assert held / raw.nbytes == pytest.approx(_RAM_PER_FILE[type_name], rel=1e-9)

@@ -420,13 +420,16 @@ def test_a_mixture_of_experts_counts_every_expert_as_its_model_card_does(name, p
 
 # (config, GiB of weights: 0.75 bytes a weight in int4 groups, the embeddings in int8, norms and
 # routers in bf16 or float32)
-MOE_PLANS = [("qwen3-30b-a3b", 21, 22), ("gpt-oss-20b", 14.5, 15.5)]
+# Qwen3-30B-A3B's matrices all have widths of whole 256-column blocks: int4 holds them as Q4_K
+# (0.5625 bytes a weight, ~16.3 GiB); gpt-oss-20b's 2880 are not: groups of 32 with float32
+# scales and zeros (0.75 bytes a weight).
+MOE_PLANS = [("qwen3-30b-a3b", 16, 16.5), ("gpt-oss-20b", 14.5, 15.5)]
 
 
 @pytest.mark.parametrize("name, least, most", MOE_PLANS)
 def test_a_mixture_plans_int4_with_32k_tokens_of_context_in_24_gib(name, least, most):
-    """README's MoE promise (issue 49): the plan of its config.json, weights in int4 (their
-    groups' scales and zeros in float32: 0.75 bytes a weight), an int8 KV cache."""
+    """README's MoE promise (issue 49): the plan of its config.json, weights in int4, an int8 KV
+    cache."""
     res = pagedllm(
         "plan", "--model", str(CONFIGS / f"{name}.json"), "--quantization", "int4", "--dtype", "bfloat16",
         "--kv-cache-dtype", "int8", "--memory", "24GiB", "--max-model-len", "32768", "--json",
@@ -489,3 +492,28 @@ def test_a_tight_budget_solves_max_num_seqs_down_to_the_blocks_it_has():
     assert wider.max_num_seqs == 64 and wider.num_blocks < tight.num_blocks
     roomy = plan(cfg, 4 * GiB, settings=EngineSettings(dtype="bfloat16"), baseline_bytes=300 * 1024**2)
     assert roomy.max_num_seqs == 64
+
+
+def test_qwen3_30b_a3b_in_int4_plans_32k_tokens_of_bf16_context_in_24_gib():
+    """Issue 65's target: int4 as Q4_K blocks, bf16 activations and the default (bf16) KV cache,
+    32k tokens in 24 GiB. The weights are the test's arithmetic on the config: every decoder
+    matrix at 144 bytes a 256 weights, the embedding and lm_head in int8 with a float32 scale a
+    row, the routers in float32; the norms (bf16) are what the 0.1% bound leaves."""
+    cfg = json.loads((CONFIGS / "qwen3-30b-a3b.json").read_text())
+    h, layers, experts, width = (
+        cfg["hidden_size"],
+        cfg["num_hidden_layers"],
+        cfg["num_experts"],
+        cfg["moe_intermediate_size"],
+    )
+    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    linear = layers * ((q + 2 * kv) * h + h * q + experts * 3 * h * width)
+    expected = linear * 144 // 256 + 2 * cfg["vocab_size"] * (h + 4) + layers * experts * h * 4
+    res = pagedllm(
+        "plan", "--model", str(CONFIGS / "qwen3-30b-a3b.json"), "--quantization", "int4", "--dtype", "bfloat16",
+        "--memory", "24GiB", "--max-model-len", "32768", "--json",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert expected <= out["weights_bytes"] < expected * 1.001
+    assert out["fits"] and out["total_bytes"] <= 24 * GiB and out["num_blocks"] * out["block_size"] >= 32768

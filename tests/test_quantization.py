@@ -20,23 +20,47 @@ from pagedllm.loading.checkpoint import checkpoint_weights, load_decoder
 from pagedllm.memory.footprint import weight_bytes
 
 
-@pytest.mark.parametrize("scheme", Q.SCHEMES)
-def test_quantize_keeps_every_weight_within_half_a_step(scheme):
-    """The step is the test's own arithmetic on the weights (int8: a row's absmax / 127; int4: a
-    group of 32's (max - min) / 15), not the layer's scale: a scale 10% off fails."""
+@pytest.mark.parametrize("scheme, cols", [("int8", 256), ("int4", 288)])
+def test_quantize_keeps_every_weight_within_half_a_step(scheme, cols):
+    """The step is the test's own arithmetic on the weights (int8: a row's absmax / 127; int4 on
+    a width that is no whole number of 256-column blocks: a group of 32's (max - min) / 15), not
+    the layer's scale: a scale 10% off fails."""
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(48, 256, generator=g) * torch.linspace(0.01, 3, 48)[:, None]  # rows of very different scales
+    w = torch.randn(48, cols, generator=g) * torch.linspace(0.01, 3, 48)[:, None]  # rows of very different scales
     qw = Q.quantize(w, scheme)
     if scheme == "int8":
-        step = (w.abs().amax(dim=1, keepdim=True) / 127).expand(-1, 256)
+        step = (w.abs().amax(dim=1, keepdim=True) / 127).expand(-1, cols)
     else:
-        groups = w.view(48, 8, 32)
+        groups = w.view(48, cols // 32, 32)
         step = ((groups.amax(dim=2) - groups.amin(dim=2)) / 15).repeat_interleave(32, dim=1)
+    assert qw.block_type is None
     assert torch.allclose(qw.scale.repeat_interleave(qw.group, dim=1), step, rtol=1e-6)
     error = (compiled_backend().dequantize(qw, torch.float32) - w).abs()
     assert error.le(step / 2 + 1e-6).all()
     assert error.max() > step.min() / 4, "the rounding must be seen (a stub returning w passes nothing)"
     assert qw.nbytes() < w.numel() * (1.26 if scheme == "int8" else 0.76)
+
+
+def test_int4_on_whole_blocks_is_q4_k_as_the_gguf_package_reads_it():
+    """int4 on widths of whole 256-column blocks writes GGUF Q4_K blocks (4.5 bits a weight):
+    read back by the gguf package's dequantize, every weight is within half its group's step
+    (the test's own (max - min(0, min)) / 15 per 32 columns) plus half a unit of the block's d
+    (its largest step / 63, the sub-scales' 6-bit grain): nothing clipped, whatever the signs."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 512, generator=g) * torch.linspace(0.01, 3, 48)[:, None]
+    w[3], w[4], w[5] = w[3].abs(), -w[4].abs(), 0  # all positive, all negative, all zero
+    w[6, :32] *= 0.05  # a small group beside large ones in its block
+    qw = Q.quantize(w, "int4")
+    assert qw.block_type == "Q4_K" and qw.nbytes() == 48 * 512 * 4.5 / 8
+    values = torch.from_numpy(gguf.quants.dequantize(qw.qweight.numpy(), GGMLQuantizationType.Q4_K))
+    groups = w.view(48, 2, 8, 32)
+    step = (groups.amax(dim=3) - groups.amin(dim=3).clamp(max=0)) / 15
+    unit = step.amax(dim=2, keepdim=True).expand(-1, -1, 8) / 63
+    bound = (step / 2 + unit / 2).repeat_interleave(32, dim=2).reshape(48, 512) * 1.01 + 1e-7
+    error = (values - w).abs()
+    assert error.le(bound).all() and error[5].eq(0).all()
+    assert error.max() > bound.max() / 10, "the rounding must be seen"
+    torch.testing.assert_close(compiled_backend().dequantize(qw, torch.float32), values, rtol=0, atol=0)
 
 
 # (bits, group, with offsets, codebook): our int8/int4 and the layouts GGUF types unpack to (Q8_0
@@ -180,6 +204,18 @@ LATER_TYPES = {
     "output": "F16",
 }
 CODED_TYPES = {**TYPES, "attn_q": "IQ4_NL", "ffn_gate": "IQ4_XS", "ffn_up": "IQ4_NL", "token_embd": "IQ4_XS"}
+# Every K-quant, kept as its blocks: q/k/v of Q2_K, Q3_K and Q6_K (three segments), gate/up of
+# Q4_K and Q5_K, the embedding Q4_K and lm_head Q6_K, as a Q4_K_M file has them.
+K_TYPES = {
+    **TYPES,
+    "attn_q": "Q2_K",
+    "attn_k": "Q3_K",
+    "ffn_gate": "Q4_K",
+    "ffn_up": "Q5_K",
+    "ffn_down": "Q2_K",
+    "token_embd": "Q4_K",
+    "output": "Q6_K",
+}
 
 
 def gguf_blocks(type_name, rows, cols, rng):
@@ -187,9 +223,12 @@ def gguf_blocks(type_name, rows, cols, rng):
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
     fields = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2]}
-    fields.update(Q5_K=[0, 2], Q6_K=[208])
+    fields.update(Q5_K=[0, 2], Q6_K=[208], Q2_K=[80, 82], Q3_K=[108])
     for offset in fields.get(type_name, []):  # a type we do not load: any bytes will do
-        d = (rng.random(raw.shape[:2]) * 0.004 + 0.001).astype(np.float16)
+        d = rng.random(raw.shape[:2]) * 0.004 + 0.001
+        if type_name == "Q6_K":  # its int8 sub-scales reach 127, its q 32: weights of 1/20 of that
+            d /= 20
+        d = d.astype(np.float16)
         raw[..., offset : offset + 2] = d[..., None].view(np.uint8)
     if type_name == "MXFP4":  # its scale byte e: 2^(e - 127) of 1/512 to 1/128
         raw[..., 0] = rng.integers(118, 121, raw.shape[:2])
@@ -287,11 +326,12 @@ def logits_of(model, ids, dtype=torch.float32):
 @pytest.mark.parametrize(
     "types, qkv_formats",
     [
-        (TYPES, [(4, 32, True), (8, 32, False), (8, 16, False)]),
+        (TYPES, [(4, 32, True), (8, 32, False), (4110, 256, False)]),
         (LATER_TYPES, [(8, 32, False), (8, 32, True), (260, 32, False)]),
-        (CODED_TYPES, [(516, 32, False), (8, 32, False), (8, 16, False)]),
+        (CODED_TYPES, [(516, 32, False), (8, 32, False), (4110, 256, False)]),
+        (K_TYPES, [(4106, 256, False), (4107, 256, False), (4110, 256, False)]),
     ],
-    ids=["first-six", "q5-mxfp4-f16", "iq4"],
+    ids=["first-six", "q5-mxfp4-f16", "iq4", "k-quants"],
 )
 def test_every_supported_gguf_type_runs_quantized_as_the_gguf_package_dequantizes_it(
     converted, kernels, types, qkv_formats
@@ -310,11 +350,29 @@ def test_every_supported_gguf_type_runs_quantized_as_the_gguf_package_dequantize
     ids = list(range(3, 23))
     for n in (1, len(ids)):
         expected = logits_of(oracle, ids[:n])
-        torch.testing.assert_close(logits_of(quantized, ids[:n]), expected, rtol=1e-4, atol=1e-4)
+        # float32 sums in another order, grown through the layers: 1e-4 of the largest logit
+        # (the K-quant file's random sub-scales give logits of ~16, the others' ~4)
+        tolerance = 1e-4 * max(1.0, float(expected.abs().max()))
+        torch.testing.assert_close(logits_of(quantized, ids[:n]), expected, rtol=1e-4, atol=tolerance)
         torch.testing.assert_close(logits_of(ours_dequantized, ids[:n]), expected, rtol=1e-5, atol=1e-5)
     # the planner's figure from the header is what the loaded model holds
     assert checkpoint_weights(model_dir, "float32", None) == (quantized.weight_bytes(), True)
     assert quantized.weight_bytes() < ours_dequantized.weight_bytes() / 3
+
+
+def test_k_quant_layers_stream_through_slots_as_their_blocks(converted):
+    """Layers streamed from the converted file (layers/layer_stream.py) hold a K-quant's blocks
+    in their slots as a loaded layer holds them: the same logits to the bit, every layer resident,
+    one resident and one streamed, both taking turns in one slot."""
+    model_dir = converted(K_TYPES)
+    loaded = load_decoder(model_dir, torch.float32, None)
+    ids = list(range(3, 23))
+    expected = logits_of(loaded, ids)
+    for resident, slots in ((1, 1), (0, 1)):
+        streamed = load_decoder(model_dir, torch.float32, None, streamed_layers=(resident, slots))
+        assert streamed.layer_stream is not None
+        assert torch.equal(logits_of(streamed, ids), expected), (resident, slots)
+    assert streamed.weight_bytes() < loaded.weight_bytes()  # two layers in one slot
 
 
 def test_f16_and_bf16_tensors_load_as_the_values_written(tmp_path, monkeypatch):
@@ -334,7 +392,7 @@ def test_f16_and_bf16_tensors_load_as_the_values_written(tmp_path, monkeypatch):
     assert torch.equal(lm_head, torch.from_numpy(written["output.weight"]))
 
 
-@pytest.mark.parametrize("kind", ["Q2_K", "IQ3_S", "Q3_K"])
+@pytest.mark.parametrize("kind", ["IQ3_S", "IQ2_XS"])
 def test_a_gguf_type_we_do_not_load_is_named_in_the_error(converted, kind):
     with pytest.raises(UnsupportedModelError, match=kind) as e:
         converted({**TYPES, "ffn_down": kind})

@@ -119,17 +119,13 @@ def test_an_8_bit_cache_splits_its_heads_like_a_float_one(checkpoints):
     assert_same_outputs(split, whole, tolerance=1e-4)
 
 
-@pytest.fixture(scope="module")
-def quantized_gguf(tmp_path_factory):
-    """A converted GGUF holding every supported quantized type, its row-parallel layers (Q4_K,
-    Q5_K) cut by tp=2 at whole groups."""
-    from test_quantization import TYPES, write_llama_gguf
+def converted_gguf(directory, types):
+    from test_quantization import write_llama_gguf
 
     from pagedllm.loading import gguf_convert
 
-    d = tmp_path_factory.mktemp("tp-gguf")
-    path, out = d / "tiny.gguf", d / "converted"
-    write_llama_gguf(path, TYPES, np.random.default_rng(0))
+    path, out = directory / "tiny.gguf", directory / "converted"
+    write_llama_gguf(path, types, np.random.default_rng(0))
     out.mkdir()
     saved = gguf_convert._save_tokenizer
     gguf_convert._save_tokenizer = lambda *a: None  # it carries none
@@ -138,6 +134,26 @@ def quantized_gguf(tmp_path_factory):
     finally:
         gguf_convert._save_tokenizer = saved
     return out
+
+
+@pytest.fixture(scope="module")
+def quantized_gguf(tmp_path_factory):
+    """A converted GGUF holding every supported quantized type, its row-parallel layers (Q4_1,
+    and Q5_K, whose 512 columns tp=2 cuts at a whole block of 256) cut at whole groups."""
+    from test_quantization import TYPES
+
+    return converted_gguf(tmp_path_factory.mktemp("tp-gguf"), {**TYPES, "attn_output": "Q4_1"})
+
+
+def test_a_k_quant_cut_inside_a_block_is_refused_by_name(tmp_path):
+    """A K-quant is kept as its blocks of 256 columns: tp=2 cutting a 256-wide row-parallel
+    layer (o_proj in Q4_K) at column 128 would split a block; the error names the tensor."""
+    from test_quantization import TYPES
+
+    model_dir = converted_gguf(tmp_path, TYPES)
+    shard = RankShard.of(load_decoder(model_dir, torch.float32).config, 2, 0)
+    with pytest.raises(ModelLoadError, match=r"o_proj.weight' is quantized in groups of 256 columns"):
+        load_decoder(model_dir, torch.float32, None, shard=shard)
 
 
 def test_gguf_weights_kept_quantized_split_at_whole_groups(quantized_gguf):

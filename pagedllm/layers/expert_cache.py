@@ -33,7 +33,7 @@ import torch
 
 from .. import env
 from .linear import Linear
-from .quantized import QuantizedWeight
+from .quantized import QuantizedWeight, stored_weight
 from .stored_reads import StoredFiles, StoredTensor, anonymous_slots
 
 # The share of a pool's slots that experts chosen more than once may hold (the rest is probation).
@@ -220,11 +220,8 @@ class ExpertCache:
         pool, s = self.pool_of[layer], self.where[(layer, expert)]
 
         def matrix(projection: str) -> QuantizedWeight:
-            q, scale = pool.tensors[f"{projection}.qweight"][s], pool.tensors[f"{projection}.scale"][s]
-            zero = pool.tensors[f"{projection}.zero"][s] if f"{projection}.zero" in pool.tensors else None
-            bits = 4 if q.dtype == torch.uint8 else 8
-            columns = q.shape[1] * (2 if bits == 4 else 1)
-            return QuantizedWeight(q, scale, zero, bits, columns // scale.shape[1])
+            fields = {f: pool.tensors[f"{projection}.{f}"][s] for f in FIELDS if f"{projection}.{f}" in pool.tensors}
+            return stored_weight(fields["qweight"], fields.get("scale"), fields.get("zero"))
 
         return matrix("gate_up"), matrix("down")
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..sizes import ceil_div
-from .quantized import QuantizedLinear, QuantizedWeight
+from .quantized import QuantizedLinear, QuantizedWeight, stored_weight
 from .stored_reads import StoredFiles, StoredTensor, anonymous
 
 # Each field's bytes start on a cache line within a slot (float32 scales need 4-byte alignment).
@@ -219,8 +219,6 @@ def _weight(buffer: torch.Tensor, fields: dict[str, _Placed], codebook: str | No
         count = where.dtype.itemsize * int(torch.Size(where.shape).numel())
         return buffer[where.offset : where.offset + count].view(where.dtype).view(where.shape)
 
-    q, scale, zero = view("qweight"), view("scale"), view("zero")
-    assert q is not None and scale is not None
-    bits = 4 if q.dtype == torch.uint8 else 8
-    columns = q.shape[1] * (2 if bits == 4 else 1)
-    return QuantizedWeight(q, scale, zero, bits, columns // scale.shape[1], codebook)
+    q = view("qweight")
+    assert q is not None
+    return stored_weight(q, view("scale"), view("zero"), codebook)

@@ -22,7 +22,7 @@ from torch import nn
 from ..config import ModelConfig
 from .linear import Linear
 from .mlp import MLP
-from .quantized import QuantizedLinear
+from .quantized import STORED_FIELDS, QuantizedLinear, stored_weight
 
 if TYPE_CHECKING:
     from ..backends.base import Backend
@@ -91,14 +91,16 @@ class SparseMoE(nn.Module):
         placeholder: dict[str, torch.Tensor | None] = {}
         pool = cache.pool_of[layer]
         for projection in ("gate_up", "down"):
-            for part in ("qweight", "scale", "zero"):
+            first = {
+                p: pool.tensors[f"{projection}.{p}"][0] for p in STORED_FIELDS if f"{projection}.{p}" in pool.tensors
+            }
+            kind = stored_weight(first["qweight"], first.get("scale"), first.get("zero"))  # slot 0's, as a sample
+            formats[projection] = (kind.layout, kind.group)
+            for part in STORED_FIELDS:  # a K-quant's blocks have an empty scale of their own, and no zero
                 key = f"{projection}.{part}"
-                stacked = pool.tensors.get(key)
-                placeholder[key] = None if stacked is None else stacked.new_empty((0,))
+                sample = getattr(kind, part)
+                placeholder[key] = None if sample is None else sample.new_empty((0,))
                 lists[key] = [placeholder[key]] * len(layers)
-            q, scale = pool.tensors[f"{projection}.qweight"], pool.tensors[f"{projection}.scale"]
-            bits = 4 if q.dtype == torch.uint8 else 8
-            formats[projection] = (bits, q.shape[2] * (2 if bits == 4 else 1) // scale.shape[2])
 
         def moved(expert: int, slot: int | None) -> None:
             gate_up_proj, down_proj = layers[expert]
@@ -107,10 +109,10 @@ class SparseMoE(nn.Module):
                     lists[key][expert] = placeholder[key]
                 gate_up_proj.segments, down_proj.segments = [], []
                 return
-            for key in lists:
-                stacked = pool.tensors.get(key)
-                lists[key][expert] = None if stacked is None else stacked[slot]
             gate_up, down = cache.weights(layer, expert)
+            for projection, weight in (("gate_up", gate_up), ("down", down)):
+                for part in STORED_FIELDS:
+                    lists[f"{projection}.{part}"][expert] = getattr(weight, part)
             gate_up_proj.segments, down_proj.segments = [gate_up], [down]
 
         cache.watch(layer, moved)

@@ -130,6 +130,28 @@ class QuantizedWeight:
         return QuantizedWeight(blocks, empty, None, bits, superblocks.SUPERBLOCK, None, block_type)
 
 
+STORED_FIELDS = ("qweight", "scale", "zero")  # a stored matrix's tensors, as <name>.<field>
+
+
+def stored_weight(
+    q: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None, codebook: str | None = None
+) -> QuantizedWeight:
+    """A matrix from the tensors a converted checkpoint stores for it (``loading/gguf_convert.py``):
+    qweight uint8 [rows, blocks, block bytes] is a K-quant's blocks, their size naming the type;
+    else qweight and scale (and zero) give bits and group by their shapes. The loader, the expert
+    cache and layer streaming all read stored matrices through this one function."""
+    if q.dim() == 3:
+        block_type = superblocks.type_of_block(q.shape[2])
+        if block_type is None or q.dtype != torch.uint8:
+            raise ValueError(f"qweight {list(q.shape)} {q.dtype}: {q.shape[2]}-byte blocks are no K-quant's")
+        return QuantizedWeight.of_blocks(q.reshape(q.shape[0], -1), block_type)
+    if scale is None:
+        raise ValueError("a quantized matrix that is not a K-quant's blocks needs its scale")
+    bits = 4 if q.dtype == torch.uint8 else 8
+    columns = q.shape[1] * (2 if bits == 4 else 1)
+    return QuantizedWeight(q, scale, zero, bits, columns // max(1, scale.shape[1]), codebook)
+
+
 def empty_quantized(rows: int, columns: int, scheme: str) -> QuantizedWeight:
     """Uninitialised storage for a [rows, columns] matrix in ``scheme``."""
     if scheme not in SCHEMES:
@@ -139,14 +161,18 @@ def empty_quantized(rows: int, columns: int, scheme: str) -> QuantizedWeight:
         raise ValueError(f"{scheme} needs a multiple of {multiple} columns, this matrix has {columns}")
     if scheme == "int8":
         return QuantizedWeight(torch.empty(rows, columns, dtype=torch.int8), torch.empty(rows, 1), None, 8, columns)
+    if columns % superblocks.SUPERBLOCK == 0:  # Q4_K's blocks: 4.5 bits a weight
+        blocks = torch.empty(rows, superblocks.row_bytes("Q4_K", columns), dtype=torch.uint8)
+        return QuantizedWeight.of_blocks(blocks, "Q4_K")
     groups = columns // INT4_GROUP
     q = torch.empty(rows, columns // 2, dtype=torch.uint8)
     return QuantizedWeight(q, torch.empty(rows, groups), torch.empty(rows, groups), 4, INT4_GROUP)
 
 
 def quantize(weight: torch.Tensor, scheme: str, out: QuantizedWeight | None = None) -> QuantizedWeight:
-    """A float matrix [N, K] in ``scheme`` ('int8': per-row symmetric; 'int4': groups of 32 with
-    scale and offset, the layout of GGUF's Q4_1), into ``out`` if given (rows of a stacked layer).
+    """A float matrix [N, K] in ``scheme`` ('int8': per-row symmetric; 'int4': GGUF's Q4_K blocks
+    where K is a multiple of 256, else groups of 32 with a float32 scale and offset, the layout of
+    GGUF's Q4_1), into ``out`` if given (rows of a stacked layer).
     Rows are quantized ``QUANTIZE_CHUNK_ELEMENTS`` at a time: the float32 temporaries stay small
     next to an 8B model's 2 GB embedding matrix."""
     n, k = weight.shape
@@ -168,6 +194,8 @@ def _quantize_rows(weight: torch.Tensor, scheme: str) -> QuantizedWeight:
         scale = (w.abs().amax(dim=1, keepdim=True) / 127).clamp_min(1e-12)
         q = torch.round(w / scale).clamp_(-127, 127).to(torch.int8)
         return QuantizedWeight(q, scale, None, 8, k)
+    if k % superblocks.SUPERBLOCK == 0:
+        return QuantizedWeight.of_blocks(q4_k_blocks(w), "Q4_K")
     groups = w.view(n, k // INT4_GROUP, INT4_GROUP)
     low, high = groups.amin(dim=2), groups.amax(dim=2)
     scale = ((high - low) / 15).clamp_min(1e-12)
@@ -175,6 +203,50 @@ def _quantize_rows(weight: torch.Tensor, scheme: str) -> QuantizedWeight:
     q = q.view(n, k // INT4_GROUP, 2, 16)  # per group: columns 0-15 low nibbles, 16-31 high
     packed = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2)
     return QuantizedWeight(packed.contiguous(), scale.contiguous(), low.contiguous(), 4, INT4_GROUP)
+
+
+def q4_k_blocks(w: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K] (K a multiple of 256) as GGUF Q4_K blocks, uint8 [N, K / 256 x 144].
+
+    Each 32 columns get value = d * sc * q - dmin * m, q in 0..15, sc and m 6-bit multiples of
+    the block's f16 d and dmin. m is rounded up (the offset reaches the group's minimum, or 0
+    where every value is positive), then sc is rounded up for the range left above it, and d and
+    dmin are rounded up to f16: so no value is clipped, and each is off by at most half its
+    group's step plus half a unit of d. The layout (ggml-common.h's block_q4_K): d, dmin, 12
+    bytes of sub-scales (bytes 0-3 sc[0..3] | the top bits of sc[4..7] << 6, bytes 4-7 the same
+    for m, bytes 8-11 the low nibbles of sc[4..7] | m[4..7] << 4), then 128 bytes holding groups
+    2c and 2c + 1 in the low and high nibbles of bytes 32c .. 32c + 31."""
+    n, k = w.shape
+    groups = w.reshape(n, k // 256, 8, 32)
+    up = 1 + 2.0**-10  # f16 rounds to nearest within 2^-11: this much up, it never lands below
+
+    def six_bits(value: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
+        units = torch.where(unit[..., None] > 0, value / unit[..., None], 0)
+        return units.ceil().clamp(0, 63)
+
+    below = (-groups.amin(dim=3)).clamp(min=0)  # how far the offset reaches down
+    dmin = (below.amax(dim=2) / 63 * up).half().float()
+    m = six_bits(below, dmin)
+    offset = dmin[..., None] * m
+    step = (groups.amax(dim=3) + offset).clamp(min=0) / 15
+    d = (step.amax(dim=2) / 63 * up).half().float()
+    sc = six_bits(step, d)
+    scale = d[..., None] * sc
+    q = torch.where(scale[..., None] > 0, (groups + offset[..., None]) / scale[..., None], 0)
+    q = q.round().clamp(0, 15).to(torch.uint8)
+    sc, m = sc.to(torch.uint8), m.to(torch.uint8)
+    packed = torch.cat(
+        [
+            sc[..., :4] | ((sc[..., 4:] >> 4) << 6),
+            m[..., :4] | ((m[..., 4:] >> 4) << 6),
+            (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4),
+        ],
+        dim=2,
+    )
+    pairs = q.view(n, k // 256, 4, 2, 32)
+    qs = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).reshape(n, k // 256, 128)
+    header = torch.stack([d.half(), dmin.half()], dim=2).view(torch.uint8).reshape(n, k // 256, 4)
+    return torch.cat([header, packed, qs], dim=2).reshape(n, -1).contiguous()
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

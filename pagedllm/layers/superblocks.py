@@ -22,6 +22,11 @@ BLOCK_TYPES: dict[str, tuple[int, int]] = {
 _BY_BYTES = {size: name for name, (_, size) in BLOCK_TYPES.items()}
 
 
+def type_of_block(size: int) -> str | None:
+    """The K-quant whose blocks are ``size`` bytes (each type's size is its own), or None."""
+    return _BY_BYTES.get(size)
+
+
 def block_bytes(block_type: str) -> int:
     return BLOCK_TYPES[block_type][1]
 
@@ -33,3 +38,12 @@ def columns(block_type: str, row_bytes: int) -> int:
 
 def row_bytes(block_type: str, cols: int) -> int:
     return cols // SUPERBLOCK * block_bytes(block_type)
+
+
+def int4_bytes(rows: int, cols: int) -> int:
+    """What ``quantization="int4"`` holds a [rows, cols] matrix in: Q4_K blocks (4.5 bits a
+    weight) where the columns are whole blocks, else 4 bits with a float32 scale and offset per
+    32 columns (6 bits a weight: a row of 576 is no whole number of blocks)."""
+    if cols % SUPERBLOCK == 0:
+        return rows * row_bytes("Q4_K", cols)
+    return rows * (cols // 2 + 8 * (cols // 32))

@@ -31,8 +31,9 @@ from ..layers.layer_stream import LayerStream
 from ..layers.linear import Linear, StackedRows
 from ..layers.moe import ROUTER_SUFFIXES, SparseMoE
 from ..layers.norm import RMSNorm
-from ..layers.quantized import INT8_COMPUTE, QuantizedEmbedding, QuantizedLinear, QuantizedWeight
+from ..layers.quantized import INT8_COMPUTE, QuantizedEmbedding, QuantizedLinear, QuantizedWeight, stored_weight
 from ..layers.stored_reads import StoredTensor
+from ..layers.superblocks import SUPERBLOCK
 from ..memory.footprint import RoutedExperts, expert_slot_floor
 from ..memory.machine import return_freed_heap
 from ..models import DecoderLM
@@ -377,6 +378,13 @@ def _quantized_weight(path: Path, name: str, fields: dict[str, torch.Tensor]) ->
                 f"{path}: quantized tensor {name!r} has 4-bit codes of values {list(values)}, not one of the "
                 f"codebooks the kernels read ({', '.join(CODEBOOKS)})"
             )
+    if q is not None and q.dim() == 3:  # a K-quant's blocks as the file stores them
+        if scale is not None or zero is not None or codebook is not None:
+            raise ModelLoadError(f"{path}: quantized tensor {name!r} has blocks and a scale, zero or codes beside them")
+        try:
+            return stored_weight(q, None, None)
+        except ValueError as e:
+            raise ModelLoadError(f"{path}: quantized tensor {name!r}: {e}") from None
     if q is None or scale is None or q.dim() != 2 or scale.dim() != 2 or scale.dtype != torch.float32:
         raise ModelLoadError(f"{path}: quantized tensor {name!r} lacks a 2-D qweight or float32 scale")
     bits = 4 if q.dtype == torch.uint8 else 8
@@ -385,7 +393,7 @@ def _quantized_weight(path: Path, name: str, fields: dict[str, torch.Tensor]) ->
         raise ModelLoadError(f"{path}: quantized tensor {name!r} has inconsistent qweight/scale shapes")
     if zero is not None and zero.shape != scale.shape:
         raise ModelLoadError(f"{path}: quantized tensor {name!r}: zero and scale shapes differ")
-    return QuantizedWeight(q, scale, zero, bits, cols // scale.shape[1], codebook)
+    return stored_weight(q, scale, zero, codebook)
 
 
 def _choose_quantized(model: DecoderLM, stored: dict[str, set[str]], quantization: str | None, dtype) -> None:
@@ -437,7 +445,9 @@ def _rank_slices(path_of: Path, shard: RankShard):
         if not field or part.dim == 0:
             return part.dim, part.start, part.stop
         columns = int(entry["shape"][1])
-        if field == "qweight":
+        if field == "qweight" and len(entry["shape"]) == 3:
+            group = SUPERBLOCK  # a K-quant's blocks: whole blocks of 256 columns, [rows, blocks, bytes]
+        elif field == "qweight":
             group = 32 if entry["dtype"] == "U8" else 1  # 4-bit: a group's 32 columns share 16 bytes
         else:
             group = part.total // columns  # one scale (and zero) per group of columns

@@ -5,7 +5,9 @@ The directory holds config.json, model.safetensors and the tokenizer (built by t
 the GGUF metadata, chat template included). Float tensors are stored as float32. Quantized ones
 stay quantized: each supported type (``gguf_quants.SUPPORTED``) is unpacked, every value kept,
 into ``<name>.qweight`` / ``<name>.scale`` / ``<name>.zero`` (and ``<name>.codes``, the 16 values
-of a coded type's codebook), the layout the CPU kernels read (``layers/quantized.py``); the
+of a coded type's codebook), the layout the CPU kernels read (``layers/quantized.py``); a K-quant
+(Q2_K to Q6_K) is its blocks as the file has them, ``<name>.qweight`` uint8 [rows, blocks, block
+bytes] alone, the block size naming the type (``layers/superblocks.py``); the
 loader decides whether to run them so or dequantize them. A type not supported fails the
 conversion with an error naming it.
 
@@ -31,6 +33,7 @@ import torch
 
 from ..errors import ModelLoadError, UnsupportedModelError
 from ..layers.codebooks import CODEBOOKS
+from ..layers.superblocks import SUPERBLOCK, block_bytes
 from ..models.family import Experts, Family
 from ..models.registry import family_of_gguf
 from . import gguf_quants
@@ -158,10 +161,8 @@ _QUANT_FORMATS = {
     "MXFP4": (4, 32),
     "IQ4_NL": (4, 32),
     "IQ4_XS": (4, 32),
-    "Q5_K": (8, 32),
-    "Q6_K": (8, 16),
 }
-_NO_ZERO = frozenset({"Q8_0", "Q5_0", "MXFP4", "IQ4_NL", "IQ4_XS", "Q6_K"})
+_NO_ZERO = frozenset({"Q8_0", "Q5_0", "MXFP4", "IQ4_NL", "IQ4_XS"})
 _CODED = frozenset({"MXFP4", "IQ4_NL", "IQ4_XS"})
 
 
@@ -299,6 +300,9 @@ def _add_specs(specs: list, hf: str, kind: str, shape: tuple[int, ...], gguf_nam
     quantized one's qweight, scale and (for types with offsets) zero."""
     if kind in _FLOAT_TYPES:
         specs.append((hf, torch.float32, shape))
+    elif kind in gguf_quants.KEPT_AS_STORED and len(shape) == 2:  # the blocks, byte for byte: [rows, blocks, bytes]
+        rows, cols = shape
+        specs.append((f"{hf}{QWEIGHT}", torch.uint8, (rows, cols // SUPERBLOCK, block_bytes(kind))))
     elif kind in gguf_quants.SUPPORTED and len(shape) == 2:
         rows, cols = shape
         bits, group = _QUANT_FORMATS[kind]

@@ -23,9 +23,13 @@ type is affine per group of ``group`` elements:
     MXFP4  e uint8, qs[16]                      code    32   mxfp4        2^(e-128)  None
     IQ4_NL d f16, qs[16]                        code    32   iq4_nl       d          None
     IQ4_XS d f16, sc_h u16, sc_l[4], qs[128]    code    32   iq4_nl       d*(sc-32)  None
-    Q4_K   d, dmin f16, 6-bit sc/m[12], qs[128]    4    32   0..15        d * sc     -(dmin * m)
-    Q5_K   as Q4_K, then qh[32] before qs          8    32   0..31        d * sc     -(dmin * m)
-    Q6_K   ql[128], qh[64], sc int8[16], d f16     8    16   -32..31      d * sc     None
+
+Kept as the file stores them, byte for byte (``layers/superblocks.py``; the kernels decode them,
+``kernels/csrc/quant_blocks.h``): Q2_K, Q3_K, Q4_K, Q5_K and Q6_K, super-blocks of 256 columns
+whose sub-scales are packed in 4 or 6 bits (Q6_K: int8) under an f16 d. Their ``QuantizedTensor``
+has ``block_type`` set and qweight the blocks, uint8 [rows, blocks, block bytes]. Widened to a
+float32 scale and offset per 32 columns, as they were before, Q4_K took 6 bits a weight where the
+file takes 4.5 (a Q4_K_M file 1.39x its bytes in RAM).
 
 Q5_0 and Q5_1 keep their low four bits in qs in Q4_0's order and element j's fifth bit in bit j
 of qh read as a little-endian uint32; Q5_0's q is q5 - 16. MXFP4 (OCP microscaling FP4) stores
@@ -38,7 +42,7 @@ in 8 groups of 32 under one d, each group's 6-bit scale sc (low 4 bits in sc_l, 
 high 2 in sc_h) standing for sc - 32.
 
 The 4-bit codes stay as stored (the codes layout, a byte shuffle in the kernels). Widened on
-loading: Q5_0, Q5_1, Q5_K and Q6_K take one byte per value.
+loading: Q5_0 and Q5_1 take one byte per value.
 
 Exactness: scale and zero are the float32 products gguf's ``dequantize`` forms, and q * scale is
 exact or is gguf's own product, so ``dequantize(unpack(...))`` equals ``gguf.quants.dequantize``
@@ -59,24 +63,29 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..layers.codebooks import CODEBOOKS
+from ..layers.superblocks import BLOCK_TYPES, SUPERBLOCK
 
-SUPPORTED = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q5_1", "MXFP4", "IQ4_NL", "IQ4_XS", "Q5_K", "Q6_K"})
+KEPT_AS_STORED = frozenset(BLOCK_TYPES)
+SUPPORTED = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "MXFP4", "IQ4_NL", "IQ4_XS"}) | KEPT_AS_STORED
 
 
 @dataclass
 class QuantizedTensor:
     """A [rows, cols] weight as q * scale + zero per group of ``group`` columns (see the module
-    docstring for the int4 nibble order)."""
+    docstring for the int4 nibble order), or a K-quant's blocks as stored (``block_type``)."""
 
     bits: int  # 4 or 8
     group: int  # elements per scale
-    qweight: np.ndarray  # bits=4: uint8 [rows, cols // 2]; bits=8: int8 [rows, cols]
-    scale: np.ndarray  # float32 [rows, cols // group]
+    qweight: np.ndarray  # bits=4: uint8 [rows, cols // 2]; bits=8: int8 [rows, cols]; blocks: [rows, n, bytes]
+    scale: np.ndarray  # float32 [rows, cols // group]; blocks: [rows, 0]
     zero: np.ndarray | None  # float32 [rows, cols // group]; None means 0
     codebook: str | None = None  # 4-bit codes into CODEBOOKS[codebook]; None: q is the value
+    block_type: str | None = None  # a K-quant kept as stored: qweight its blocks
 
     @property
     def shape(self) -> tuple[int, int]:
+        if self.block_type is not None:
+            return self.qweight.shape[0], self.qweight.shape[1] * SUPERBLOCK
         rows, groups = self.scale.shape
         return rows, groups * self.group
 
@@ -103,8 +112,14 @@ def unpack(type_name: str, raw: np.ndarray, rows: int, cols: int) -> QuantizedTe
 
 
 def dequantize(qt: QuantizedTensor) -> np.ndarray:
-    """float32 [rows, cols]: the reference for the kernels, computed as q * scale + zero."""
+    """float32 [rows, cols]: the reference for the kernels, computed as q * scale + zero (blocks
+    kept as stored: as the gguf package dequantizes them)."""
     rows, cols = qt.shape
+    if qt.block_type is not None:
+        from gguf.quants import dequantize as gguf_dequantize
+
+        values = gguf_dequantize(qt.qweight.reshape(rows, -1), GGMLQuantizationType[qt.block_type])
+        return np.asarray(values, dtype=np.float32).reshape(rows, cols)
     q = _unpack_int4(qt.qweight) if qt.bits == 4 else qt.qweight
     if qt.codebook is not None:
         q = np.array(CODEBOOKS[qt.codebook], dtype=np.int8)[q]
@@ -123,18 +138,21 @@ def permute_rows(qt: QuantizedTensor, order: np.ndarray) -> QuantizedTensor:
     return replace(qt, qweight=qt.qweight[order], scale=qt.scale[order], zero=zero)
 
 
+def _kept_as_stored(type_name: str) -> Callable[[np.ndarray], QuantizedTensor]:
+    """The unpacker of a K-quant: its blocks as they are, no value touched."""
+
+    def blocks(b: np.ndarray) -> QuantizedTensor:
+        empty = np.empty((b.shape[0], 0), dtype=np.float32)
+        return QuantizedTensor(4, SUPERBLOCK, b.copy(), empty, None, None, type_name)  # a copy: b maps the file
+
+    return blocks
+
+
 # --- the nibble order ------------------------------------------------------------------------
 
 
-def _pack_int4(q: np.ndarray) -> np.ndarray:
-    """uint8 [rows, cols] of 0..15 -> [rows, cols // 2]: element j and j + 16 of each 32 share a byte."""
-    rows, cols = q.shape
-    halves = q.reshape(rows, cols // 32, 2, 16)
-    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(rows, cols // 2)
-
-
 def _unpack_int4(packed: np.ndarray) -> np.ndarray:
-    """The inverse of _pack_int4."""
+    """uint8 [rows, cols // 2] -> [rows, cols] of 0..15: element j and j + 16 of each 32 share a byte."""
     rows, half = packed.shape
     groups = packed.reshape(rows, half // 16, 1, 16)
     return np.concatenate([groups & 0x0F, groups >> 4], axis=2).reshape(rows, half * 2)
@@ -148,28 +166,10 @@ def _f16(blocks: np.ndarray, offset: int) -> np.ndarray:
     return np.ascontiguousarray(blocks[..., offset : offset + 2]).view(np.float16)[..., 0].astype(np.float32)
 
 
-def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K's 12 bytes -> 8 six-bit scales and 8 six-bit mins per super-block (ggml's
-    get_scale_min_k4): bytes 0-3 hold sc[0..3] and the top bits of sc[4..7], bytes 4-7 hold
-    m[0..3] and the top bits of m[4..7], bytes 8-11 the low nibbles of sc[4..7] | m[4..7] << 4."""
-    lo, mid, hi = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
-    sc = np.concatenate([lo & 0x3F, (hi & 0x0F) | ((lo >> 6) << 4)], axis=-1)
-    m = np.concatenate([mid & 0x3F, (hi >> 4) | ((mid >> 6) << 4)], axis=-1)
-    return sc, m
-
-
 def _per_group(d: np.ndarray, factor: np.ndarray) -> np.ndarray:
     """d [rows, n_blocks] times each block's per-group factors -> float32 [rows, groups]."""
     rows = d.shape[0]
     return (d[..., None] * factor.astype(np.float32)).reshape(rows, -1)
-
-
-def _k_nibbles(qs: np.ndarray) -> np.ndarray:
-    """Q4_K/Q5_K's 128 qs bytes per super-block -> uint8 [rows, n_blocks, 8, 32] in element
-    order: each 32 bytes hold one sub-block in low nibbles and the next in high nibbles."""
-    rows, n_blocks, _ = qs.shape
-    chunks = qs.reshape(rows, n_blocks, 4, 1, 32)
-    return np.concatenate([chunks & 0x0F, chunks >> 4], axis=3).reshape(rows, n_blocks, 8, 32)
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
@@ -237,38 +237,6 @@ def _iq4_xs(b: np.ndarray) -> QuantizedTensor:
     return QuantizedTensor(4, 32, np.ascontiguousarray(b[..., 8:]).reshape(rows, -1), scale, None, "iq4_nl")
 
 
-def _q4_k(b: np.ndarray) -> QuantizedTensor:
-    rows = b.shape[0]
-    sc, m = _k_scales(b[..., 4:16])
-    q = _k_nibbles(b[..., 16:144]).reshape(rows, -1)
-    return QuantizedTensor(4, 32, _pack_int4(q), _per_group(_f16(b, 0), sc), -_per_group(_f16(b, 2), m))
-
-
-def _q5_k(b: np.ndarray) -> QuantizedTensor:
-    rows = b.shape[0]
-    sc, m = _k_scales(b[..., 4:16])
-    # Bit i of qh[j] is the fifth bit of element j of sub-block i.
-    high = (b[..., 16:48, None] >> np.arange(8, dtype=np.uint8)) & 1
-    q = _k_nibbles(b[..., 48:176]) | (high.swapaxes(-1, -2) << 4)
-    return QuantizedTensor(
-        8, 32, q.astype(np.int8).reshape(rows, -1), _per_group(_f16(b, 0), sc), -_per_group(_f16(b, 2), m)
-    )
-
-
-def _q6_k(b: np.ndarray) -> QuantizedTensor:
-    rows, n_blocks, _ = b.shape
-    # Each half (128 elements) has 64 ql bytes and 32 qh bytes. Its four groups of 32 take their
-    # low four bits from ql[0:32] low, ql[32:64] low, ql[0:32] high, ql[32:64] high nibbles, and
-    # their top two bits from qh[0:32] at bit shifts 0, 2, 4, 6.
-    ql = b[..., 0:128].reshape(rows, n_blocks, 2, 1, 64)
-    low = np.concatenate([ql & 0x0F, ql >> 4], axis=3).reshape(rows, n_blocks, 2, 4, 32)
-    qh = b[..., 128:192].reshape(rows, n_blocks, 2, 1, 32)
-    high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 3
-    q = (low | (high << 4)).astype(np.int8) - np.int8(32)
-    sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8)
-    return QuantizedTensor(8, 16, q.reshape(rows, -1), _per_group(_f16(b, 208), sc), None)
-
-
 _UNPACKERS: dict[str, Callable[[np.ndarray], QuantizedTensor]] = {
     "Q4_0": _q4_0,
     "Q4_1": _q4_1,
@@ -278,7 +246,5 @@ _UNPACKERS: dict[str, Callable[[np.ndarray], QuantizedTensor]] = {
     "MXFP4": _mxfp4,
     "IQ4_NL": _iq4_nl,
     "IQ4_XS": _iq4_xs,
-    "Q4_K": _q4_k,
-    "Q5_K": _q5_k,
-    "Q6_K": _q6_k,
+    **{name: _kept_as_stored(name) for name in KEPT_AS_STORED},
 }

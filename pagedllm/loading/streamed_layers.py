@@ -46,7 +46,7 @@ def stored_layers(cfg: ModelConfig, headers) -> tuple[dict[int, StoredLayer], st
             for role in roles:
                 base = f"{family.name_of(role, layer)}.weight"
                 fields = {f: where[f"{base}.{f}"] for f in FIELDS if f"{base}.{f}" in where}
-                if "qweight" not in fields or "scale" not in fields:
+                if "qweight" not in fields or ("scale" not in fields and len(fields["qweight"].shape) != 3):
                     return {}, "its layers' matrices are not all stored quantized (a GGUF file's are)"
                 codes = where.get(f"{base}.codes")
                 codebook = _codebook(codes, base) if codes is not None else None
@@ -87,7 +87,10 @@ def streamed_names(cfg: ModelConfig, layers: dict[int, StoredLayer]) -> set[str]
 
 def _format(fields: dict[str, StoredTensor], codebook: str | None) -> tuple:
     """What must agree for two parts to stack (``QuantizedWeight.format``): bits, codebook, group, offsets."""
-    q, scale = fields["qweight"], fields["scale"]
+    q = fields["qweight"]
+    if len(q.shape) == 3:  # a K-quant's blocks: their size names the type
+        return "blocks", q.shape[2]
+    scale = fields["scale"]
     four = q.dtype == torch.uint8
     columns = q.shape[1] * (2 if four else 1)
     return four, codebook, columns // max(1, scale.shape[1]), "zero" in fields

@@ -56,6 +56,7 @@ from ..backends.cpu.workspace import (
     tile_packable,
 )
 from ..config import ModelConfig
+from ..layers.superblocks import int4_bytes
 from ..sizes import (
     CONVERT_CHUNK_BYTES,
     KV_SCALE_BYTES,
@@ -147,6 +148,19 @@ def linear_shapes(cfg: ModelConfig) -> tuple[int, int]:
     return weights, rows
 
 
+def _linear_matrices(cfg: ModelConfig):
+    """(rows, columns) of each stacked linear layer of ``linear_shapes``: q/k/v, o, each MLP's
+    gate/up and down."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    dq, dk = cfg.num_heads * d, cfg.num_kv_heads * d
+    for layer in range(cfg.num_layers):
+        yield dq + 2 * dk, h
+        yield h, dq
+        for i in _mlp_widths(cfg, layer):
+            yield 2 * i, h
+            yield h, i
+
+
 def active_linear_weights(cfg: ModelConfig) -> int:
     """The decoder layers' linear weights one token is multiplied by: ``linear_shapes``' less, in
     each sparse layer, the experts its router did not choose (all but ``top_k``)."""
@@ -184,7 +198,7 @@ def _weight_bytes_in(cfg: ModelConfig, dtype, quantization: str | None) -> int:
     if quantization in ("int8", "w8a8"):  # w8a8 stores int8 too (its lm_head as well)
         return linear + 4 * rows + embeddings + rest
     if quantization == "int4":
-        return linear // 2 + 8 * (linear // 32) + embeddings + rest
+        return sum(int4_bytes(r, c) for r, c in _linear_matrices(cfg)) + embeddings + rest
     raise ValueError(f"quantization {quantization!r}: choose one of none, int8, int4, w8a8")
 
 

@@ -62,13 +62,24 @@ struct alignas(64) TileConfig {
 inline void dequant_channels(const QuantMatrix& m, int64_t n0, c10::BFloat16* out) {
   const int64_t count = std::min<int64_t>(16, m.n - n0);
   __m512i r[16];
+  float scale[16][8][2], offset[16][8][2];  // a raw block's, per channel: decoded once a block
   for (int64_t k0 = 0; k0 < m.k; k0 += 32) {
+    const int64_t j = (k0 % kSuperBlock) / 32;
+    if (m.raw && j == 0)
+      for (int64_t c = 0; c < count; ++c)
+        avx512::raw_block_affine(m.raw, m.q + (n0 + c) * m.row_bytes() + m.byte_of(k0), scale[c][0], offset[c][0]);
     for (int64_t c = 0; c < 16; ++c) {
       if (c >= count) {
         r[c] = _mm512_setzero_si512();
         continue;
       }
       __m512 lo, hi;
+      if (m.raw) {
+        const uint8_t* b = m.q + (n0 + c) * m.row_bytes() + m.byte_of(k0);
+        avx512::raw_values(avx512::raw_group_bits_avx512(m.raw, b, int(j)), scale[c][j], offset[c][j], lo, hi);
+        r[c] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+        continue;
+      }
       avx512::dequant_step(m, n0 + c, k0, lo, hi);
       if (m.bits == 8) {  // 16 columns a step
         __m512 unused;

@@ -41,7 +41,11 @@ inline void dequant_step(const QuantMatrix& m, int64_t n, int64_t k0, __m512& lo
 // Y[r][n0 + c] = X[r] . W[n0 + c] for NC channels and MR rows: NC x MR accumulators in
 // registers, each step's weights dequantized once and used by every row.
 template <int NC, int MR>
+void tile_raw(const QuantMatrix& m, const float* X, int64_t ldx, int64_t n0, float* Y, int64_t ldy);
+
+template <int NC, int MR>
 void tile(const QuantMatrix& m, const float* X, int64_t ldx, int64_t n0, float* Y, int64_t ldy) {
+  if (m.raw) return tile_raw<NC, MR>(m, X, ldx, n0, Y, ldy);
   __m512 acc[NC][MR];
   for (int c = 0; c < NC; ++c)
     for (int r = 0; r < MR; ++r) acc[c][r] = _mm512_setzero_ps();

@@ -73,18 +73,32 @@ inline float half_to_float(const uint8_t* p) {
 #endif
 }
 
-// Q4_K/Q5_K's 12 scale bytes -> sc[0..7] in out[0..7] and m[0..7] in out[8..15] (6 bits each).
+// Q4_K/Q5_K's 12 scale bytes -> sc[0..7] in bytes 0-7 and m[0..7] in bytes 8-15 (6 bits each).
 // Bytes 0-3: sc[0..3] in their low 6 bits, the top 2 bits of sc[4..7]; bytes 4-7 the same for
 // m; bytes 8-11: sc[4..7]'s low nibble | m[4..7]'s low nibble << 4. Done four bytes at a time.
-inline void k4_scales(const uint8_t* s, uint8_t out[16]) {
+// The four words are returned in registers: written to memory as four and read back as one
+// 16-byte load, they stall store forwarding (~12 cycles a block).
+struct K4Scales {
+  uint32_t words[4];  // bytes 0-7: sc[0..7]; bytes 8-15: m[0..7]
+};
+inline K4Scales k4_scale_words(const uint8_t* s) {
   uint32_t lo, mid, hi;
   std::memcpy(&lo, s, 4);
   std::memcpy(&mid, s + 4, 4);
   std::memcpy(&hi, s + 8, 4);
   const uint32_t six = 0x3F3F3F3Fu, nib = 0x0F0F0F0Fu, two = 0x03030303u;
-  const uint32_t words[4] = {lo & six, (hi & nib) | (((lo >> 6) & two) << 4), mid & six,
-                             ((hi >> 4) & nib) | (((mid >> 6) & two) << 4)};
-  std::memcpy(out, words, 16);
+  return {{lo & six, (hi & nib) | (((lo >> 6) & two) << 4), mid & six, ((hi >> 4) & nib) | (((mid >> 6) & two) << 4)}};
+}
+
+// Sub-block j's (sc, m) alone, as k4_scale_words lays them out.
+inline void k4_scale_min(const uint8_t* s, int64_t j, float& sc, float& m) {
+  if (j < 4) {
+    sc = float(s[j] & 63);
+    m = float(s[j + 4] & 63);
+  } else {
+    sc = float((s[j + 4] & 15) | ((s[j - 4] >> 6) << 4));
+    m = float((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+  }
 }
 
 // Q3_K's 12 scale bytes -> its 16 six-bit scales (each stands for sc - 32): scale i's low nibble
@@ -97,33 +111,19 @@ inline void k3_scales(const uint8_t* s, uint8_t out[16]) {
   }
 }
 
-// Columns [k0, k0 + 32) of row n of a raw matrix whose row starts at `row`: u and the two
-// (scale, offset) pairs of the header comment.
-inline void raw_step_scalar(int64_t type, const uint8_t* row, int64_t k0, uint8_t u[32], float scale[2],
-                            float offset[2]) {
-  const int64_t j = (k0 % kSuperBlock) / 32;  // the 32-column group within its block (0..7)
-  const uint8_t* b = row + k0 / kSuperBlock * raw_block_bytes(type);
+// Group j's (columns 32j .. 32j + 31 of block b) two (scale, offset) pairs, one per 16 columns.
+inline void raw_group_affine(int64_t type, const uint8_t* b, int64_t j, float scale[2], float offset[2]) {
+  const int64_t h = j / 4, t = j % 4;
   switch (type) {
     case kQ4K:
     case kQ5K: {
-      uint8_t sm[16];
-      k4_scales(b + 4, sm);
-      const float d = half_to_float(b), dmin = half_to_float(b + 2);
-      const bool five = type == kQ5K;
-      const uint8_t* qs = b + (five ? 48 : 16) + 32 * (j / 2);
-      for (int l = 0; l < 32; ++l) {
-        u[l] = (qs[l] >> (4 * (j & 1))) & 15;
-        if (five) u[l] |= ((b[16 + l] >> j) & 1) << 4;
-      }
-      scale[0] = scale[1] = d * float(sm[j]);
-      offset[0] = offset[1] = -(dmin * float(sm[8 + j]));
+      float sc, m;
+      k4_scale_min(b + 4, j, sc, m);
+      scale[0] = scale[1] = half_to_float(b) * sc;
+      offset[0] = offset[1] = -(half_to_float(b + 2) * m);
       return;
     }
     case kQ6K: {
-      const int64_t h = j / 4, t = j % 4;
-      const uint8_t* ql = b + 64 * h + 32 * (t & 1);
-      const uint8_t* qh = b + 128 + 32 * h;
-      for (int l = 0; l < 32; ++l) u[l] = uint8_t(((ql[l] >> (4 * (t >> 1))) & 15) | (((qh[l] >> (2 * t)) & 3) << 4));
       const float d = half_to_float(b + 208);
       for (int i = 0; i < 2; ++i) {
         scale[i] = d * float(int8_t(b[192 + 2 * j + i]));
@@ -132,9 +132,6 @@ inline void raw_step_scalar(int64_t type, const uint8_t* row, int64_t k0, uint8_
       return;
     }
     case kQ2K: {
-      const int64_t h = j / 4, t = j % 4;
-      const uint8_t* qs = b + 16 + 32 * h;
-      for (int l = 0; l < 32; ++l) u[l] = (qs[l] >> (2 * t)) & 3;
       const float d = half_to_float(b + 80), dmin = half_to_float(b + 82);
       for (int i = 0; i < 2; ++i) {
         const uint8_t sc = b[8 * h + 2 * t + i];
@@ -144,9 +141,6 @@ inline void raw_step_scalar(int64_t type, const uint8_t* row, int64_t k0, uint8_
       return;
     }
     case kQ3K: {
-      const int64_t h = j / 4, t = j % 4;
-      const uint8_t* qs = b + 32 + 32 * h;
-      for (int l = 0; l < 32; ++l) u[l] = uint8_t(((qs[l] >> (2 * t)) & 3) | (((b[l] >> j) & 1) << 2));
       uint8_t sc[16];
       k3_scales(b + 96, sc);
       const float d = half_to_float(b + 108);
@@ -158,6 +152,50 @@ inline void raw_step_scalar(int64_t type, const uint8_t* row, int64_t k0, uint8_
     }
     default: return;
   }
+}
+
+// Group j's 32 small integers u (scalar).
+inline void raw_group_bits(int64_t type, const uint8_t* b, int64_t j, uint8_t u[32]) {
+  const int64_t h = j / 4, t = j % 4;
+  switch (type) {
+    case kQ4K:
+    case kQ5K: {
+      const bool five = type == kQ5K;
+      const uint8_t* qs = b + (five ? 48 : 16) + 32 * (j / 2);
+      for (int l = 0; l < 32; ++l) {
+        u[l] = (qs[l] >> (4 * (j & 1))) & 15;
+        if (five) u[l] |= ((b[16 + l] >> j) & 1) << 4;
+      }
+      return;
+    }
+    case kQ6K: {
+      const uint8_t* ql = b + 64 * h + 32 * (t & 1);
+      const uint8_t* qh = b + 128 + 32 * h;
+      for (int l = 0; l < 32; ++l) u[l] = uint8_t(((ql[l] >> (4 * (t >> 1))) & 15) | (((qh[l] >> (2 * t)) & 3) << 4));
+      return;
+    }
+    case kQ2K: {
+      const uint8_t* qs = b + 16 + 32 * h;
+      for (int l = 0; l < 32; ++l) u[l] = (qs[l] >> (2 * t)) & 3;
+      return;
+    }
+    case kQ3K: {
+      const uint8_t* qs = b + 32 + 32 * h;
+      for (int l = 0; l < 32; ++l) u[l] = uint8_t(((qs[l] >> (2 * t)) & 3) | (((b[l] >> j) & 1) << 2));
+      return;
+    }
+    default: return;
+  }
+}
+
+// Columns [k0, k0 + 32) of a raw row starting at `row`: u and the two (scale, offset) pairs of
+// the header comment.
+inline void raw_step_scalar(int64_t type, const uint8_t* row, int64_t k0, uint8_t u[32], float scale[2],
+                            float offset[2]) {
+  const int64_t j = (k0 % kSuperBlock) / 32;  // the 32-column group within its block (0..7)
+  const uint8_t* b = row + k0 / kSuperBlock * raw_block_bytes(type);
+  raw_group_bits(type, b, j, u);
+  raw_group_affine(type, b, j, scale, offset);
 }
 
 }  // namespace pagedllm
