@@ -61,7 +61,12 @@ FORMAT_RULES: dict[str, FormatRule] = {
     "fp32": _FLOAT32,
     "bf16": _BF16,
     "int8": FormatRule(Precision(logit_tolerance=0.10, min_exact_steps=0.9), max_perplexity_ratio=1.02),
-    "int4": FormatRule(Precision(logit_tolerance=0.05, min_exact_steps=0.9), max_perplexity_ratio=1.05),
+    # int4: Q4_K blocks where a width is whole blocks of 256 (the default model's down_proj), else
+    # Q4_1's layout. Measured Dec 6: logit error 7.0%, perplexity 1.0078, exact steps 96.9%. The
+    # tolerance was 5% while int4 was Q4_1's layout everywhere: on this model, itself Q4_1, that
+    # layout finds each group's grid again (error 2.9%, as low as bf16's), which 6-bit sub-scales
+    # cannot; 1.5x the measured 7.0%, as for every other row
+    "int4": FormatRule(Precision(logit_tolerance=0.11, min_exact_steps=0.9), max_perplexity_ratio=1.05),
     # w8a8: measured logit error 17%, perplexity 1.0437, exact steps 91%: the bound guards what it
     # costs today; issue 31's target (within 1.5% of fp32) is NOT met (docs/quantization.md)
     "w8a8": FormatRule(Precision(logit_tolerance=0.26, min_exact_steps=0.85), max_perplexity_ratio=1.05),

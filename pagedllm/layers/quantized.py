@@ -209,32 +209,38 @@ def q4_k_blocks(w: torch.Tensor) -> torch.Tensor:
     """float32 [N, K] (K a multiple of 256) as GGUF Q4_K blocks, uint8 [N, K / 256 x 144].
 
     Each 32 columns get value = d * sc * q - dmin * m, q in 0..15, sc and m 6-bit multiples of
-    the block's f16 d and dmin. m is rounded up (the offset reaches the group's minimum, or 0
-    where every value is positive), then sc is rounded up for the range left above it, and d and
-    dmin are rounded up to f16: so no value is clipped, and each is off by at most half its
-    group's step plus half a unit of d. The layout (ggml-common.h's block_q4_K): d, dmin, 12
-    bytes of sub-scales (bytes 0-3 sc[0..3] | the top bits of sc[4..7] << 6, bytes 4-7 the same
-    for m, bytes 8-11 the low nibbles of sc[4..7] | m[4..7] << 4), then 128 bytes holding groups
-    2c and 2c + 1 in the low and high nibbles of bytes 32c .. 32c + 31."""
+    the block's f16 d and dmin (d: the largest group step / 63; dmin: the deepest group minimum
+    below 0 / 63). A group's step and offset rarely fall on those grids: of the four (sc, m)
+    around them (each rounded down and up), the group takes the one with the least squared error,
+    which may clip its extremes. The layout (ggml-common.h's block_q4_K): d, dmin, 12 bytes of
+    sub-scales (bytes 0-3 sc[0..3] | the top bits of sc[4..7] << 6, bytes 4-7 the same for m,
+    bytes 8-11 the low nibbles of sc[4..7] | m[4..7] << 4), then 128 bytes holding groups 2c and
+    2c + 1 in the low and high nibbles of bytes 32c .. 32c + 31."""
     n, k = w.shape
     groups = w.reshape(n, k // 256, 8, 32)
-    up = 1 + 2.0**-10  # f16 rounds to nearest within 2^-11: this much up, it never lands below
+    below = (-groups.amin(dim=3)).clamp(min=0)  # how far the offset reaches down (it is never above 0)
+    step = (groups.amax(dim=3) + below).clamp(min=0) / 15
+    dmin = (below.amax(dim=2) / 63).half().float()
+    d = (step.amax(dim=2) / 63).half().float()
 
-    def six_bits(value: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
-        units = torch.where(unit[..., None] > 0, value / unit[..., None], 0)
-        return units.ceil().clamp(0, 63)
+    def units(value: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
+        return torch.where(unit[..., None] > 0, value / unit[..., None], 0).floor().clamp(0, 63)
 
-    below = (-groups.amin(dim=3)).clamp(min=0)  # how far the offset reaches down
-    dmin = (below.amax(dim=2) / 63 * up).half().float()
-    m = six_bits(below, dmin)
-    offset = dmin[..., None] * m
-    step = (groups.amax(dim=3) + offset).clamp(min=0) / 15
-    d = (step.amax(dim=2) / 63 * up).half().float()
-    sc = six_bits(step, d)
-    scale = d[..., None] * sc
-    q = torch.where(scale[..., None] > 0, (groups + offset[..., None]) / scale[..., None], 0)
-    q = q.round().clamp(0, 15).to(torch.uint8)
-    sc, m = sc.to(torch.uint8), m.to(torch.uint8)
+    best_error = best_q = best_sc = best_m = None
+    for sc in (units(step, d), (units(step, d) + 1).clamp(max=63)):
+        for m in (units(below, dmin), (units(below, dmin) + 1).clamp(max=63)):
+            scale, offset = (d[..., None] * sc)[..., None], (dmin[..., None] * m)[..., None]
+            q = torch.where(scale > 0, (groups + offset) / scale, 0).round().clamp(0, 15)
+            error = (q * scale - offset - groups).square().sum(dim=3)
+            if best_error is None:
+                best_error, best_q, best_sc, best_m = error, q, sc, m
+                continue
+            better = error < best_error
+            best_error = torch.where(better, error, best_error)
+            best_q = torch.where(better[..., None], q, best_q)
+            best_sc, best_m = torch.where(better, sc, best_sc), torch.where(better, m, best_m)
+    assert best_q is not None and best_sc is not None and best_m is not None
+    q, sc, m = best_q.to(torch.uint8), best_sc.to(torch.uint8), best_m.to(torch.uint8)
     packed = torch.cat(
         [
             sc[..., :4] | ((sc[..., 4:] >> 4) << 6),
