@@ -226,20 +226,18 @@ def q4_k_blocks(w: torch.Tensor) -> torch.Tensor:
     def units(value: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
         return torch.where(unit[..., None] > 0, value / unit[..., None], 0).floor().clamp(0, 63)
 
-    best_error = best_q = best_sc = best_m = None
+    candidates = []
     for sc in (units(step, d), (units(step, d) + 1).clamp(max=63)):
         for m in (units(below, dmin), (units(below, dmin) + 1).clamp(max=63)):
             scale, offset = (d[..., None] * sc)[..., None], (dmin[..., None] * m)[..., None]
             q = torch.where(scale > 0, (groups + offset) / scale, 0).round().clamp(0, 15)
-            error = (q * scale - offset - groups).square().sum(dim=3)
-            if best_error is None:
-                best_error, best_q, best_sc, best_m = error, q, sc, m
-                continue
-            better = error < best_error
-            best_error = torch.where(better, error, best_error)
-            best_q = torch.where(better[..., None], q, best_q)
-            best_sc, best_m = torch.where(better, sc, best_sc), torch.where(better, m, best_m)
-    assert best_q is not None and best_sc is not None and best_m is not None
+            candidates.append(((q * scale - offset - groups).square().sum(dim=3), q, sc, m))
+    best_error, best_q, best_sc, best_m = candidates[0]
+    for error, q, sc, m in candidates[1:]:
+        better = error < best_error
+        best_error = torch.where(better, error, best_error)
+        best_q = torch.where(better[..., None], q, best_q)
+        best_sc, best_m = torch.where(better, sc, best_sc), torch.where(better, m, best_m)
     q, sc, m = best_q.to(torch.uint8), best_sc.to(torch.uint8), best_m.to(torch.uint8)
     packed = torch.cat(
         [
