@@ -33,7 +33,7 @@ import torch
 
 from .. import env
 from .linear import Linear
-from .quantized import QuantizedWeight, stored_weight
+from .quantized import STORED_FIELDS, QuantizedWeight, stored_weight
 from .stored_reads import StoredFiles, StoredTensor, anonymous_slots
 
 # The share of a pool's slots that experts chosen more than once may hold (the rest is probation).
@@ -41,7 +41,7 @@ PROTECTED_SHARE = 0.8
 # A checkpoint's expert roles (``Family.name_of``), by the slot matrix they fill: gate and up
 # stacked by rows (the layer's gate_up_proj), down alone.
 PROJECTIONS = {"gate_up": ("expert_gate", "expert_up"), "down": ("expert_down",)}
-FIELDS = ("qweight", "scale", "zero")
+FIELDS = STORED_FIELDS  # a stored matrix's tensors (layers/quantized.py)
 
 
 @dataclass

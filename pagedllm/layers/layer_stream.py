@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..sizes import ceil_div
-from .quantized import QuantizedLinear, QuantizedWeight, stored_weight
+from .quantized import STORED_FIELDS, QuantizedLinear, QuantizedWeight, stored_weight
 from .stored_reads import StoredFiles, StoredTensor, anonymous
 
 # Each field's bytes start on a cache line within a slot (float32 scales need 4-byte alignment).
@@ -39,7 +39,7 @@ MATRICES = {
     "mlp.gate_up_proj": ("gate", "up"),
     "mlp.down_proj": ("down",),
 }
-FIELDS = ("qweight", "scale", "zero")
+FIELDS = STORED_FIELDS  # a stored matrix's tensors (layers/quantized.py)
 
 
 @dataclass(frozen=True)
