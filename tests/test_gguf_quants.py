@@ -7,7 +7,15 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from pagedllm.loading.gguf_quants import KEPT_AS_STORED, SUPPORTED, QuantizedTensor, dequantize, permute_rows, unpack
+from pagedllm.loading.gguf_quants import (
+    FLOAT16_SCALES,
+    KEPT_AS_STORED,
+    SUPPORTED,
+    QuantizedTensor,
+    dequantize,
+    permute_rows,
+    unpack,
+)
 
 # Byte offsets of each type's f16 fields (d, and dmin or m) inside its block.
 _F16_FIELDS = {
@@ -30,9 +38,9 @@ _F16_FIELDS = {
 _E8M0_EDGES = np.array([0, 1, 2, 126, 127, 128, 252, 253, 254, 255], dtype=np.uint8)
 # bits, group, qweight dtype, qweight columns per weight column, has a zero (the coded types:
 # their codebook in _CODEBOOK)
-_CODEBOOK = {"MXFP4": "mxfp4", "IQ4_NL": "iq4_nl", "IQ4_XS": "iq4_nl"}
+_CODEBOOK = {"Q4_0": "q4_0", "MXFP4": "mxfp4", "IQ4_NL": "iq4_nl", "IQ4_XS": "iq4_nl"}
 _FORMAT = {
-    "Q4_0": (4, 32, np.uint8, 0.5, True),
+    "Q4_0": (4, 32, np.uint8, 0.5, False),
     "Q4_1": (4, 32, np.uint8, 0.5, True),
     "Q8_0": (8, 32, np.int8, 1, False),
     "Q5_0": (8, 32, np.int8, 1, False),
@@ -62,8 +70,6 @@ def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.nda
 def assert_exact(type_name: str, ours: np.ndarray, raw: np.ndarray) -> None:
     expected = gguf_dequantize(raw, GGMLQuantizationType[type_name])
     assert ours.dtype == np.float32 and ours.shape == expected.shape
-    if type_name == "Q4_0":  # equal as numbers; +0 may stand where gguf has -0 (module docstring)
-        ours, expected = ours + np.float32(0), expected + np.float32(0)
     np.testing.assert_array_equal(ours.view(np.uint32), expected.view(np.uint32))
 
 
@@ -82,10 +88,13 @@ def test_every_supported_type_unpacks_to_gguf_values_bit_for_bit(type_name):
     bits, group, dtype, per_col, has_zero = _FORMAT[type_name]
     assert (qt.bits, qt.group, qt.shape, qt.codebook) == (bits, group, (rows, cols), _CODEBOOK.get(type_name))
     assert qt.qweight.dtype == dtype and qt.qweight.shape == (rows, int(cols * per_col))
-    assert qt.scale.dtype == np.float32 and qt.scale.shape == (rows, cols // group)
+    # a block's own f16 d (and m) kept as float16, as the file has them; products as float32
+    scale_dtype = np.float16 if type_name in ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL") else np.float32
+    assert FLOAT16_SCALES == {"Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL"}
+    assert qt.scale.dtype == scale_dtype and qt.scale.shape == (rows, cols // group)
     assert (qt.zero is not None) == has_zero
     if qt.zero is not None:
-        assert qt.zero.dtype == np.float32 and qt.zero.shape == qt.scale.shape
+        assert qt.zero.dtype == scale_dtype and qt.zero.shape == qt.scale.shape
     assert all(a.flags.c_contiguous for a in (qt.qweight, qt.scale, qt.zero) if a is not None)
 
 
@@ -117,7 +126,12 @@ def test_the_codebooks_are_the_gguf_packages_and_the_kernels_read_the_same(ops):
     from pagedllm.layers.codebooks import CODEBOOKS
     from pagedllm.layers.quantized import QuantizedWeight
 
-    assert CODEBOOKS == {"mxfp4": tuple(MXFP4.kvalues), "iq4_nl": tuple(IQ4_NL.kvalues)}
+    # Q4_0: gguf's value is d x (q - 8) (ggml-common.h's block_q4_0), arithmetic written here
+    assert CODEBOOKS == {
+        "mxfp4": tuple(MXFP4.kvalues),
+        "iq4_nl": tuple(IQ4_NL.kvalues),
+        "q4_0": tuple(q - 8 for q in range(16)),
+    }
     codes = torch.tensor([j | ((15 - j) << 4) for j in range(16)], dtype=torch.uint8)[None, :]
     for name, table in CODEBOOKS.items():
         w = QuantizedWeight(codes, torch.ones(1, 1), None, 4, 32, name)
@@ -125,9 +139,9 @@ def test_the_codebooks_are_the_gguf_packages_and_the_kernels_read_the_same(ops):
         assert got[0].tolist() == [float(v) for v in table + table[::-1]]
 
 
-@pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1"])
-def test_q5_types_match_gguf_for_non_finite_scales_too(type_name):
-    # Unlike Q4_0 (module docstring), these form gguf's own product even for inf and NaN d or m.
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q5_0", "Q5_1"])
+def test_q4_0_and_q5_types_match_gguf_for_non_finite_scales_too(type_name):
+    # These form gguf's own product even for inf and NaN d or m (Q4_0: its codes q - 8 times d).
     raw = random_blocks(type_name, 2, 256)
     blocks = raw.reshape(2, 8, -1)
     special = np.array([np.inf, -np.inf, np.nan, 1.0], dtype=np.float16)[:, None].view(np.uint8)
@@ -229,14 +243,14 @@ def test_the_default_model_tensors_unpack_exactly():
 # README's and docs/quantization.md's table: what a type costs in RAM against the file's bytes.
 _RAM_PER_FILE = {
     **{name: 1.0 for name in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")},
-    "Q8_0": 36 / 34,
-    "IQ4_NL": 20 / 18,
-    "IQ4_XS": 20 * 8 / 136,
-    "MXFP4": 20 / 17,
-    "Q4_0": 24 / 18,
-    "Q4_1": 24 / 20,
-    "Q5_0": 36 / 22,
-    "Q5_1": 40 / 24,
+    "Q8_0": 1.0,  # its f16 d kept as float16 (float32: 36 / 34)
+    "IQ4_NL": 1.0,
+    "IQ4_XS": 20 * 8 / 136,  # d x (sc - 32) a float32 per 32
+    "MXFP4": 20 / 17,  # 2^(e - 128) a float32 per 32
+    "Q4_0": 1.0,  # codes q - 8 under its f16 d (was 24 / 18: a float32 scale and offset)
+    "Q4_1": 1.0,
+    "Q5_0": 34 / 22,  # a byte a value
+    "Q5_1": 36 / 24,
 }
 
 

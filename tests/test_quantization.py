@@ -67,20 +67,27 @@ def test_int4_on_whole_blocks_is_q4_k_as_the_gguf_package_reads_it():
     torch.testing.assert_close(compiled_backend().dequantize(qw, torch.float32), values, rtol=0, atol=0)
 
 
-# (bits, group, with offsets, codebook): our int8/int4 and the layouts GGUF types unpack to (Q8_0
-# and Q5_0; Q6_K; Q5_K and Q5_1; MXFP4's and IQ4_NL/IQ4_XS's 4-bit codes)
+# (bits, group, with offsets, codebook, scale dtype): our int8/int4 and the layouts GGUF types
+# unpack to (Q8_0 and Q5_0; Q5_1; MXFP4's and IQ4_NL/IQ4_XS's 4-bit codes; with their file's
+# float16 scales: Q4_1, Q8_0, Q5_1, Q4_0's codes q - 8, IQ4_NL)
+F16, F32 = torch.float16, torch.float32
 FORMATS = [
-    (8, 256, False, None),
-    (4, 32, True, None),
-    (8, 32, False, None),
-    (8, 16, False, None),
-    (8, 32, True, None),
-    (4, 32, False, "mxfp4"),
-    (4, 32, False, "iq4_nl"),
+    (8, 256, False, None, F32),
+    (4, 32, True, None, F32),
+    (8, 32, False, None, F32),
+    (8, 16, False, None, F32),
+    (8, 32, True, None, F32),
+    (4, 32, False, "mxfp4", F32),
+    (4, 32, False, "iq4_nl", F32),
+    (4, 32, True, None, F16),
+    (8, 32, False, None, F16),
+    (8, 32, True, None, F16),
+    (4, 32, False, "q4_0", F16),
+    (4, 32, False, "iq4_nl", F16),
 ]
 
 
-def random_quantized(rows, cols, bits, group, zero, codebook=None, seed=0):
+def random_quantized(rows, cols, bits, group, zero, codebook=None, scale_dtype=F32, seed=0):
     g = torch.Generator().manual_seed(seed)
     if bits == 4:
         q = torch.randint(0, 256, (rows, cols // 2), generator=g, dtype=torch.uint8)
@@ -90,18 +97,19 @@ def random_quantized(rows, cols, bits, group, zero, codebook=None, seed=0):
     offset = torch.randn(rows, cols // group, generator=g) / 10 if zero else None
     if codebook is not None:  # the codes' values reach 127: scales as small as a 4-bit step's
         scale /= max(abs(v) for v in CODEBOOKS[codebook]) / 15
-    return Q.QuantizedWeight(q, scale, offset, bits, group, codebook)
+    offset = None if offset is None else offset.to(scale_dtype)
+    return Q.QuantizedWeight(q, scale.to(scale_dtype), offset, bits, group, codebook)
 
 
-@pytest.mark.parametrize("bits, group, zero, codebook", FORMATS)
+@pytest.mark.parametrize("bits, group, zero, codebook, scale_dtype", FORMATS)
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 17])
-def test_quantized_matmul_equals_dequantize_then_gemm(ops, bits, group, zero, codebook, rows):
+def test_quantized_matmul_equals_dequantize_then_gemm(ops, bits, group, zero, codebook, scale_dtype, rows):
     """fp32 activations: the kernel computes with the exact weight values. bf16 ones on 4- or
     8-bit weights in groups of 32 (8-bit in groups of 16 too) also quantize each row of x to 8
     bits per 32 columns (integer dot products): within 1% of the exact product. Row counts and
     37 channels that leave every remainder of the kernels' row blocks and channel tiles; the
     kernel itself for every count (the backend may take dequantize + GEMM from a few rows on)."""
-    w = random_quantized(37, 512, bits, group, zero, codebook)
+    w = random_quantized(37, 512, bits, group, zero, codebook, scale_dtype)
     x = torch.randn(rows, 512)
     exact = x @ torch_backend().dequantize(w, torch.float32).T
     kernel = ops.quant_linear(x, w.qweight, w.scale, w.zero, w.layout, w.group)
@@ -113,8 +121,8 @@ def test_quantized_matmul_equals_dequantize_then_gemm(ops, bits, group, zero, co
 
 
 def test_dequantize_kernel_equals_the_torch_path_and_picks_rows(ops):
-    for bits, group, zero, codebook in FORMATS:
-        w = random_quantized(40, 256, bits, group, zero, codebook)
+    for bits, group, zero, codebook, scale_dtype in FORMATS:
+        w = random_quantized(40, 256, bits, group, zero, codebook, scale_dtype)
         full = torch_backend().dequantize(w, torch.float32)
         torch.testing.assert_close(compiled_backend().dequantize(w, torch.float32), full, rtol=1e-6, atol=1e-7)
         rows = torch.tensor([39, 0, 7, 7])
@@ -330,10 +338,10 @@ def logits_of(model, ids, dtype=torch.float32):
 @pytest.mark.parametrize(
     "types, qkv_formats",
     [
-        (TYPES, [(4, 32, True), (8, 32, False), (4110, 256, False)]),
-        (LATER_TYPES, [(8, 32, False), (8, 32, True), (260, 32, False)]),
-        (CODED_TYPES, [(516, 32, False), (8, 32, False), (4110, 256, False)]),
-        (K_TYPES, [(4106, 256, False), (4107, 256, False), (4110, 256, False)]),
+        (TYPES, [(772, 32, False, F16), (8, 32, False, F16), (4110, 256, False, F32)]),
+        (LATER_TYPES, [(8, 32, False, F16), (8, 32, True, F16), (260, 32, False, F32)]),
+        (CODED_TYPES, [(516, 32, False, F16), (8, 32, False, F16), (4110, 256, False, F32)]),
+        (K_TYPES, [(4106, 256, False, F32), (4107, 256, False, F32), (4110, 256, False, F32)]),
     ],
     ids=["first-six", "q5-mxfp4-f16", "iq4", "k-quants"],
 )

@@ -6,6 +6,9 @@ to the gguf package's ``kvalues``. Torch-free: the GGUF unpacker reads them too.
 CODEBOOKS: dict[str, tuple[int, ...]] = {
     "mxfp4": (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12),  # FP4 e2m1 values doubled
     "iq4_nl": (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113),  # IQ4_NL and IQ4_XS
+    # Q4_0's q - 8: its value is d x (q - 8) with no offset to store (an offset -8d per 32
+    # columns cost 2 bytes more than the file's 18)
+    "q4_0": tuple(range(-8, 8)),
 }
 
 # Each codebook's number in the kernels' ``bits`` argument (``QuantizedWeight.layout``), once.

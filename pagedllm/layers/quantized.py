@@ -46,7 +46,7 @@ QUANTIZE_CHUNK_ELEMENTS = 4 * 1024 * 1024  # rows quantized at once when loading
 @dataclass
 class QuantizedWeight:
     qweight: torch.Tensor  # 4-bit: uint8 [N, K // 2], two per byte; 8-bit: int8 [N, K]
-    scale: torch.Tensor  # float32 [N, K // group]
+    scale: torch.Tensor  # float32 [N, K // group]; float16 as a GGUF stores it, groups of 32
     zero: torch.Tensor | None  # float32 like scale, or None for 0
     bits: int
     group: int
@@ -76,9 +76,9 @@ class QuantizedWeight:
         return self.block_type is None and self.bits == 8 and self.zero is None and self.group == self.shape[1]
 
     @property
-    def format(self) -> tuple[int, int, bool]:
+    def format(self) -> tuple[int, int, bool, torch.dtype]:
         """What must agree for two weights to stack into one."""
-        return self.layout, self.group, self.zero is not None
+        return self.layout, self.group, self.zero is not None, self.scale.dtype
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scale, self.zero) if t is not None)
@@ -284,9 +284,9 @@ def dequantize_reference(w: QuantizedWeight, dtype: torch.dtype, rows: torch.Ten
         q = _codebook_values(w.codebook)[q.long()] if w.codebook else q.float()
     else:
         q = w.qweight.float()
-    values = q.view(n, k // w.group, w.group) * w.scale[..., None]
+    values = q.view(n, k // w.group, w.group) * w.scale.float()[..., None]
     if w.zero is not None:
-        values += w.zero[..., None]
+        values += w.zero.float()[..., None]
     return values.view(n, k).to(dtype)
 
 

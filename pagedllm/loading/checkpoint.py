@@ -385,14 +385,24 @@ def _quantized_weight(path: Path, name: str, fields: dict[str, torch.Tensor]) ->
             return stored_weight(q, None, None)
         except ValueError as e:
             raise ModelLoadError(f"{path}: quantized tensor {name!r}: {e}") from None
-    if q is None or scale is None or q.dim() != 2 or scale.dim() != 2 or scale.dtype != torch.float32:
-        raise ModelLoadError(f"{path}: quantized tensor {name!r} lacks a 2-D qweight or float32 scale")
+    if (
+        q is None
+        or scale is None
+        or q.dim() != 2
+        or scale.dim() != 2
+        or scale.dtype not in (torch.float32, torch.float16)
+    ):
+        raise ModelLoadError(f"{path}: quantized tensor {name!r} lacks a 2-D qweight or a float32/float16 scale")
     bits = 4 if q.dtype == torch.uint8 else 8
     cols = q.shape[1] * (2 if bits == 4 else 1)
     if q.dtype not in (torch.uint8, torch.int8) or scale.shape[0] != q.shape[0] or cols % max(1, scale.shape[1]):
         raise ModelLoadError(f"{path}: quantized tensor {name!r} has inconsistent qweight/scale shapes")
-    if zero is not None and zero.shape != scale.shape:
-        raise ModelLoadError(f"{path}: quantized tensor {name!r}: zero and scale shapes differ")
+    if scale.dtype == torch.float16 and cols != 32 * scale.shape[1]:
+        raise ModelLoadError(
+            f"{path}: quantized tensor {name!r} has float16 scales, which the kernels read per 32 columns only"
+        )
+    if zero is not None and (zero.shape != scale.shape or zero.dtype != scale.dtype):
+        raise ModelLoadError(f"{path}: quantized tensor {name!r}: zero and scale shapes or dtypes differ")
     return stored_weight(q, scale, zero, codebook)
 
 
@@ -480,6 +490,12 @@ def _fit_to_rank(value: torch.Tensor | QuantizedWeight, part: Slice | None, want
 
         zero = None if value.zero is None else padded(value.zero)
         return QuantizedWeight(
-            padded(value.qweight), padded(value.scale), zero, value.bits, value.group, value.codebook
+            padded(value.qweight),
+            padded(value.scale),
+            zero,
+            value.bits,
+            value.group,
+            value.codebook,
+            value.block_type,
         )
     return torch.cat([value, value.new_zeros(missing, *value.shape[1:])])

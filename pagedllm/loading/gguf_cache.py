@@ -22,9 +22,10 @@ from ..paths import cache_root
 
 log = logging.getLogger(__name__)
 
-# 5: K-quants kept as their blocks (were widened); 4: MXFP4 kept as 4-bit codes (was widened to 8
-# bits); IQ4_NL, IQ4_XS
-CONVERTER_VERSION = 5
+# 6: float16 scales where the file's are (Q4_0, Q4_1, Q8_0, ...), Q4_0 as codes q - 8; 5: K-quants
+# kept as their blocks (were widened); 4: MXFP4 kept as 4-bit codes (was widened to 8 bits);
+# IQ4_NL, IQ4_XS
+CONVERTER_VERSION = 6
 UNSUPPORTED_EXIT = 3  # the converter's exit status for an unsupported model
 ERROR_MARK = "pagedllm-convert-error: "  # the converter's reported error follows this on stderr
 

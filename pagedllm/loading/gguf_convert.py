@@ -154,7 +154,6 @@ _FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
 _QUANT_FORMATS = {
     "Q4_0": (4, 32),
     "Q4_1": (4, 32),
-    "Q4_K": (4, 32),
     "Q8_0": (8, 32),
     "Q5_0": (8, 32),
     "Q5_1": (8, 32),
@@ -162,8 +161,8 @@ _QUANT_FORMATS = {
     "IQ4_NL": (4, 32),
     "IQ4_XS": (4, 32),
 }
-_NO_ZERO = frozenset({"Q8_0", "Q5_0", "MXFP4", "IQ4_NL", "IQ4_XS"})
-_CODED = frozenset({"MXFP4", "IQ4_NL", "IQ4_XS"})
+_NO_ZERO = frozenset({"Q4_0", "Q8_0", "Q5_0", "MXFP4", "IQ4_NL", "IQ4_XS"})
+_CODED = frozenset({"Q4_0", "MXFP4", "IQ4_NL", "IQ4_XS"})
 
 
 def _metadata(reader) -> dict:
@@ -307,9 +306,10 @@ def _add_specs(specs: list, hf: str, kind: str, shape: tuple[int, ...], gguf_nam
         rows, cols = shape
         bits, group = _QUANT_FORMATS[kind]
         specs.append((f"{hf}{QWEIGHT}", torch.uint8 if bits == 4 else torch.int8, (rows, cols * bits // 8)))
-        specs.append((f"{hf}{SCALE}", torch.float32, (rows, cols // group)))
+        scale_dtype = torch.float16 if kind in gguf_quants.FLOAT16_SCALES else torch.float32
+        specs.append((f"{hf}{SCALE}", scale_dtype, (rows, cols // group)))
         if kind not in _NO_ZERO:
-            specs.append((f"{hf}{ZERO}", torch.float32, (rows, cols // group)))
+            specs.append((f"{hf}{ZERO}", scale_dtype, (rows, cols // group)))
         if kind in _CODED:
             specs.append((f"{hf}{CODES}", torch.int8, (16,)))
     else:

@@ -15,7 +15,7 @@ type is affine per group of ``group`` elements:
             ``layers/codebooks.py``), and value = table[q] * scale (+ zero).
 
     type   block bytes                          bits group   q            scale      zero
-    Q4_0   d f16, qs[16]                           4    32   0..15        d          -8 * d
+    Q4_0   d f16, qs[16]                        code    32   q4_0 (q-8)   d          None
     Q4_1   d f16, m f16, qs[16]                    4    32   0..15        d          m
     Q8_0   d f16, qs int8[32]                      8    32   -128..127    d          None
     Q5_0   d f16, qh[4], qs[16]                    8    32   -16..15      d          None
@@ -44,14 +44,16 @@ high 2 in sc_h) standing for sc - 32.
 The 4-bit codes stay as stored (the codes layout, a byte shuffle in the kernels). Widened on
 loading: Q5_0 and Q5_1 take one byte per value.
 
-Exactness: scale and zero are the float32 products gguf's ``dequantize`` forms, and q * scale is
-exact or is gguf's own product, so ``dequantize(unpack(...))`` equals ``gguf.quants.dequantize``
-bit for bit, with one exception: a Q4_0 value that is zero may be +0 where gguf has -0 (gguf
-computes d * (q - 8), which is -0 for q = 8 when d < 0 and for q < 8 when d = +0; q * d - 8 * d is
-+0). The two are equal as numbers and in every sum. (Non-finite f16 d aside: Q4_0 then gives NaN
-where gguf gives an infinity.) Q5_0, Q5_1 and the coded types form gguf's very product, q * d
-(+ m), so they match it in every case: -0, non-finite d, and MXFP4's largest scales overflowing to
-inf.
+Scales in the file's bytes: where scale and zero are a block's own f16 d and m (Q4_0, Q4_1, Q8_0,
+Q5_0, Q5_1, IQ4_NL: ``FLOAT16_SCALES``) they stay float16, so Q4_0, Q4_1, Q8_0 and IQ4_NL take in
+RAM exactly the file's bytes (float32 scales cost Q4_0 1.33x and Q8_0 1.06x); Q5_0 and Q5_1 still
+take a byte a value. MXFP4's 2^(e-128) and IQ4_XS's d x (sc - 32) are products float16 does not
+always hold, so they stay float32 (1.18x and 1.12x the file).
+
+Exactness: scale and zero are the products gguf's ``dequantize`` forms, and q * scale is exact or
+is gguf's own product, so ``dequantize(unpack(...))`` equals ``gguf.quants.dequantize`` bit for
+bit, -0 and non-finite d included: every type forms gguf's very product, q * d (+ m) (Q4_0 with
+its codes q - 8, as gguf's d * (q - 8)), and MXFP4's largest scales overflow to inf as gguf's do.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ from ..layers.codebooks import CODEBOOKS
 from ..layers.superblocks import BLOCK_TYPES, SUPERBLOCK
 
 KEPT_AS_STORED = frozenset(BLOCK_TYPES)
+FLOAT16_SCALES = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL"})  # scale, zero: the file's f16
 SUPPORTED = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "MXFP4", "IQ4_NL", "IQ4_XS"}) | KEPT_AS_STORED
 
 
@@ -77,8 +80,8 @@ class QuantizedTensor:
     bits: int  # 4 or 8
     group: int  # elements per scale
     qweight: np.ndarray  # bits=4: uint8 [rows, cols // 2]; bits=8: int8 [rows, cols]; blocks: [rows, n, bytes]
-    scale: np.ndarray  # float32 [rows, cols // group]; blocks: [rows, 0]
-    zero: np.ndarray | None  # float32 [rows, cols // group]; None means 0
+    scale: np.ndarray  # float32 or float16 [rows, cols // group]; blocks: [rows, 0]
+    zero: np.ndarray | None  # like scale; None means 0
     codebook: str | None = None  # 4-bit codes into CODEBOOKS[codebook]; None: q is the value
     block_type: str | None = None  # a K-quant kept as stored: qweight its blocks
 
@@ -123,9 +126,9 @@ def dequantize(qt: QuantizedTensor) -> np.ndarray:
     q = _unpack_int4(qt.qweight) if qt.bits == 4 else qt.qweight
     if qt.codebook is not None:
         q = np.array(CODEBOOKS[qt.codebook], dtype=np.int8)[q]
-    values = q.astype(np.float32).reshape(rows, -1, qt.group) * qt.scale[..., None]
+    values = q.astype(np.float32).reshape(rows, -1, qt.group) * qt.scale.astype(np.float32)[..., None]
     if qt.zero is not None:
-        values = values + qt.zero[..., None]
+        values = values + qt.zero.astype(np.float32)[..., None]
     return values.reshape(rows, cols)
 
 
@@ -162,14 +165,14 @@ def _unpack_int4(packed: np.ndarray) -> np.ndarray:
 
 
 def _f16(blocks: np.ndarray, offset: int) -> np.ndarray:
-    """The f16 field at byte ``offset`` of every block, as float32 [rows, n_blocks]."""
-    return np.ascontiguousarray(blocks[..., offset : offset + 2]).view(np.float16)[..., 0].astype(np.float32)
+    """The f16 field at byte ``offset`` of every block, float16 [rows, n_blocks] as stored."""
+    return np.ascontiguousarray(blocks[..., offset : offset + 2]).view(np.float16)[..., 0]
 
 
 def _per_group(d: np.ndarray, factor: np.ndarray) -> np.ndarray:
     """d [rows, n_blocks] times each block's per-group factors -> float32 [rows, groups]."""
     rows = d.shape[0]
-    return (d[..., None] * factor.astype(np.float32)).reshape(rows, -1)
+    return (d.astype(np.float32)[..., None] * factor.astype(np.float32)).reshape(rows, -1)
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
@@ -189,8 +192,7 @@ def _five_bits(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
 
 def _q4_0(b: np.ndarray) -> QuantizedTensor:
     rows = b.shape[0]
-    d = _f16(b, 0)
-    return QuantizedTensor(4, 32, np.ascontiguousarray(b[..., 2:]).reshape(rows, -1), d, np.float32(-8) * d)
+    return QuantizedTensor(4, 32, np.ascontiguousarray(b[..., 2:]).reshape(rows, -1), _f16(b, 0), None, "q4_0")
 
 
 def _q4_1(b: np.ndarray) -> QuantizedTensor:

@@ -59,27 +59,46 @@ struct alignas(64) TileConfig {
 // Channels [n0, n0 + 16) dequantized to bf16 as the tiles' B operand: per 32 columns, 16 column
 // pairs x 16 channels x 2 (channels past the matrix are zero). Each channel's 32 columns are one
 // register of 16 pairs; 16 channels' registers transposed give the 16 rows of pairs.
+// K-quant blocks as stored (quant_blocks.h): each channel's block scales decoded once a block.
+template <int64_t Type>
+void dequant_channels_raw(const QuantMatrix& m, int64_t n0, c10::BFloat16* out) {
+  const int64_t count = std::min<int64_t>(16, m.n - n0), rb = m.row_bytes(), block_bytes = raw_block_bytes(Type);
+  __m512i r[16];
+  alignas(64) float scale[16][8][2], offset[16][8][2];
+  for (int64_t blk = 0; blk < m.k / kSuperBlock; ++blk) {
+    const uint8_t* first = m.q + n0 * rb + blk * block_bytes;
+    for (int64_t c = 0; c < count; ++c) avx512::raw_block_affine(Type, first + c * rb, scale[c][0], offset[c][0]);
+    for (int j = 0; j < 8; ++j) {
+      for (int64_t c = 0; c < 16; ++c) {
+        if (c >= count) {
+          r[c] = _mm512_setzero_si512();
+          continue;
+        }
+        __m512 lo, hi;
+        avx512::raw_values(avx512::raw_group_bits_of<Type>(first + c * rb, j), scale[c][j], offset[c][j], lo, hi);
+        r[c] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+      }
+      avx512::transpose16x16(r);
+      const int64_t step = blk * 8 + j;
+      for (int p = 0; p < 16; ++p) _mm512_storeu_si512(out + (step * 16 + p) * 32, r[p]);
+    }
+  }
+}
+
 inline void dequant_channels(const QuantMatrix& m, int64_t n0, c10::BFloat16* out) {
+  if (m.raw) {
+    avx512::with_raw_type(m.raw, [&](auto t) { dequant_channels_raw<decltype(t)::value>(m, n0, out); });
+    return;
+  }
   const int64_t count = std::min<int64_t>(16, m.n - n0);
   __m512i r[16];
-  float scale[16][8][2], offset[16][8][2];  // a raw block's, per channel: decoded once a block
   for (int64_t k0 = 0; k0 < m.k; k0 += 32) {
-    const int64_t j = (k0 % kSuperBlock) / 32;
-    if (m.raw && j == 0)
-      for (int64_t c = 0; c < count; ++c)
-        avx512::raw_block_affine(m.raw, m.q + (n0 + c) * m.row_bytes() + m.byte_of(k0), scale[c][0], offset[c][0]);
     for (int64_t c = 0; c < 16; ++c) {
       if (c >= count) {
         r[c] = _mm512_setzero_si512();
         continue;
       }
       __m512 lo, hi;
-      if (m.raw) {
-        const uint8_t* b = m.q + (n0 + c) * m.row_bytes() + m.byte_of(k0);
-        avx512::raw_values(avx512::raw_group_bits_avx512(m.raw, b, int(j)), scale[c][j], offset[c][j], lo, hi);
-        r[c] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-        continue;
-      }
       avx512::dequant_step(m, n0 + c, k0, lo, hi);
       if (m.bits == 8) {  // 16 columns a step
         __m512 unused;

@@ -3,12 +3,15 @@
 //
 // Layout (what pagedllm/loading/gguf_quants.py produces from GGUF blocks, and the layer from an
 // HF checkpoint): value[n][k] = q[n][k] * scale[n][k / group] + zero[n][k / group] (zero may be
-// absent: 0), scale and zero float32. 4-bit q (0..15) sit two to a byte, per 32 columns from k0:
+// absent: 0), scale and zero float32, or float16 as a GGUF block stores its d and m (Q4_0, Q4_1,
+// Q8_0, IQ4_NL; groups of 32): then the matrix takes the file's bytes, where float32 cost Q4_0
+// 1.33x them. 4-bit q (0..15) sit two to a byte, per 32 columns from k0:
 // byte k0/2 + j holds column k0 + j in its low nibble and k0 + 16 + j in its high one, as GGUF's
 // Q4_0/Q4_1 blocks do. 8-bit q are int8, one per byte.
 //
 // 4-bit codes: where a matrix has a codebook, its 4-bit q are not values but indices into a
-// table of 16 int8 values (MXFP4's e2m1 values doubled; IQ4_NL's and IQ4_XS's non-linear grid),
+// table of 16 int8 values (MXFP4's e2m1 values doubled; IQ4_NL's and IQ4_XS's non-linear grid;
+// Q4_0's q - 8),
 // read as value = table[q] * scale + zero. The kernels take the codebook in their `bits`
 // argument: bits + 256 x the codebook's number (layers/codebooks.py's CODEBOOKS, in this order, from 1).
 //
@@ -24,12 +27,13 @@ namespace pagedllm {
 
 // The codebooks' tables, by number (0: none, q is the value). A test pins them to the gguf
 // package's kvalues and to layers/codebooks.py's.
-alignas(16) inline constexpr int8_t kCodebooks[3][16] = {
+alignas(16) inline constexpr int8_t kCodebooks[4][16] = {
     {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
     {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12},                       // MXFP4 (e2m1 x 2)
     {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113},   // IQ4_NL, IQ4_XS
+    {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7},                      // Q4_0 (q - 8)
 };
-constexpr int64_t kCodebookCount = 3;
+constexpr int64_t kCodebookCount = 4;
 
 struct QuantMatrix {
   const uint8_t* q;  // int4: [N, K / 2]; int8: [N, K] (read as int8)
@@ -40,6 +44,15 @@ struct QuantMatrix {
   int shift;      // log2(group) when a power of two: the inner loops must not divide (~40 cycles)
   const int8_t* codes = nullptr;  // 4-bit q's values (kCodebooks), or nullptr: q itself
   int64_t raw = 0;                // a K-quant's ggml type number (quant_blocks.h), or 0
+  const uint16_t* scale_h = nullptr;  // float16 scales (scale is then nullptr)
+  const uint16_t* zero_h = nullptr;   // float16 offsets (zero is then nullptr)
+  float scale_at(int64_t g) const {
+    return scale_h ? half_to_float(reinterpret_cast<const uint8_t*>(scale_h + g)) : scale[g];
+  }
+  float zero_at(int64_t g) const {
+    return zero_h ? half_to_float(reinterpret_cast<const uint8_t*>(zero_h + g)) : zero ? zero[g] : 0.f;
+  }
+  bool has_zero() const { return zero != nullptr || zero_h != nullptr; }
   int64_t row_bytes() const { return raw ? k / kSuperBlock * raw_block_bytes(raw) : bits == 4 ? k / 2 : k; }
   // column k0's byte in its row (a raw block's first byte)
   int64_t byte_of(int64_t k0) const {
@@ -70,7 +83,7 @@ inline void dequant_step_scalar(const QuantMatrix& m, int64_t n, int64_t k0, flo
     return;
   }
   const int64_t g = n * m.G + m.group_of(k0);
-  const float s = m.scale[g], z = m.zero ? m.zero[g] : 0.f;
+  const float s = m.scale_at(g), z = m.zero_at(g);
   const uint8_t* row = m.q + n * m.row_bytes();
   if (m.bits == 4) {
     const uint8_t* p = row + k0 / 2;

@@ -30,7 +30,7 @@ inline void dequant_step(const QuantMatrix& m, int64_t n, int64_t k0, __m256 w[4
     return;
   }
   const int64_t g = n * m.G + m.group_of(k0);
-  const __m256 s = _mm256_set1_ps(m.scale[g]), z = _mm256_set1_ps(m.zero ? m.zero[g] : 0.f);
+  const __m256 s = _mm256_set1_ps(m.scale_at(g)), z = _mm256_set1_ps(m.zero_at(g));
   const uint8_t* row = m.q + n * m.row_bytes();
   if (m.bits == 4) {
     const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k0 / 2));
@@ -106,7 +106,7 @@ void tile_of(const QuantMatrix& m, const float* X, int64_t ldx, int64_t n0, floa
         continue;
       }
       const int64_t n = n0 + c, g = n * m.G + group;
-      const __m256 s = _mm256_set1_ps(m.scale[g]), z = _mm256_set1_ps(m.zero ? m.zero[g] : 0.f);
+      const __m256 s = _mm256_set1_ps(m.scale_at(g)), z = _mm256_set1_ps(m.zero_at(g));
       const uint8_t* row = m.q + n * bytes;
       __m128i low, high;
       if (V == 4) {

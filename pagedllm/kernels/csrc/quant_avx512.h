@@ -18,7 +18,7 @@ inline void raw_dequant_step(const QuantMatrix& m, int64_t n, int64_t k0, __m512
 inline void dequant_step(const QuantMatrix& m, int64_t n, int64_t k0, __m512& lo, __m512& hi) {
   if (m.raw) return raw_dequant_step(m, n, k0, lo, hi);
   const int64_t g = n * m.G + m.group_of(k0);
-  const __m512 s = _mm512_set1_ps(m.scale[g]), z = _mm512_set1_ps(m.zero ? m.zero[g] : 0.f);
+  const __m512 s = _mm512_set1_ps(m.scale_at(g)), z = _mm512_set1_ps(m.zero_at(g));
   const uint8_t* row = m.q + n * m.row_bytes();
   if (m.bits == 4 && m.codes) {  // each nibble looked up in the codebook (one byte shuffle)
     const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k0 / 2));
@@ -150,14 +150,37 @@ inline __m512 load_scales(const float* p, int64_t groups) {
   }
 }
 
-// Sum over a row's groups of per-group weights (its scales or offsets) x the groups' scaled sums of x.
-inline float group_sums(const float* w, const float* sums, int64_t G) {
+// Row n's `groups` (1-4) scales from group g0, in lanes 0-3, float32 or float16 (QuantMatrix).
+inline __m512 load_scales(const QuantMatrix& m, int64_t n, int64_t g0, int64_t groups) {
+  const int64_t at = n * m.G + g0;
+  if (m.scale_h == nullptr) return load_scales(m.scale + at, groups);
+  const uint16_t* p = m.scale_h + at;
+  __m128i h;
+  switch (groups) {
+    case 4: h = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); break;
+    case 1: h = _mm_cvtsi32_si128(p[0]); break;
+    default: h = _mm_maskz_loadu_epi16(__mmask8((1u << groups) - 1), p); break;
+  }
+  return _mm512_castps256_ps512(_mm256_cvtph_ps(h));
+}
+
+// Sum over a row's groups of per-group weights (its scales or offsets) x the groups' scaled sums
+// of x; the weights float32 (w) or float16 (h).
+inline float group_sums(const float* w, const uint16_t* h, const float* sums, int64_t G) {
   __m512 z = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; g += 16) {
     const __mmask16 k = G - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (G - g)) - 1);
-    z = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, w + g), _mm512_maskz_loadu_ps(k, sums + g), z);
+    const __m512 v = h ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, h + g)) : _mm512_maskz_loadu_ps(k, w + g);
+    z = _mm512_fmadd_ps(v, _mm512_maskz_loadu_ps(k, sums + g), z);
   }
   return _mm512_reduce_add_ps(z);
+}
+inline float scale_sums(const QuantMatrix& m, int64_t n, const float* sums) {
+  return group_sums(m.scale ? m.scale + n * m.G : nullptr, m.scale_h ? m.scale_h + n * m.G : nullptr, sums, m.G);
+}
+inline float zero_sums(const QuantMatrix& m, int64_t n, const float* sums) {
+  if (!m.has_zero()) return 0.f;
+  return group_sums(m.zero ? m.zero + n * m.G : nullptr, m.zero_h ? m.zero_h + n * m.G : nullptr, sums, m.G);
 }
 
 // Rows row0 .. row0 + MR of x in 8 bits for groups g0 .. g0 + 3: each group's first 16 values
@@ -204,7 +227,7 @@ void tile_vnni(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, int64_t n
         lo = _mm512_shuffle_epi8(table, lo);
         hi = _mm512_shuffle_epi8(table, hi);
       }
-      const __m512 s = _mm512_permutexvar_ps(spread, load_scales(m.scale + n * G + g0, n_groups));
+      const __m512 s = _mm512_permutexvar_ps(spread, load_scales(m, n, g0, n_groups));
       for (int r = 0; r < MR; ++r) {
         __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo[r]);
         dot = _mm512_dpbusd_epi32(dot, hi, xhi[r]);
@@ -217,8 +240,8 @@ void tile_vnni(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, int64_t n
     for (int r = 0; r < MR; ++r) {
       const float* sums = xr.block_sums.data() + (row0 + r) * xr.padded_groups;
       float y = _mm512_reduce_add_ps(acc[c][r]);
-      if constexpr (Coded) y -= 128.f * group_sums(m.scale + n * G, sums, G);
-      if (m.zero) y += group_sums(m.zero + n * G, sums, G);  // sum over groups of offset x the group's sum of x
+      if constexpr (Coded) y -= 128.f * scale_sums(m, n, sums);
+      y += zero_sums(m, n, sums);  // sum over groups of offset x the group's sum of x
       Y[r * ldy + n] = y;
     }
   }
@@ -278,7 +301,7 @@ void tile_vnni8(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, int64_t 
           acc[c][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_hi), _mm512_mul_ps(s_hi, xs[r]), acc[c][r]);
         }
       } else {
-        const __m512 s = _mm512_permutexvar_ps(spread, load_scales(m.scale + n * G + g0, n_groups));
+        const __m512 s = _mm512_permutexvar_ps(spread, load_scales(m, n, g0, n_groups));
         for (int r = 0; r < MR; ++r) {
           __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo[r]);
           dot = _mm512_dpbusd_epi32(dot, hi, xhi[r]);
@@ -292,8 +315,7 @@ void tile_vnni8(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, int64_t 
     for (int r = 0; r < MR; ++r) {
       const float* sums = Halves ? xr.half_sums.data() + (row0 + r) * xr.padded_groups * 2
                                  : xr.block_sums.data() + (row0 + r) * xr.padded_groups;
-      float y = _mm512_reduce_add_ps(acc[c][r]) - 128.f * group_sums(m.scale + n * G, sums, G);
-      if (m.zero) y += group_sums(m.zero + n * G, sums, G);
+      float y = _mm512_reduce_add_ps(acc[c][r]) - 128.f * scale_sums(m, n, sums) + zero_sums(m, n, sums);
       Y[r * ldy + n] = y;
     }
   }

@@ -4,6 +4,8 @@
 // (Int8Rows), summed as integers (tile_vnni_raw). Included at the end of quant_avx512.h.
 #pragma once
 
+#include <type_traits>
+
 #include "quant_blocks.h"
 
 #if defined(PAGEDLLM_AVX512)
@@ -15,11 +17,13 @@ namespace pagedllm::avx512 {
 inline __m256i shift_right(__m256i v, int bits) { return _mm256_srl_epi16(v, _mm_cvtsi32_si128(bits)); }
 
 // Group j's 32 u (quant_blocks.h) of block b, in a register: Q4_K, Q5_K and Q6_K decoded in
-// vectors, Q2_K and Q3_K by the scalar code.
-inline __m256i raw_group_bits_avx512(int64_t type, const uint8_t* b, int j) {
+// vectors, Q2_K and Q3_K by the scalar code. Type is a template argument where the caller knows
+// it (the AMX tiles' dequantize: a run-time switch per 32 columns cost them ~1.3x).
+template <int64_t Type>
+inline __m256i raw_group_bits_of(const uint8_t* b, int j) {
   const __m256i low4 = _mm256_set1_epi8(15);
-  if (type == kQ4K || type == kQ5K) {
-    const bool five = type == kQ5K;
+  if constexpr (Type == kQ4K || Type == kQ5K) {
+    constexpr bool five = Type == kQ5K;
     const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (five ? 48 : 16) + 32 * (j / 2)));
     __m256i u = _mm256_and_si256(shift_right(qs, 4 * (j & 1)), low4);
     if (five) {
@@ -29,7 +33,7 @@ inline __m256i raw_group_bits_avx512(int64_t type, const uint8_t* b, int j) {
     }
     return u;
   }
-  if (type == kQ6K) {
+  if constexpr (Type == kQ6K) {
     const int h = j / 4, t = j % 4;
     const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * (t & 1)));
     const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
@@ -37,8 +41,23 @@ inline __m256i raw_group_bits_avx512(int64_t type, const uint8_t* b, int j) {
     return _mm256_or_si256(_mm256_and_si256(shift_right(ql, 4 * (t >> 1)), low4), _mm256_slli_epi16(top, 4));
   }
   alignas(32) uint8_t bytes[32];
-  raw_group_bits(type, b, j, bytes);
+  raw_group_bits(Type, b, j, bytes);
   return _mm256_load_si256(reinterpret_cast<const __m256i*>(bytes));
+}
+
+// The function of a run-time type: the callers' whose per-step work is larger anyway.
+template <typename F>
+inline decltype(auto) with_raw_type(int64_t type, F f) {
+  switch (type) {
+    case kQ4K: return f(std::integral_constant<int64_t, kQ4K>{});
+    case kQ5K: return f(std::integral_constant<int64_t, kQ5K>{});
+    case kQ6K: return f(std::integral_constant<int64_t, kQ6K>{});
+    case kQ2K: return f(std::integral_constant<int64_t, kQ2K>{});
+    default: return f(std::integral_constant<int64_t, kQ3K>{});
+  }
+}
+inline __m256i raw_group_bits_avx512(int64_t type, const uint8_t* b, int j) {
+  return with_raw_type(type, [&](auto t) { return raw_group_bits_of<decltype(t)::value>(b, j); });
 }
 
 // A block's scales as floats: Q4_K/Q5_K lanes 0-7 d x sc[j], 8-15 -(dmin x m[j]); Q6_K d x sc[i]
@@ -93,18 +112,18 @@ inline void raw_dequant_step(const QuantMatrix& m, int64_t n, int64_t k0, __m512
 
 // The float tile (quant_avx512.h's tile) for raw rows: each block's scales and offsets decoded
 // once per channel, not once per 32 columns (which cost fp32 rows 1.7x the widened layout's time).
-template <int NC, int MR>
-void tile_raw(const QuantMatrix& m, const float* X, int64_t ldx, int64_t n0, float* Y, int64_t ldy) {
+template <int NC, int MR, int64_t Type>
+void tile_raw_of(const QuantMatrix& m, const float* X, int64_t ldx, int64_t n0, float* Y, int64_t ldy) {
   __m512 acc[NC][MR];
   for (int c = 0; c < NC; ++c)
     for (int r = 0; r < MR; ++r) acc[c][r] = _mm512_setzero_ps();
-  const int64_t block_bytes = raw_block_bytes(m.raw), rb = m.row_bytes();
+  const int64_t block_bytes = raw_block_bytes(Type), rb = m.row_bytes();
   for (int64_t blk = 0; blk < m.k / kSuperBlock; ++blk) {
     float scale[NC][8][2], offset[NC][8][2];
     for (int c = 0; c < NC; ++c) {
       const uint8_t* p = m.q + (n0 + c) * rb + blk * block_bytes;
       for (int64_t line = 0; line < block_bytes; line += 64) prefetch_ahead(p + line);
-      raw_block_affine(m.raw, p, scale[c][0], offset[c][0]);
+      raw_block_affine(Type, p, scale[c][0], offset[c][0]);
     }
     for (int j = 0; j < 8; ++j) {
       const int64_t k0 = blk * kSuperBlock + 32 * j;
@@ -115,8 +134,8 @@ void tile_raw(const QuantMatrix& m, const float* X, int64_t ldx, int64_t n0, flo
       }
       for (int c = 0; c < NC; ++c) {
         __m512 lo, hi;
-        raw_values(raw_group_bits_avx512(m.raw, m.q + (n0 + c) * rb + blk * block_bytes, j), scale[c][j],
-                   offset[c][j], lo, hi);
+        raw_values(raw_group_bits_of<Type>(m.q + (n0 + c) * rb + blk * block_bytes, j), scale[c][j], offset[c][j],
+                   lo, hi);
         for (int r = 0; r < MR; ++r) acc[c][r] = _mm512_fmadd_ps(hi, xhi[r], _mm512_fmadd_ps(lo, xlo[r], acc[c][r]));
       }
     }
@@ -125,14 +144,20 @@ void tile_raw(const QuantMatrix& m, const float* X, int64_t ldx, int64_t n0, flo
     for (int r = 0; r < MR; ++r) Y[r * ldy + n0 + c] = _mm512_reduce_add_ps(acc[c][r]);
 }
 
+template <int NC, int MR>
+void tile_raw(const QuantMatrix& m, const float* X, int64_t ldx, int64_t n0, float* Y, int64_t ldy) {
+  with_raw_type(m.raw, [&](auto t) { tile_raw_of<NC, MR, decltype(t)::value>(m, X, ldx, n0, Y, ldy); });
+}
+
 #if defined(PAGEDLLM_VNNI)
 inline bool vnni_takes_raw(int64_t type) { return type == kQ4K || type == kQ5K || type == kQ6K; }
 
-// 64 weight bytes of a block unpack into two vectors of 64 values, a and b, each two 32-column
-// groups in its 256-bit halves (or, for Q6_K, four 16-column ones). Q4_K/Q5_K: a = groups 0 and
-// 2 of the 128 columns, b = groups 1 and 3 (the low and high nibbles of 32-byte runs); Q6_K: a =
-// columns 0-63, b = 64-127. x's rows are permuted to match, once per row for every channel:
-// from Int8Rows' lo (each group's first 16) and hi (each group's last 16), 128-bit lanes.
+// 64 weight bytes of a block unpack into two vectors of 64 values, a and b. Q4_K/Q5_K: four
+// 32-column groups, in 128-bit lanes as groups 0, 2, 1, 3 of the 128 columns, a their first 16
+// columns and b their last 16, so that a lane of a and the same lane of b hold one group and
+// their dot products add before one scale multiplies them (as Int8Rows' lo and hi do); Q6_K: a =
+// columns 0-63, b = 64-127, four 16-column groups each. x's rows are permuted to match, once per
+// row for every channel, from Int8Rows' lo (each group's first 16) and hi (its last 16).
 template <int64_t Type>
 inline void raw_x(const Int8Rows& xr, int64_t row, int64_t g0, __m512i& a, __m512i& b, __m512& sa, __m512& sb) {
   const int64_t width = xr.padded_groups * 16;
@@ -144,11 +169,11 @@ inline void raw_x(const Int8Rows& xr, int64_t row, int64_t g0, __m512i& a, __m51
     b = _mm512_permutex2var_epi64(lo, _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15), hi);
     sa = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4), s);
     sb = _mm512_permutexvar_ps(_mm512_setr_epi32(8, 8, 8, 8, 8, 8, 8, 8, 12, 12, 12, 12, 12, 12, 12, 12), s);
-  } else {
-    a = _mm512_permutex2var_epi64(lo, _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), hi);
-    b = _mm512_permutex2var_epi64(lo, _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15), hi);
-    sa = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8), s);
-    sb = _mm512_permutexvar_ps(_mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 12, 12, 12, 12, 12, 12, 12, 12), s);
+  } else {  // groups in 128-bit lanes as g0, g0 + 2, g0 + 1, g0 + 3: a their first 16 columns, b the last
+    a = _mm512_shuffle_i64x2(lo, lo, 0xD8);
+    b = _mm512_shuffle_i64x2(hi, hi, 0xD8);
+    sa = _mm512_shuffle_f32x4(s, s, 0xD8);
+    sb = sa;
   }
 }
 
@@ -180,6 +205,10 @@ inline void raw_weights(const uint8_t* blk, int h, __m512i& wa, __m512i& wb) {
       wa = _mm512_mask_add_epi8(wa, _mm512_test_epi8_mask(qh, bit_a), wa, sixteen);
       wb = _mm512_mask_add_epi8(wb, _mm512_test_epi8_mask(qh, bit_b), wb, sixteen);
     }
+    // low nibbles: groups 0 and 2 (columns 0-15, 16-31 each); high: 1 and 3 -> raw_x's order
+    const __m512i lows = wa;
+    wa = _mm512_shuffle_i64x2(lows, wb, 0x88);
+    wb = _mm512_shuffle_i64x2(lows, wb, 0xDD);
   }
 }
 
@@ -192,11 +221,11 @@ inline void raw_lane_scales(__m512 scales, int h, __m512& sa, __m512& sb) {
                                        _mm512_set1_epi32(8 * h));
     sa = _mm512_permutexvar_ps(a, scales);
     sb = _mm512_permutexvar_ps(_mm512_add_epi32(a, _mm512_set1_epi32(4)), scales);
-  } else {  // 8 lanes (32 columns) a scale: a holds groups 4h and 4h + 2, b 4h + 1 and 4h + 3
-    const __m512i a = _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2),
+  } else {  // 4 lanes a group, groups 4h, 4h + 2, 4h + 1, 4h + 3 (raw_weights' order); a and b alike
+    const __m512i a = _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 3, 3, 3, 3),
                                        _mm512_set1_epi32(4 * h));
     sa = _mm512_permutexvar_ps(a, scales);
-    sb = _mm512_permutexvar_ps(_mm512_add_epi32(a, _mm512_set1_epi32(1)), scales);
+    sb = sa;
   }
 }
 
@@ -241,6 +270,11 @@ void tile_vnni_raw(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, int64
         __m512 sa, sb;
         raw_lane_scales<Type>(scales[c], h, sa, sb);
         for (int r = 0; r < MR; ++r) {
+          if constexpr (Type != kQ6K) {  // a and b's lanes hold the same groups: one sum, one scale
+            const __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wa, xa[r]), wb, xb[r]);
+            acc[c][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(sa, xsa[r]), acc[c][r]);
+            continue;
+          }
           const __m512i da = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wa, xa[r]);
           const __m512i db = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wb, xb[r]);
           acc[c][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(da), _mm512_mul_ps(sa, xsa[r]), acc[c][r]);

@@ -96,15 +96,20 @@ QuantMatrix check_quant(const Tensor& q, const Tensor& scale, const c10::optiona
               m.step(), " dividing the ", m.k, " columns");
   m.G = m.k / group;
   m.shift = (group & (group - 1)) == 0 ? __builtin_ctzll(uint64_t(group)) : -1;
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 2 && scale.size(0) == m.n &&
-                  scale.size(1) == m.groups(),
-              "scale must be contiguous float32 [rows, columns / group]");
-  m.scale = scale.data_ptr<float>();
+  const bool half = scale.scalar_type() == at::kHalf;
+  TORCH_CHECK((scale.scalar_type() == at::kFloat || (half && group == 32)) && scale.is_contiguous() &&
+                  scale.dim() == 2 && scale.size(0) == m.n && scale.size(1) == m.groups(),
+              "scale must be contiguous float32 [rows, columns / group] (float16 for groups of 32)");
+  m.scale = half ? nullptr : scale.data_ptr<float>();
+  m.scale_h = half ? reinterpret_cast<const uint16_t*>(scale.data_ptr()) : nullptr;
   m.zero = nullptr;
   if (zero.has_value() && zero->defined()) {
-    TORCH_CHECK(zero->scalar_type() == at::kFloat && zero->is_contiguous() && zero->sizes() == scale.sizes(),
-                "zero must be contiguous float32 shaped like scale");
-    m.zero = zero->data_ptr<float>();
+    TORCH_CHECK(zero->scalar_type() == scale.scalar_type() && zero->is_contiguous() && zero->sizes() == scale.sizes(),
+                "zero must be contiguous and shaped like scale, of its dtype");
+    if (half)
+      m.zero_h = reinterpret_cast<const uint16_t*>(zero->data_ptr());
+    else
+      m.zero = zero->data_ptr<float>();
   }
   return m;
 }
