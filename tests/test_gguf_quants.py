@@ -38,13 +38,13 @@ _F16_FIELDS = {
 _E8M0_EDGES = np.array([0, 1, 2, 126, 127, 128, 252, 253, 254, 255], dtype=np.uint8)
 # bits, group, qweight dtype, qweight columns per weight column, has a zero (the coded types:
 # their codebook in _CODEBOOK)
-_CODEBOOK = {"Q4_0": "q4_0", "MXFP4": "mxfp4", "IQ4_NL": "iq4_nl", "IQ4_XS": "iq4_nl"}
+_CODEBOOK = {"Q4_0": "q4_0", "Q5_0": "q5_0", "MXFP4": "mxfp4", "IQ4_NL": "iq4_nl", "IQ4_XS": "iq4_nl"}
 _FORMAT = {
     "Q4_0": (4, 32, np.uint8, 0.5, False),
     "Q4_1": (4, 32, np.uint8, 0.5, True),
     "Q8_0": (8, 32, np.int8, 1, False),
-    "Q5_0": (8, 32, np.int8, 1, False),
-    "Q5_1": (8, 32, np.int8, 1, True),
+    "Q5_0": (5, 32, np.uint8, 20 / 32, False),
+    "Q5_1": (5, 32, np.uint8, 20 / 32, True),
     "MXFP4": (4, 32, np.uint8, 0.5, False),
     "IQ4_NL": (4, 32, np.uint8, 0.5, False),
     "IQ4_XS": (4, 32, np.uint8, 0.5, False),
@@ -105,7 +105,7 @@ def test_q_stays_in_its_range(type_name):
         "Q4_0": (0, 15),
         "Q4_1": (0, 15),
         "Q8_0": (-128, 127),
-        "Q5_0": (-16, 15),
+        "Q5_0": (0, 31),  # codes: q5_0's table makes them q - 16
         "Q5_1": (0, 31),
         "MXFP4": (0, 15),  # codes
         "IQ4_NL": (0, 15),
@@ -114,6 +114,12 @@ def test_q_stays_in_its_range(type_name):
     q = qt.qweight
     if qt.bits == 4:
         q = np.concatenate([q & 0x0F, q >> 4])
+    if qt.bits == 5:  # per 32 columns: qh (bit j of the little-endian word: element j's fifth bit), qs
+        groups = q.reshape(3, -1, 20)
+        qh = groups[..., :4].copy().view("<u4")  # [3, groups, 1]
+        qs = groups[..., 4:]
+        low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+        q = low | (((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
     assert q.min() == lo and q.max() == hi
 
 
@@ -126,14 +132,22 @@ def test_the_codebooks_are_the_gguf_packages_and_the_kernels_read_the_same(ops):
     from pagedllm.layers.codebooks import CODEBOOKS
     from pagedllm.layers.quantized import QuantizedWeight
 
-    # Q4_0: gguf's value is d x (q - 8) (ggml-common.h's block_q4_0), arithmetic written here
+    # Q4_0 and Q5_0: gguf's values are d x (q - 8) and d x (q - 16) (ggml-common.h's block_q4_0
+    # and block_q5_0), arithmetic written here
     assert CODEBOOKS == {
         "mxfp4": tuple(MXFP4.kvalues),
         "iq4_nl": tuple(IQ4_NL.kvalues),
         "q4_0": tuple(q - 8 for q in range(16)),
+        "q5_0": tuple(q - 16 for q in range(32)),
     }
     codes = torch.tensor([j | ((15 - j) << 4) for j in range(16)], dtype=torch.uint8)[None, :]
+    five = torch.tensor([[0, 0, 0xFF, 0xFF] + [j | ((15 - j) << 4) for j in range(16)]], dtype=torch.uint8)
+    w = QuantizedWeight(five, torch.ones(1, 1), None, 5, 32, "q5_0")  # q: 0..15, then 16 + (15..0)
+    got = ops.dequantize(w.qweight, w.scale, w.zero, w.layout, w.group, None, torch.float32)
+    assert got[0].tolist() == [float(v) for v in CODEBOOKS["q5_0"][:16] + CODEBOOKS["q5_0"][16:][::-1]]
     for name, table in CODEBOOKS.items():
+        if len(table) != 16:
+            continue
         w = QuantizedWeight(codes, torch.ones(1, 1), None, 4, 32, name)
         got = ops.dequantize(w.qweight, w.scale, w.zero, w.layout, w.group, None, torch.float32)
         assert got[0].tolist() == [float(v) for v in table + table[::-1]]
@@ -249,8 +263,8 @@ _RAM_PER_FILE = {
     "MXFP4": 20 / 17,  # 2^(e - 128) a float32 per 32
     "Q4_0": 1.0,  # codes q - 8 under its f16 d (was 24 / 18: a float32 scale and offset)
     "Q4_1": 1.0,
-    "Q5_0": 34 / 22,  # a byte a value
-    "Q5_1": 36 / 24,
+    "Q5_0": 1.0,  # qh and qs as stored (was a byte a value and a float32 d: 36 / 22)
+    "Q5_1": 1.0,
 }
 
 

@@ -69,7 +69,7 @@ def test_int4_on_whole_blocks_is_q4_k_as_the_gguf_package_reads_it():
 
 # (bits, group, with offsets, codebook, scale dtype): our int8/int4 and the layouts GGUF types
 # unpack to (Q8_0 and Q5_0; Q5_1; MXFP4's and IQ4_NL/IQ4_XS's 4-bit codes; with their file's
-# float16 scales: Q4_1, Q8_0, Q5_1, Q4_0's codes q - 8, IQ4_NL)
+# float16 scales: Q4_1, Q8_0, Q5_1, Q4_0's codes q - 8, IQ4_NL; Q5_0 and Q5_1 in 5 bits)
 F16, F32 = torch.float16, torch.float32
 FORMATS = [
     (8, 256, False, None, F32),
@@ -84,13 +84,17 @@ FORMATS = [
     (8, 32, True, None, F16),
     (4, 32, False, "q4_0", F16),
     (4, 32, False, "iq4_nl", F16),
+    (5, 32, False, "q5_0", F16),
+    (5, 32, True, None, F16),
+    (5, 32, True, None, F32),
 ]
 
 
 def random_quantized(rows, cols, bits, group, zero, codebook=None, scale_dtype=F32, seed=0):
     g = torch.Generator().manual_seed(seed)
-    if bits == 4:
-        q = torch.randint(0, 256, (rows, cols // 2), generator=g, dtype=torch.uint8)
+    if bits in (4, 5):  # 5-bit: 20 bytes (qh, qs) per 32 columns
+        width = cols // 2 if bits == 4 else cols // 32 * 20
+        q = torch.randint(0, 256, (rows, width), generator=g, dtype=torch.uint8)
     else:
         q = torch.randint(-128, 128, (rows, cols), generator=g, dtype=torch.int8)
     scale = torch.rand(rows, cols // group, generator=g) / 50
@@ -339,7 +343,7 @@ def logits_of(model, ids, dtype=torch.float32):
     "types, qkv_formats",
     [
         (TYPES, [(772, 32, False, F16), (8, 32, False, F16), (4110, 256, False, F32)]),
-        (LATER_TYPES, [(8, 32, False, F16), (8, 32, True, F16), (260, 32, False, F32)]),
+        (LATER_TYPES, [(1029, 32, False, F16), (5, 32, True, F16), (260, 32, False, F32)]),
         (CODED_TYPES, [(516, 32, False, F16), (8, 32, False, F16), (4110, 256, False, F32)]),
         (K_TYPES, [(4106, 256, False, F32), (4107, 256, False, F32), (4110, 256, False, F32)]),
     ],

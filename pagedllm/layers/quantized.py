@@ -45,7 +45,7 @@ QUANTIZE_CHUNK_ELEMENTS = 4 * 1024 * 1024  # rows quantized at once when loading
 
 @dataclass
 class QuantizedWeight:
-    qweight: torch.Tensor  # 4-bit: uint8 [N, K // 2], two per byte; 8-bit: int8 [N, K]
+    qweight: torch.Tensor  # 4-bit: uint8 [N, K // 2], two per byte; 5-bit: uint8 [N, K // 32 * 20]; 8-bit: int8 [N, K]
     scale: torch.Tensor  # float32 [N, K // group]; float16 as a GGUF stores it, groups of 32
     zero: torch.Tensor | None  # float32 like scale, or None for 0
     bits: int
@@ -68,7 +68,7 @@ class QuantizedWeight:
         rows, width = self.qweight.shape
         if self.block_type is not None:
             return rows, superblocks.columns(self.block_type, width)
-        return rows, width * 2 if self.bits == 4 else width
+        return rows, columns_of(self.bits, width)
 
     @property
     def int8_per_row(self) -> bool:
@@ -131,6 +131,20 @@ class QuantizedWeight:
 
 
 STORED_FIELDS = ("qweight", "scale", "zero")  # a stored matrix's tensors, as <name>.<field>
+FIVE_BIT_GROUP_BYTES = 20  # a Q5 block's qh (4) and qs (16): 32 columns of 5-bit q
+
+
+def columns_of(bits: int, width: int) -> int:
+    """The columns of a ``bits`` matrix whose qweight rows are ``width`` wide."""
+    return width * 2 if bits == 4 else width // FIVE_BIT_GROUP_BYTES * 32 if bits == 5 else width
+
+
+def stored_bits(q_dtype: torch.dtype, width: int, groups: int) -> int:
+    """A stored matrix's bits, by its qweight's dtype and row width against its count of scales
+    per row: int8 is 8-bit; uint8 is 5-bit where each group of 32 has 20 bytes, else 4-bit."""
+    if q_dtype == torch.int8:
+        return 8
+    return 5 if groups and width == groups * FIVE_BIT_GROUP_BYTES else 4
 
 
 def stored_weight(
@@ -147,9 +161,8 @@ def stored_weight(
         return QuantizedWeight.of_blocks(q.reshape(q.shape[0], -1), block_type)
     if scale is None:
         raise ValueError("a quantized matrix that is not a K-quant's blocks needs its scale")
-    bits = 4 if q.dtype == torch.uint8 else 8
-    columns = q.shape[1] * (2 if bits == 4 else 1)
-    return QuantizedWeight(q, scale, zero, bits, columns // max(1, scale.shape[1]), codebook)
+    bits = stored_bits(q.dtype, q.shape[1], scale.shape[1])
+    return QuantizedWeight(q, scale, zero, bits, columns_of(bits, q.shape[1]) // max(1, scale.shape[1]), codebook)
 
 
 def empty_quantized(rows: int, columns: int, scheme: str) -> QuantizedWeight:
@@ -278,9 +291,15 @@ def dequantize_reference(w: QuantizedWeight, dtype: torch.dtype, rows: torch.Ten
         stored = dequantize(w.qweight.numpy(), GGMLQuantizationType[w.block_type])
         return torch.from_numpy(stored).to(dtype)
     n, k = w.shape
-    if w.bits == 4:
-        packed = w.qweight.view(n, k // 32, 1, 16)
-        q = torch.cat([packed & 15, packed >> 4], dim=2).view(n, k)
+    if w.bits in (4, 5):
+        groups = w.qweight.view(n, k // 32, -1)
+        packed = groups[..., -16:].unsqueeze(2)  # 5-bit: qs after the 4 bytes of qh
+        q = torch.cat([packed & 15, packed >> 4], dim=2).view(n, k // 32, 32)
+        if w.bits == 5:  # bit j of qh (little-endian) is element j's fifth bit
+            qh = groups[..., :4].long()
+            word = qh[..., 0] | qh[..., 1] << 8 | qh[..., 2] << 16 | qh[..., 3] << 24
+            q = q | (((word[..., None] >> torch.arange(32)) & 1) << 4).to(torch.uint8)
+        q = q.view(n, k)
         q = _codebook_values(w.codebook)[q.long()] if w.codebook else q.float()
     else:
         q = w.qweight.float()

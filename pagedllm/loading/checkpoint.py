@@ -31,7 +31,15 @@ from ..layers.layer_stream import LayerStream
 from ..layers.linear import Linear, StackedRows
 from ..layers.moe import ROUTER_SUFFIXES, SparseMoE
 from ..layers.norm import RMSNorm
-from ..layers.quantized import INT8_COMPUTE, QuantizedEmbedding, QuantizedLinear, QuantizedWeight, stored_weight
+from ..layers.quantized import (
+    INT8_COMPUTE,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    QuantizedWeight,
+    columns_of,
+    stored_bits,
+    stored_weight,
+)
 from ..layers.stored_reads import StoredTensor
 from ..layers.superblocks import SUPERBLOCK
 from ..memory.footprint import RoutedExperts, expert_slot_floor
@@ -393,8 +401,7 @@ def _quantized_weight(path: Path, name: str, fields: dict[str, torch.Tensor]) ->
         or scale.dtype not in (torch.float32, torch.float16)
     ):
         raise ModelLoadError(f"{path}: quantized tensor {name!r} lacks a 2-D qweight or a float32/float16 scale")
-    bits = 4 if q.dtype == torch.uint8 else 8
-    cols = q.shape[1] * (2 if bits == 4 else 1)
+    cols = columns_of(stored_bits(q.dtype, q.shape[1], scale.shape[1]), q.shape[1])
     if q.dtype not in (torch.uint8, torch.int8) or scale.shape[0] != q.shape[0] or cols % max(1, scale.shape[1]):
         raise ModelLoadError(f"{path}: quantized tensor {name!r} has inconsistent qweight/scale shapes")
     if scale.dtype == torch.float16 and cols != 32 * scale.shape[1]:

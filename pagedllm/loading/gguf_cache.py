@@ -22,7 +22,8 @@ from ..paths import cache_root
 
 log = logging.getLogger(__name__)
 
-# 6: float16 scales where the file's are (Q4_0, Q4_1, Q8_0, ...), Q4_0 as codes q - 8; 5: K-quants
+# 6: float16 scales where the file's are (Q4_0, Q4_1, Q8_0, ...), Q4_0 as codes q - 8, Q5_0/Q5_1 in
+# 5 bits (were a byte a value); 5: K-quants
 # kept as their blocks (were widened); 4: MXFP4 kept as 4-bit codes (was widened to 8 bits);
 # IQ4_NL, IQ4_XS
 CONVERTER_VERSION = 6

@@ -155,14 +155,14 @@ _QUANT_FORMATS = {
     "Q4_0": (4, 32),
     "Q4_1": (4, 32),
     "Q8_0": (8, 32),
-    "Q5_0": (8, 32),
-    "Q5_1": (8, 32),
+    "Q5_0": (5, 32),
+    "Q5_1": (5, 32),
     "MXFP4": (4, 32),
     "IQ4_NL": (4, 32),
     "IQ4_XS": (4, 32),
 }
 _NO_ZERO = frozenset({"Q4_0", "Q8_0", "Q5_0", "MXFP4", "IQ4_NL", "IQ4_XS"})
-_CODED = frozenset({"Q4_0", "MXFP4", "IQ4_NL", "IQ4_XS"})
+_CODED = frozenset({"Q4_0", "Q5_0", "MXFP4", "IQ4_NL", "IQ4_XS"})
 
 
 def _metadata(reader) -> dict:
@@ -305,13 +305,14 @@ def _add_specs(specs: list, hf: str, kind: str, shape: tuple[int, ...], gguf_nam
     elif kind in gguf_quants.SUPPORTED and len(shape) == 2:
         rows, cols = shape
         bits, group = _QUANT_FORMATS[kind]
-        specs.append((f"{hf}{QWEIGHT}", torch.uint8 if bits == 4 else torch.int8, (rows, cols * bits // 8)))
+        qbytes = cols // 32 * 20 if bits == 5 else cols * bits // 8  # 5-bit: a Q5 block's qh and qs per 32
+        specs.append((f"{hf}{QWEIGHT}", torch.int8 if bits == 8 else torch.uint8, (rows, qbytes)))
         scale_dtype = torch.float16 if kind in gguf_quants.FLOAT16_SCALES else torch.float32
         specs.append((f"{hf}{SCALE}", scale_dtype, (rows, cols // group)))
         if kind not in _NO_ZERO:
             specs.append((f"{hf}{ZERO}", scale_dtype, (rows, cols // group)))
         if kind in _CODED:
-            specs.append((f"{hf}{CODES}", torch.int8, (16,)))
+            specs.append((f"{hf}{CODES}", torch.int8, (32 if bits == 5 else 16,)))
     else:
         raise UnsupportedModelError(
             f"{path}: tensor {gguf_name!r} is of GGUF type {kind}, which pagedllm does not load; supported: "

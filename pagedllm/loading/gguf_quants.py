@@ -11,6 +11,10 @@ type is affine per group of ``group`` elements:
             byte k0 // 2 + j holds element k0 + j in its low nibble and k0 + 16 + j in its high
             nibble (the order Q4_0 and Q4_1 blocks already use); q is unsigned 0..15.
     bits=8  qweight int8 [rows, cols].
+    bits=5  qweight uint8 [rows, cols // 32 * 20]: per 32 columns a Q5 block's qh (4 bytes, bit j
+            of it as a little-endian uint32 is element j's fifth bit) then its qs (the low four
+            bits, in 4-bit's nibble order), as the file stores them; q is 0..31, Q5_0's codebook
+            q5_0 making it q - 16.
     codes   bits=4 as above, but each q is an index into a table of 16 values (``codebook``:
             ``layers/codebooks.py``), and value = table[q] * scale (+ zero).
 
@@ -18,8 +22,8 @@ type is affine per group of ``group`` elements:
     Q4_0   d f16, qs[16]                        code    32   q4_0 (q-8)   d          None
     Q4_1   d f16, m f16, qs[16]                    4    32   0..15        d          m
     Q8_0   d f16, qs int8[32]                      8    32   -128..127    d          None
-    Q5_0   d f16, qh[4], qs[16]                    8    32   -16..15      d          None
-    Q5_1   d f16, m f16, qh[4], qs[16]             8    32   0..31        d          m
+    Q5_0   d f16, qh[4], qs[16]                    5    32   q5_0 (q-16)  d          None
+    Q5_1   d f16, m f16, qh[4], qs[16]             5    32   0..31        d          m
     MXFP4  e uint8, qs[16]                      code    32   mxfp4        2^(e-128)  None
     IQ4_NL d f16, qs[16]                        code    32   iq4_nl       d          None
     IQ4_XS d f16, sc_h u16, sc_l[4], qs[128]    code    32   iq4_nl       d*(sc-32)  None
@@ -41,13 +45,12 @@ of a non-linear grid (ggml's kvalues_iq4nl) in Q4_0's order under an f16 d; IQ4_
 in 8 groups of 32 under one d, each group's 6-bit scale sc (low 4 bits in sc_l, nibble per group,
 high 2 in sc_h) standing for sc - 32.
 
-The 4-bit codes stay as stored (the codes layout, a byte shuffle in the kernels). Widened on
-loading: Q5_0 and Q5_1 take one byte per value.
+The 4-bit codes stay as stored (the codes layout, a byte shuffle in the kernels).
 
 Scales in the file's bytes: where scale and zero are a block's own f16 d and m (Q4_0, Q4_1, Q8_0,
-Q5_0, Q5_1, IQ4_NL: ``FLOAT16_SCALES``) they stay float16, so Q4_0, Q4_1, Q8_0 and IQ4_NL take in
-RAM exactly the file's bytes (float32 scales cost Q4_0 1.33x and Q8_0 1.06x); Q5_0 and Q5_1 still
-take a byte a value. MXFP4's 2^(e-128) and IQ4_XS's d x (sc - 32) are products float16 does not
+Q5_0, Q5_1, IQ4_NL: ``FLOAT16_SCALES``) they stay float16, so these take in RAM exactly the file's
+bytes (float32 scales cost Q4_0 1.33x and Q8_0 1.06x; Q5_0 and Q5_1 took a byte a value, 1.64x
+and 1.67x, until December 6). MXFP4's 2^(e-128) and IQ4_XS's d x (sc - 32) are products float16 does not
 always hold, so they stay float32 (1.18x and 1.12x the file).
 
 Exactness: scale and zero are the products gguf's ``dequantize`` forms, and q * scale is exact or
@@ -77,9 +80,11 @@ class QuantizedTensor:
     """A [rows, cols] weight as q * scale + zero per group of ``group`` columns (see the module
     docstring for the int4 nibble order), or a K-quant's blocks as stored (``block_type``)."""
 
-    bits: int  # 4 or 8
+    bits: int  # 4, 5 or 8
     group: int  # elements per scale
-    qweight: np.ndarray  # bits=4: uint8 [rows, cols // 2]; bits=8: int8 [rows, cols]; blocks: [rows, n, bytes]
+    # bits=4: uint8 [rows, cols // 2]; 5: uint8 [rows, cols // 32 * 20]; 8: int8 [rows, cols];
+    # blocks: uint8 [rows, n, bytes]
+    qweight: np.ndarray
     scale: np.ndarray  # float32 or float16 [rows, cols // group]; blocks: [rows, 0]
     zero: np.ndarray | None  # like scale; None means 0
     codebook: str | None = None  # 4-bit codes into CODEBOOKS[codebook]; None: q is the value
@@ -123,7 +128,7 @@ def dequantize(qt: QuantizedTensor) -> np.ndarray:
 
         values = gguf_dequantize(qt.qweight.reshape(rows, -1), GGMLQuantizationType[qt.block_type])
         return np.asarray(values, dtype=np.float32).reshape(rows, cols)
-    q = _unpack_int4(qt.qweight) if qt.bits == 4 else qt.qweight
+    q = _unpack_int4(qt.qweight) if qt.bits == 4 else _unpack_int5(qt.qweight) if qt.bits == 5 else qt.qweight
     if qt.codebook is not None:
         q = np.array(CODEBOOKS[qt.codebook], dtype=np.int8)[q]
     values = q.astype(np.float32).reshape(rows, -1, qt.group) * qt.scale.astype(np.float32)[..., None]
@@ -159,6 +164,13 @@ def _unpack_int4(packed: np.ndarray) -> np.ndarray:
     rows, half = packed.shape
     groups = packed.reshape(rows, half // 16, 1, 16)
     return np.concatenate([groups & 0x0F, groups >> 4], axis=2).reshape(rows, half * 2)
+
+
+def _unpack_int5(packed: np.ndarray) -> np.ndarray:
+    """uint8 [rows, cols // 32 * 20] (qh then qs per 32) -> [rows, cols] of 0..31."""
+    rows = packed.shape[0]
+    groups = packed.reshape(rows, -1, 20)
+    return _five_bits(groups[..., :4], groups[..., 4:]).reshape(rows, -1)
 
 
 # --- block fields ----------------------------------------------------------------------------
@@ -206,16 +218,14 @@ def _q8_0(b: np.ndarray) -> QuantizedTensor:
     return QuantizedTensor(8, 32, q, _f16(b, 0), None)
 
 
-def _q5_0(b: np.ndarray) -> QuantizedTensor:
+def _q5_0(b: np.ndarray) -> QuantizedTensor:  # the block less d: qh and qs as stored
     rows = b.shape[0]
-    q = _five_bits(b[..., 2:6], b[..., 6:22]).astype(np.int8) - np.int8(16)
-    return QuantizedTensor(8, 32, q.reshape(rows, -1), _f16(b, 0), None)
+    return QuantizedTensor(5, 32, np.ascontiguousarray(b[..., 2:]).reshape(rows, -1), _f16(b, 0), None, "q5_0")
 
 
-def _q5_1(b: np.ndarray) -> QuantizedTensor:
+def _q5_1(b: np.ndarray) -> QuantizedTensor:  # the block less d and m
     rows = b.shape[0]
-    q = _five_bits(b[..., 4:8], b[..., 8:24]).astype(np.int8)
-    return QuantizedTensor(8, 32, q.reshape(rows, -1), _f16(b, 0), _f16(b, 2))
+    return QuantizedTensor(5, 32, np.ascontiguousarray(b[..., 4:]).reshape(rows, -1), _f16(b, 0), _f16(b, 2))
 
 
 def _mxfp4(b: np.ndarray) -> QuantizedTensor:

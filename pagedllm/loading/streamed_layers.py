@@ -16,6 +16,7 @@ from ..engine_config import ConfigError
 from ..errors import ModelLoadError
 from ..layers.codebooks import CODEBOOKS
 from ..layers.layer_stream import FIELDS, MATRICES, StoredLayer, StoredSegment, layer_bytes
+from ..layers.quantized import columns_of, stored_bits
 from ..layers.stored_reads import StoredTensor
 from ..memory.footprint import StreamableLayers
 from .safetensors_io import DTYPES, read_header
@@ -91,9 +92,9 @@ def _format(fields: dict[str, StoredTensor], codebook: str | None) -> tuple:
     if len(q.shape) == 3:  # a K-quant's blocks: their size names the type
         return "blocks", q.shape[2]
     scale = fields["scale"]
-    four = q.dtype == torch.uint8
-    columns = q.shape[1] * (2 if four else 1)
-    return four, codebook, columns // max(1, scale.shape[1]), "zero" in fields
+    groups = scale.shape[1]
+    bits = stored_bits(q.dtype, q.shape[1], groups)
+    return bits, codebook, columns_of(bits, q.shape[1]) // max(1, groups), "zero" in fields, scale.dtype
 
 
 def _codebook(codes: StoredTensor, name: str) -> str:

@@ -7,7 +7,10 @@
 // Q8_0, IQ4_NL; groups of 32): then the matrix takes the file's bytes, where float32 cost Q4_0
 // 1.33x them. 4-bit q (0..15) sit two to a byte, per 32 columns from k0:
 // byte k0/2 + j holds column k0 + j in its low nibble and k0 + 16 + j in its high one, as GGUF's
-// Q4_0/Q4_1 blocks do. 8-bit q are int8, one per byte.
+// Q4_0/Q4_1 blocks do. 8-bit q are int8, one per byte. 5-bit q (0..31; Q5_0 and Q5_1 as the file
+// stores them, less d and m) take 20 bytes per 32 columns: 4 bytes qh, read as a little-endian
+// uint32 whose bit j is column j's fifth bit, then 16 bytes of the low four bits in 4-bit's order;
+// Q5_0's q stand for q - 16 (`centered`).
 //
 // 4-bit codes: where a matrix has a codebook, its 4-bit q are not values but indices into a
 // table of 16 int8 values (MXFP4's e2m1 values doubled; IQ4_NL's and IQ4_XS's non-linear grid;
@@ -34,6 +37,9 @@ alignas(16) inline constexpr int8_t kCodebooks[4][16] = {
     {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7},                      // Q4_0 (q - 8)
 };
 constexpr int64_t kCodebookCount = 4;
+// Q5_0's "codebook" (layers/codebooks.py's q5_0, q - 16): no table, its 5-bit q are centered.
+constexpr int64_t kCentered5 = 4;
+constexpr int64_t kFiveBitGroupBytes = 20;  // qh (4) and qs (16) of 32 columns
 
 struct QuantMatrix {
   const uint8_t* q;  // int4: [N, K / 2]; int8: [N, K] (read as int8)
@@ -44,6 +50,7 @@ struct QuantMatrix {
   int shift;      // log2(group) when a power of two: the inner loops must not divide (~40 cycles)
   const int8_t* codes = nullptr;  // 4-bit q's values (kCodebooks), or nullptr: q itself
   int64_t raw = 0;                // a K-quant's ggml type number (quant_blocks.h), or 0
+  bool centered = false;              // 5-bit q stand for q - 16 (Q5_0)
   const uint16_t* scale_h = nullptr;  // float16 scales (scale is then nullptr)
   const uint16_t* zero_h = nullptr;   // float16 offsets (zero is then nullptr)
   float scale_at(int64_t g) const {
@@ -53,16 +60,17 @@ struct QuantMatrix {
     return zero_h ? half_to_float(reinterpret_cast<const uint8_t*>(zero_h + g)) : zero ? zero[g] : 0.f;
   }
   bool has_zero() const { return zero != nullptr || zero_h != nullptr; }
-  int64_t row_bytes() const { return raw ? k / kSuperBlock * raw_block_bytes(raw) : bits == 4 ? k / 2 : k; }
-  // column k0's byte in its row (a raw block's first byte)
+  int64_t row_bytes() const { return byte_of(k); }
+  // column k0's byte in its row (a raw block's first byte; a 5-bit group's qh)
   int64_t byte_of(int64_t k0) const {
-    return raw ? k0 / kSuperBlock * raw_block_bytes(raw) : bits == 4 ? k0 / 2 : k0;
+    return raw ? k0 / kSuperBlock * raw_block_bytes(raw)
+                                    : bits == 4 ? k0 / 2 : bits == 5 ? k0 / 32 * kFiveBitGroupBytes : k0;
   }
   int64_t groups() const { return G; }
   int64_t group_of(int64_t k0) const { return shift >= 0 ? k0 >> shift : k0 / group; }
-  // Columns handled per step: a 4-bit step unpacks 16 bytes into 32 values, an 8-bit one 16; a
-  // raw block's step is 32 columns (bits is 4 for them, so every path takes a step as 4-bit's).
-  int64_t step() const { return bits == 4 ? 32 : 16; }
+  // Columns handled per step: a 4-bit step unpacks 16 bytes into 32 values (a 5-bit one 20), an
+  // 8-bit one 16; a raw block's step is 32 columns (bits is 4 for them).
+  int64_t step() const { return bits == 8 ? 16 : 32; }
 };
 
 // How far ahead of the weights a kernel asks for them: its rows are read once, in order, and
@@ -85,7 +93,17 @@ inline void dequant_step_scalar(const QuantMatrix& m, int64_t n, int64_t k0, flo
   const int64_t g = n * m.G + m.group_of(k0);
   const float s = m.scale_at(g), z = m.zero_at(g);
   const uint8_t* row = m.q + n * m.row_bytes();
-  if (m.bits == 4) {
+  if (m.bits == 5) {
+    const uint8_t* p = row + m.byte_of(k0);
+    uint32_t qh;
+    std::memcpy(&qh, p, 4);
+    const int offset = m.centered ? 16 : 0;
+    for (int j = 0; j < 16; ++j) {
+      const int low = (p[4 + j] & 15) | int((qh >> j) & 1) << 4, high = (p[4 + j] >> 4) | int((qh >> (j + 16)) & 1) << 4;
+      out[j] = float(low - offset) * s + z;
+      out[j + 16] = float(high - offset) * s + z;
+    }
+  } else if (m.bits == 4) {
     const uint8_t* p = row + k0 / 2;
     for (int j = 0; j < 16; ++j) {
       const int low = p[j] & 15, high = p[j] >> 4;

@@ -32,6 +32,27 @@ inline void dequant_step(const QuantMatrix& m, int64_t n, int64_t k0, __m256 w[4
   const int64_t g = n * m.G + m.group_of(k0);
   const __m256 s = _mm256_set1_ps(m.scale_at(g)), z = _mm256_set1_ps(m.zero_at(g));
   const uint8_t* row = m.q + n * m.row_bytes();
+  if (m.bits == 5) {  // nibbles as 4-bit's, each fifth bit (qh's bit j) spread to its byte
+    const uint8_t* p = row + m.byte_of(k0);
+    uint32_t qh;
+    std::memcpy(&qh, p, 4);
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4)), nibble = _mm_set1_epi8(15);
+    const __m128i spread = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+    const auto fifth = [&](uint32_t bits16) {  // 16 bytes of 16 where the bit is set, else 0
+      const __m128i b = _mm_and_si128(_mm_shuffle_epi8(_mm_set1_epi16(short(bits16)), spread), bit);
+      return _mm_and_si128(_mm_cmpeq_epi8(b, bit), _mm_set1_epi8(16));
+    };
+    const __m128i centre = _mm_set1_epi8(m.centered ? 16 : 0);
+    const __m128i low = _mm_sub_epi8(_mm_add_epi8(_mm_and_si128(packed, nibble), fifth(qh & 0xFFFF)), centre);
+    const __m128i high =
+        _mm_sub_epi8(_mm_add_epi8(_mm_and_si128(_mm_srli_epi16(packed, 4), nibble), fifth(qh >> 16)), centre);
+    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(low)), s, z);
+    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(low, 8))), s, z);
+    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(high)), s, z);
+    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(high, 8))), s, z);
+    return;
+  }
   if (m.bits == 4) {
     const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k0 / 2));
     const __m128i nibble = _mm_set1_epi8(15);
@@ -135,8 +156,8 @@ void tile_of(const QuantMatrix& m, const float* X, int64_t ldx, int64_t n0, floa
       Y[r * ldy + n0 + c] = sum(S > 1 ? _mm256_add_ps(acc[0][c][r], acc[S - 1][c][r]) : acc[0][c][r]);
 }
 
-// tile_of for K-quant blocks kept as stored: each 32 columns decoded once (dequant_step) for
-// every row.
+// tile_of for K-quant blocks kept as stored and 5-bit weights: each 32 columns decoded once
+// (dequant_step) for every row.
 template <int NC, int MR>
 void tile_raw(const QuantMatrix& m, const float* X, int64_t ldx, int64_t n0, float* Y, int64_t ldy) {
   __m256 acc[NC][MR];
@@ -144,7 +165,7 @@ void tile_raw(const QuantMatrix& m, const float* X, int64_t ldx, int64_t n0, flo
     for (int r = 0; r < MR; ++r) acc[c][r] = _mm256_setzero_ps();
   for (int64_t k0 = 0; k0 < m.k; k0 += 32) {
     for (int c = 0; c < NC; ++c) {
-      if (k0 % kSuperBlock == 0) prefetch_ahead(m.q + (n0 + c) * m.row_bytes() + m.byte_of(k0));
+      if (!m.raw || k0 % kSuperBlock == 0) prefetch_ahead(m.q + (n0 + c) * m.row_bytes() + m.byte_of(k0));
       __m256 w[4];
       dequant_step(m, n0 + c, k0, w);
       for (int v = 0; v < 4; ++v)
@@ -158,7 +179,7 @@ void tile_raw(const QuantMatrix& m, const float* X, int64_t ldx, int64_t n0, flo
 
 template <int NC, int MR>
 void tile(const QuantMatrix& m, const float* X, int64_t ldx, int64_t n0, float* Y, int64_t ldy) {
-  if (m.raw)
+  if (m.raw || m.bits == 5)
     tile_raw<NC, MR>(m, X, ldx, n0, Y, ldy);
   else if (m.bits == 4 && m.codes)
     tile_of<NC, MR, 4, true>(m, X, ldx, n0, Y, ldy);

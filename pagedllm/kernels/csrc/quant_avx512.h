@@ -20,7 +20,18 @@ inline void dequant_step(const QuantMatrix& m, int64_t n, int64_t k0, __m512& lo
   const int64_t g = n * m.G + m.group_of(k0);
   const __m512 s = _mm512_set1_ps(m.scale_at(g)), z = _mm512_set1_ps(m.zero_at(g));
   const uint8_t* row = m.q + n * m.row_bytes();
-  if (m.bits == 4 && m.codes) {  // each nibble looked up in the codebook (one byte shuffle)
+  if (m.bits == 5) {  // the fifth bits added from qh's 32 bits, read as two lane masks
+    const uint8_t* p = row + m.byte_of(k0);
+    uint32_t qh;
+    std::memcpy(&qh, p, 4);
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4)));
+    const __m512i sixteen = _mm512_set1_epi32(16), centre = _mm512_set1_epi32(m.centered ? 16 : 0);
+    __m512i low = _mm512_and_si512(v, _mm512_set1_epi32(15)), high = _mm512_srli_epi32(v, 4);
+    low = _mm512_sub_epi32(_mm512_mask_add_epi32(low, __mmask16(qh), low, sixteen), centre);
+    high = _mm512_sub_epi32(_mm512_mask_add_epi32(high, __mmask16(qh >> 16), high, sixteen), centre);
+    lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(low), s, z);
+    hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(high), s, z);
+  } else if (m.bits == 4 && m.codes) {  // each nibble looked up in the codebook (one byte shuffle)
     const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k0 / 2));
     const __m128i table = _mm_load_si128(reinterpret_cast<const __m128i*>(m.codes)), nibble = _mm_set1_epi8(15);
     const __m128i low = _mm_shuffle_epi8(table, _mm_and_si128(packed, nibble));
@@ -49,7 +60,7 @@ void tile(const QuantMatrix& m, const float* X, int64_t ldx, int64_t n0, float* 
   __m512 acc[NC][MR];
   for (int c = 0; c < NC; ++c)
     for (int r = 0; r < MR; ++r) acc[c][r] = _mm512_setzero_ps();
-  const bool four = m.bits == 4;
+  const bool four = m.step() == 32;  // 4- and 5-bit: 32 columns a step
   for (int64_t k0 = 0; k0 < m.k; k0 += m.step()) {
     __m512 xlo[MR], xhi[MR];
     for (int r = 0; r < MR; ++r) {
@@ -195,11 +206,39 @@ inline void load_x_groups(const Int8Rows& xr, int64_t row0, int64_t g0, __m512i*
   }
 }
 
+// A 5-bit row's `groups` (1-4) groups from p: each group's 32 q (0..31) as its first 16 (lo)
+// and last 16 (hi), group l in 128-bit lane l, as Int8Rows keeps x.
+inline void load_groups5(const uint8_t* p, int64_t groups, __m512i& lo, __m512i& hi) {
+  uint64_t low_bits = 0, high_bits = 0;
+  for (int64_t l = 0; l < groups; ++l) {
+    uint32_t qh;
+    std::memcpy(&qh, p + l * kFiveBitGroupBytes, 4);
+    low_bits |= uint64_t(qh & 0xFFFF) << (16 * l);
+    high_bits |= uint64_t(qh >> 16) << (16 * l);
+  }
+  __m512i v;
+  if (groups == 4) {  // plain loads (see load_groups): qs at bytes 4, 24, 44, 64
+    const auto at = [p](int l) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4 + 20 * l)); };
+    v = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(at(0)), at(1), 1), at(2), 2),
+                           at(3), 3);
+  } else {  // the row's last groups: through a zeroed copy
+    alignas(64) uint8_t qs[64] = {};
+    for (int64_t l = 0; l < groups; ++l) std::memcpy(qs + 16 * l, p + l * kFiveBitGroupBytes + 4, 16);
+    v = _mm512_load_si512(qs);
+  }
+  const __m512i nibble = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
+  lo = _mm512_and_si512(v, nibble);
+  hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+  lo = _mm512_mask_add_epi8(lo, __mmask64(low_bits), lo, sixteen);
+  hi = _mm512_mask_add_epi8(hi, __mmask64(high_bits), hi, sixteen);
+}
+
 // Y[r][n0 + c] for NC channels of 4-bit weights and MR rows: per 4 groups, 64 bytes of weights
 // unpacked once into low and high nibbles, then two dpbusd per row. Codes (Coded) are looked up
 // in the codebook plus 128 (unsigned, as dpbusd takes its first operand), which the end takes
-// back out with 128 x each group's sum of x, as tile_vnni8 does.
-template <int NC, int MR, bool Coded>
+// back out with 128 x each group's sum of x, as tile_vnni8 does. Five: 5-bit weights
+// (load_groups5), summed unsigned; Q5_0's centre (16) taken back out the same way.
+template <int NC, int MR, bool Coded, bool Five = false>
 void tile_vnni(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, int64_t n0, float* Y, int64_t ldy) {
   __m512 acc[NC][MR];
   for (int c = 0; c < NC; ++c)
@@ -218,11 +257,19 @@ void tile_vnni(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, int64_t n
     load_x_groups<MR>(xr, row0, g0, xlo, xhi, xs);
     for (int c = 0; c < NC; ++c) {
       const int64_t n = n0 + c;
-      const uint8_t* p = m.q + n * m.row_bytes() + g0 * 16;
-      prefetch_ahead(p);
-      const __m512i v = load_groups(p, n_groups);
-      __m512i lo = _mm512_and_si512(v, nibble);
-      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      __m512i lo, hi;
+      if constexpr (Five) {
+        const uint8_t* p = m.q + n * m.row_bytes() + g0 * kFiveBitGroupBytes;
+        prefetch_ahead(p);
+        prefetch_ahead(p + 64);
+        load_groups5(p, n_groups, lo, hi);
+      } else {
+        const uint8_t* p = m.q + n * m.row_bytes() + g0 * 16;
+        prefetch_ahead(p);
+        const __m512i v = load_groups(p, n_groups);
+        lo = _mm512_and_si512(v, nibble);
+        hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      }
       if constexpr (Coded) {
         lo = _mm512_shuffle_epi8(table, lo);
         hi = _mm512_shuffle_epi8(table, hi);
@@ -241,6 +288,7 @@ void tile_vnni(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, int64_t n
       const float* sums = xr.block_sums.data() + (row0 + r) * xr.padded_groups;
       float y = _mm512_reduce_add_ps(acc[c][r]);
       if constexpr (Coded) y -= 128.f * scale_sums(m, n, sums);
+      if (Five && m.centered) y -= 16.f * scale_sums(m, n, sums);
       y += zero_sums(m, n, sums);  // sum over groups of offset x the group's sum of x
       Y[r * ldy + n] = y;
     }
@@ -332,6 +380,8 @@ inline void tile_any_vnni(const QuantMatrix& m, const Int8Rows& xr, int64_t row0
     tile_vnni8<NC, MR, true>(m, xr, row0, n0, Y, ldy);
   else if (m.bits == 8)
     tile_vnni8<NC, MR, false>(m, xr, row0, n0, Y, ldy);
+  else if (m.bits == 5)
+    tile_vnni<NC, MR, false, true>(m, xr, row0, n0, Y, ldy);
   else if (m.codes)
     tile_vnni<NC, MR, true>(m, xr, row0, n0, Y, ldy);
   else

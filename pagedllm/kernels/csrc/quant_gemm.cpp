@@ -79,19 +79,26 @@ QuantMatrix check_quant(const Tensor& q, const Tensor& scale, const c10::optiona
                         int64_t group) {
   if (layout >= kRawLayout) return check_raw(q, scale, layout - kRawLayout);
   const int64_t bits = layout & 255, codebook = layout >> 8;
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(codebook >= 0 && codebook < kCodebookCount && (codebook == 0 || bits == 4),
-              "codebook ", codebook, " is not one of 4-bit weights' ", kCodebookCount - 1);
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "bits must be 4, 5 or 8, got ", bits);
+  if (bits == 5) {
+    TORCH_CHECK(codebook == 0 || codebook == kCentered5, "5-bit weights take no codebook but Q5_0's centre");
+  } else {
+    TORCH_CHECK(codebook >= 0 && codebook < kCodebookCount && (codebook == 0 || bits == 4), "codebook ", codebook,
+                " is not one of 4-bit weights' ", kCodebookCount - 1);
+  }
   TORCH_CHECK(q.dim() == 2 && q.is_contiguous(), "qweight must be a contiguous matrix");
-  TORCH_CHECK(bits == 4 ? q.scalar_type() == at::kByte : q.scalar_type() == at::kChar,
-              "qweight must be uint8 (4-bit) or int8 (8-bit)");
+  TORCH_CHECK(bits == 8 ? q.scalar_type() == at::kChar : q.scalar_type() == at::kByte,
+              "qweight must be uint8 (4- and 5-bit) or int8 (8-bit)");
+  TORCH_CHECK(bits != 5 || (q.size(1) % kFiveBitGroupBytes == 0 && group == 32),
+              "5-bit qweight must be 20 bytes per group of 32 columns");
   QuantMatrix m;
   m.q = reinterpret_cast<const uint8_t*>(q.data_ptr());
   m.bits = bits;
-  m.codes = codebook ? kCodebooks[codebook] : nullptr;
+  m.codes = codebook && bits == 4 ? kCodebooks[codebook] : nullptr;
+  m.centered = bits == 5 && codebook == kCentered5;
   m.group = group;
   m.n = q.size(0);
-  m.k = bits == 4 ? q.size(1) * 2 : q.size(1);
+  m.k = bits == 4 ? q.size(1) * 2 : bits == 5 ? q.size(1) / kFiveBitGroupBytes * 32 : q.size(1);
   TORCH_CHECK(group > 0 && group % m.step() == 0 && m.k % group == 0, "group ", group, " must be a multiple of ",
               m.step(), " dividing the ", m.k, " columns");
   m.G = m.k / group;
@@ -122,7 +129,7 @@ inline void dequantize_row(const QuantMatrix& m, int64_t n, T* dst) {
     __m512 lo, hi;
     avx512::dequant_step(m, n, k0, lo, hi);
     store_w(dst + k0, VF(lo));
-    if (m.bits == 4) store_w(dst + k0 + 16, VF(hi));
+    if (m.step() == 32) store_w(dst + k0 + 16, VF(hi));
 #elif defined(PAGEDLLM_AVX2)
     __m256 w[4];
     avx2::dequant_step(m, n, k0, w);
