@@ -90,6 +90,8 @@ def test_every_supported_type_unpacks_to_gguf_values_bit_for_bit(type_name):
     assert qt.qweight.dtype == dtype and qt.qweight.shape == (rows, int(cols * per_col))
     # a block's own f16 d (and m) kept as float16, as the file has them; products as float32
     scale_dtype = np.float16 if type_name in ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL") else np.float32
+    if type_name == "MXFP4":  # its scale byte e as stored
+        scale_dtype = np.uint8
     assert FLOAT16_SCALES == {"Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL"}
     assert qt.scale.dtype == scale_dtype and qt.scale.shape == (rows, cols // group)
     assert (qt.zero is not None) == has_zero
@@ -260,7 +262,7 @@ _RAM_PER_FILE = {
     "Q8_0": 1.0,  # its f16 d kept as float16 (float32: 36 / 34)
     "IQ4_NL": 1.0,
     "IQ4_XS": 20 * 8 / 136,  # d x (sc - 32) a float32 per 32
-    "MXFP4": 20 / 17,  # 2^(e - 128) a float32 per 32
+    "MXFP4": 1.0,  # its byte e kept (as a float32 2^(e - 128): 20 / 17)
     "Q4_0": 1.0,  # codes q - 8 under its f16 d (was 24 / 18: a float32 scale and offset)
     "Q4_1": 1.0,
     "Q5_0": 1.0,  # qh and qs as stored (was a byte a value and a float32 d: 36 / 22)

@@ -87,6 +87,7 @@ FORMATS = [
     (5, 32, False, "q5_0", F16),
     (5, 32, True, None, F16),
     (5, 32, True, None, F32),
+    (4, 32, False, "mxfp4", torch.uint8),  # MXFP4's scale byte e: 2^(e - 128)
 ]
 
 
@@ -102,6 +103,10 @@ def random_quantized(rows, cols, bits, group, zero, codebook=None, scale_dtype=F
     if codebook is not None:  # the codes' values reach 127: scales as small as a 4-bit step's
         scale /= max(abs(v) for v in CODEBOOKS[codebook]) / 15
     offset = None if offset is None else offset.to(scale_dtype)
+    if scale_dtype == torch.uint8:  # exponent bytes e: 2^(e - 128) from 2^-10 to 2^-7, as MXFP4's are
+        return Q.QuantizedWeight(
+            q, torch.randint(118, 122, scale.shape, generator=g, dtype=torch.uint8), None, bits, group, codebook
+        )
     return Q.QuantizedWeight(q, scale.to(scale_dtype), offset, bits, group, codebook)
 
 
@@ -343,7 +348,7 @@ def logits_of(model, ids, dtype=torch.float32):
     "types, qkv_formats",
     [
         (TYPES, [(772, 32, False, F16), (8, 32, False, F16), (4110, 256, False, F32)]),
-        (LATER_TYPES, [(1029, 32, False, F16), (5, 32, True, F16), (260, 32, False, F32)]),
+        (LATER_TYPES, [(1029, 32, False, F16), (5, 32, True, F16), (260, 32, False, torch.uint8)]),
         (CODED_TYPES, [(516, 32, False, F16), (8, 32, False, F16), (4110, 256, False, F32)]),
         (K_TYPES, [(4106, 256, False, F32), (4107, 256, False, F32), (4110, 256, False, F32)]),
     ],

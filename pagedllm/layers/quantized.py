@@ -46,7 +46,9 @@ QUANTIZE_CHUNK_ELEMENTS = 4 * 1024 * 1024  # rows quantized at once when loading
 @dataclass
 class QuantizedWeight:
     qweight: torch.Tensor  # 4-bit: uint8 [N, K // 2], two per byte; 5-bit: uint8 [N, K // 32 * 20]; 8-bit: int8 [N, K]
-    scale: torch.Tensor  # float32 [N, K // group]; float16 as a GGUF stores it, groups of 32
+    # float32 [N, K // group]; as a GGUF stores it for groups of 32: float16, or MXFP4's uint8
+    # exponent bytes e (2^(e - 128))
+    scale: torch.Tensor
     zero: torch.Tensor | None  # float32 like scale, or None for 0
     bits: int
     group: int
@@ -274,6 +276,16 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @functools.cache
+def scale_values(scale: torch.Tensor) -> torch.Tensor:
+    """float32 scales: float32 and float16 as they are; MXFP4's uint8 exponent bytes e as
+    2^(e - 128), built from their bits (2^-128 and 2^-127 are subnormal)."""
+    if scale.dtype != torch.uint8:
+        return scale.float()
+    e = scale.int()
+    bits = torch.where(e >= 2, (e - 1) << 23, torch.bitwise_left_shift(torch.ones_like(e), 21 + e.clamp(max=1)))
+    return bits.view(torch.float32)
+
+
 def _codebook_values(codebook: str) -> torch.Tensor:
     """A codebook's 16 values as a float32 tensor, made once (the reference path runs per call)."""
     return torch.tensor(CODEBOOKS[codebook], dtype=torch.float32)
@@ -303,7 +315,7 @@ def dequantize_reference(w: QuantizedWeight, dtype: torch.dtype, rows: torch.Ten
         q = _codebook_values(w.codebook)[q.long()] if w.codebook else q.float()
     else:
         q = w.qweight.float()
-    values = q.view(n, k // w.group, w.group) * w.scale.float()[..., None]
+    values = q.view(n, k // w.group, w.group) * scale_values(w.scale)[..., None]
     if w.zero is not None:
         values += w.zero.float()[..., None]
     return values.view(n, k).to(dtype)

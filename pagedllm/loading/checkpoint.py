@@ -398,16 +398,18 @@ def _quantized_weight(path: Path, name: str, fields: dict[str, torch.Tensor]) ->
         or scale is None
         or q.dim() != 2
         or scale.dim() != 2
-        or scale.dtype not in (torch.float32, torch.float16)
+        or scale.dtype not in (torch.float32, torch.float16, torch.uint8)
     ):
-        raise ModelLoadError(f"{path}: quantized tensor {name!r} lacks a 2-D qweight or a float32/float16 scale")
+        raise ModelLoadError(f"{path}: quantized tensor {name!r} lacks a 2-D qweight or a float32/float16/uint8 scale")
     cols = columns_of(stored_bits(q.dtype, q.shape[1], scale.shape[1]), q.shape[1])
     if q.dtype not in (torch.uint8, torch.int8) or scale.shape[0] != q.shape[0] or cols % max(1, scale.shape[1]):
         raise ModelLoadError(f"{path}: quantized tensor {name!r} has inconsistent qweight/scale shapes")
-    if scale.dtype == torch.float16 and cols != 32 * scale.shape[1]:
+    if scale.dtype != torch.float32 and cols != 32 * scale.shape[1]:
         raise ModelLoadError(
-            f"{path}: quantized tensor {name!r} has float16 scales, which the kernels read per 32 columns only"
+            f"{path}: quantized tensor {name!r} has {scale.dtype} scales, which the kernels read per 32 columns only"
         )
+    if scale.dtype == torch.uint8 and zero is not None:
+        raise ModelLoadError(f"{path}: quantized tensor {name!r} has exponent scales (MXFP4's) and offsets")
     if zero is not None and (zero.shape != scale.shape or zero.dtype != scale.dtype):
         raise ModelLoadError(f"{path}: quantized tensor {name!r}: zero and scale shapes or dtypes differ")
     return stored_weight(q, scale, zero, codebook)

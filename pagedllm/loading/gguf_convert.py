@@ -307,7 +307,11 @@ def _add_specs(specs: list, hf: str, kind: str, shape: tuple[int, ...], gguf_nam
         bits, group = _QUANT_FORMATS[kind]
         qbytes = cols // 32 * 20 if bits == 5 else cols * bits // 8  # 5-bit: a Q5 block's qh and qs per 32
         specs.append((f"{hf}{QWEIGHT}", torch.int8 if bits == 8 else torch.uint8, (rows, qbytes)))
-        scale_dtype = torch.float16 if kind in gguf_quants.FLOAT16_SCALES else torch.float32
+        scale_dtype = torch.float32
+        if kind in gguf_quants.FLOAT16_SCALES:
+            scale_dtype = torch.float16
+        elif kind in gguf_quants.E8M0_SCALES:
+            scale_dtype = torch.uint8
         specs.append((f"{hf}{SCALE}", scale_dtype, (rows, cols // group)))
         if kind not in _NO_ZERO:
             specs.append((f"{hf}{ZERO}", scale_dtype, (rows, cols // group)))

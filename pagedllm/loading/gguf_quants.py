@@ -24,7 +24,7 @@ type is affine per group of ``group`` elements:
     Q8_0   d f16, qs int8[32]                      8    32   -128..127    d          None
     Q5_0   d f16, qh[4], qs[16]                    5    32   q5_0 (q-16)  d          None
     Q5_1   d f16, m f16, qh[4], qs[16]             5    32   0..31        d          m
-    MXFP4  e uint8, qs[16]                      code    32   mxfp4        2^(e-128)  None
+    MXFP4  e uint8, qs[16]                      code    32   mxfp4        e: 2^(e-128) None
     IQ4_NL d f16, qs[16]                        code    32   iq4_nl       d          None
     IQ4_XS d f16, sc_h u16, sc_l[4], qs[128]    code    32   iq4_nl       d*(sc-32)  None
 
@@ -50,8 +50,9 @@ The 4-bit codes stay as stored (the codes layout, a byte shuffle in the kernels)
 Scales in the file's bytes: where scale and zero are a block's own f16 d and m (Q4_0, Q4_1, Q8_0,
 Q5_0, Q5_1, IQ4_NL: ``FLOAT16_SCALES``) they stay float16, so these take in RAM exactly the file's
 bytes (float32 scales cost Q4_0 1.33x and Q8_0 1.06x; Q5_0 and Q5_1 took a byte a value, 1.64x
-and 1.67x, until December 6). MXFP4's 2^(e-128) and IQ4_XS's d x (sc - 32) are products float16 does not
-always hold, so they stay float32 (1.18x and 1.12x the file).
+and 1.67x, until December 6). MXFP4 keeps its scale byte e (uint8 scale, read as 2^(e-128):
+``E8M0_SCALES``; as float32 it cost 1.18x). IQ4_XS's d x (sc - 32) per 32, a product float16
+does not always hold, stays float32 (1.18x the file).
 
 Exactness: scale and zero are the products gguf's ``dequantize`` forms, and q * scale is exact or
 is gguf's own product, so ``dequantize(unpack(...))`` equals ``gguf.quants.dequantize`` bit for
@@ -72,6 +73,7 @@ from ..layers.superblocks import BLOCK_TYPES, SUPERBLOCK
 
 KEPT_AS_STORED = frozenset(BLOCK_TYPES)
 FLOAT16_SCALES = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL"})  # scale, zero: the file's f16
+E8M0_SCALES = frozenset({"MXFP4"})  # scale: the file's byte e, standing for 2^(e - 128)
 SUPPORTED = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "MXFP4", "IQ4_NL", "IQ4_XS"}) | KEPT_AS_STORED
 
 
@@ -85,7 +87,7 @@ class QuantizedTensor:
     # bits=4: uint8 [rows, cols // 2]; 5: uint8 [rows, cols // 32 * 20]; 8: int8 [rows, cols];
     # blocks: uint8 [rows, n, bytes]
     qweight: np.ndarray
-    scale: np.ndarray  # float32 or float16 [rows, cols // group]; blocks: [rows, 0]
+    scale: np.ndarray  # float32, float16 or uint8 exponents [rows, cols // group]; blocks: [rows, 0]
     zero: np.ndarray | None  # like scale; None means 0
     codebook: str | None = None  # 4-bit codes into CODEBOOKS[codebook]; None: q is the value
     block_type: str | None = None  # a K-quant kept as stored: qweight its blocks
@@ -131,10 +133,17 @@ def dequantize(qt: QuantizedTensor) -> np.ndarray:
     q = _unpack_int4(qt.qweight) if qt.bits == 4 else _unpack_int5(qt.qweight) if qt.bits == 5 else qt.qweight
     if qt.codebook is not None:
         q = np.array(CODEBOOKS[qt.codebook], dtype=np.int8)[q]
-    values = q.astype(np.float32).reshape(rows, -1, qt.group) * qt.scale.astype(np.float32)[..., None]
+    values = q.astype(np.float32).reshape(rows, -1, qt.group) * scale_values(qt.scale)[..., None]
     if qt.zero is not None:
         values = values + qt.zero.astype(np.float32)[..., None]
     return values.reshape(rows, cols)
+
+
+def scale_values(scale: np.ndarray) -> np.ndarray:
+    """float32 scales: float16 and float32 as they are, uint8 exponent bytes e as 2^(e - 128)."""
+    if scale.dtype == np.uint8:
+        return np.ldexp(np.float32(1), scale.astype(np.int32) - 128).astype(np.float32)  # exact
+    return scale.astype(np.float32)
 
 
 def permute_rows(qt: QuantizedTensor, order: np.ndarray) -> QuantizedTensor:
@@ -231,8 +240,7 @@ def _q5_1(b: np.ndarray) -> QuantizedTensor:  # the block less d and m
 def _mxfp4(b: np.ndarray) -> QuantizedTensor:
     rows = b.shape[0]
     codes = np.ascontiguousarray(b[..., 1:17]).reshape(rows, -1)  # Q4_0's nibble order already
-    scale = np.ldexp(np.float32(1), b[..., 0].astype(np.int32) - 128)  # 2^(e-127) / 2, exact
-    return QuantizedTensor(4, 32, codes, scale.astype(np.float32), None, "mxfp4")
+    return QuantizedTensor(4, 32, codes, np.ascontiguousarray(b[..., 0]), None, "mxfp4")  # e: 2^(e-127) / 2
 
 
 def _iq4_nl(b: np.ndarray) -> QuantizedTensor:

@@ -4,8 +4,8 @@
 // Layout (what pagedllm/loading/gguf_quants.py produces from GGUF blocks, and the layer from an
 // HF checkpoint): value[n][k] = q[n][k] * scale[n][k / group] + zero[n][k / group] (zero may be
 // absent: 0), scale and zero float32, or float16 as a GGUF block stores its d and m (Q4_0, Q4_1,
-// Q8_0, IQ4_NL; groups of 32): then the matrix takes the file's bytes, where float32 cost Q4_0
-// 1.33x them. 4-bit q (0..15) sit two to a byte, per 32 columns from k0:
+// Q5_0, Q5_1, Q8_0, IQ4_NL; groups of 32), or MXFP4's byte e standing for 2^(e - 128): then the
+// matrix takes the file's bytes, where float32 cost Q4_0 1.33x them and MXFP4 1.18x. 4-bit q (0..15) sit two to a byte, per 32 columns from k0:
 // byte k0/2 + j holds column k0 + j in its low nibble and k0 + 16 + j in its high one, as GGUF's
 // Q4_0/Q4_1 blocks do. 8-bit q are int8, one per byte. 5-bit q (0..31; Q5_0 and Q5_1 as the file
 // stores them, less d and m) take 20 bytes per 32 columns: 4 bytes qh, read as a little-endian
@@ -22,6 +22,7 @@
 // number, q the blocks' bytes, no scale or zero (they are in the blocks).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "quant_blocks.h"
@@ -52,8 +53,10 @@ struct QuantMatrix {
   int64_t raw = 0;                // a K-quant's ggml type number (quant_blocks.h), or 0
   bool centered = false;              // 5-bit q stand for q - 16 (Q5_0)
   const uint16_t* scale_h = nullptr;  // float16 scales (scale is then nullptr)
+  const uint8_t* scale_e = nullptr;   // MXFP4's scale bytes e: 2^(e - 128) (scale is then nullptr)
   const uint16_t* zero_h = nullptr;   // float16 offsets (zero is then nullptr)
   float scale_at(int64_t g) const {
+    if (scale_e) return std::ldexp(1.f, int(scale_e[g]) - 128);
     return scale_h ? half_to_float(reinterpret_cast<const uint8_t*>(scale_h + g)) : scale[g];
   }
   float zero_at(int64_t g) const {

@@ -162,8 +162,18 @@ inline __m512 load_scales(const float* p, int64_t groups) {
 }
 
 // Row n's `groups` (1-4) scales from group g0, in lanes 0-3, float32 or float16 (QuantMatrix).
+inline __m512 e8m0_scales(__m128i bytes) {  // 2^(e - 128) of each byte e, subnormals included
+  const __m512i e = _mm512_sub_epi32(_mm512_cvtepu8_epi32(bytes), _mm512_set1_epi32(128));
+  return _mm512_scalef_ps(_mm512_set1_ps(1.f), _mm512_cvtepi32_ps(e));
+}
+
 inline __m512 load_scales(const QuantMatrix& m, int64_t n, int64_t g0, int64_t groups) {
   const int64_t at = n * m.G + g0;
+  if (m.scale_e) {
+    uint32_t bytes = 0;
+    std::memcpy(&bytes, m.scale_e + at, size_t(groups));
+    return e8m0_scales(_mm_cvtsi32_si128(int(bytes)));
+  }
   if (m.scale_h == nullptr) return load_scales(m.scale + at, groups);
   const uint16_t* p = m.scale_h + at;
   __m128i h;
@@ -176,22 +186,26 @@ inline __m512 load_scales(const QuantMatrix& m, int64_t n, int64_t g0, int64_t g
 }
 
 // Sum over a row's groups of per-group weights (its scales or offsets) x the groups' scaled sums
-// of x; the weights float32 (w) or float16 (h).
-inline float group_sums(const float* w, const uint16_t* h, const float* sums, int64_t G) {
+// of x; the weights float32 (w), float16 (h) or scale bytes e (e).
+inline float group_sums(const float* w, const uint16_t* h, const uint8_t* e, const float* sums, int64_t G) {
   __m512 z = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; g += 16) {
     const __mmask16 k = G - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (G - g)) - 1);
-    const __m512 v = h ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, h + g)) : _mm512_maskz_loadu_ps(k, w + g);
-    z = _mm512_fmadd_ps(v, _mm512_maskz_loadu_ps(k, sums + g), z);
+    const __m512 v = h   ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, h + g))
+                     : e ? e8m0_scales(_mm_maskz_loadu_epi8(k, e + g))
+                         : _mm512_maskz_loadu_ps(k, w + g);
+    z = _mm512_fmadd_ps(v, _mm512_maskz_loadu_ps(k, sums + g), z);  // masked-off sums are 0
   }
   return _mm512_reduce_add_ps(z);
 }
 inline float scale_sums(const QuantMatrix& m, int64_t n, const float* sums) {
-  return group_sums(m.scale ? m.scale + n * m.G : nullptr, m.scale_h ? m.scale_h + n * m.G : nullptr, sums, m.G);
+  const int64_t at = n * m.G;
+  return group_sums(m.scale ? m.scale + at : nullptr, m.scale_h ? m.scale_h + at : nullptr,
+                    m.scale_e ? m.scale_e + at : nullptr, sums, m.G);
 }
 inline float zero_sums(const QuantMatrix& m, int64_t n, const float* sums) {
   if (!m.has_zero()) return 0.f;
-  return group_sums(m.zero ? m.zero + n * m.G : nullptr, m.zero_h ? m.zero_h + n * m.G : nullptr, sums, m.G);
+  return group_sums(m.zero ? m.zero + n * m.G : nullptr, m.zero_h ? m.zero_h + n * m.G : nullptr, nullptr, sums, m.G);
 }
 
 // Rows row0 .. row0 + MR of x in 8 bits for groups g0 .. g0 + 3: each group's first 16 values

@@ -103,13 +103,15 @@ QuantMatrix check_quant(const Tensor& q, const Tensor& scale, const c10::optiona
               m.step(), " dividing the ", m.k, " columns");
   m.G = m.k / group;
   m.shift = (group & (group - 1)) == 0 ? __builtin_ctzll(uint64_t(group)) : -1;
-  const bool half = scale.scalar_type() == at::kHalf;
-  TORCH_CHECK((scale.scalar_type() == at::kFloat || (half && group == 32)) && scale.is_contiguous() &&
+  const bool half = scale.scalar_type() == at::kHalf, e8m0 = scale.scalar_type() == at::kByte;
+  TORCH_CHECK((scale.scalar_type() == at::kFloat || ((half || e8m0) && group == 32)) && scale.is_contiguous() &&
                   scale.dim() == 2 && scale.size(0) == m.n && scale.size(1) == m.groups(),
-              "scale must be contiguous float32 [rows, columns / group] (float16 for groups of 32)");
-  m.scale = half ? nullptr : scale.data_ptr<float>();
+              "scale must be contiguous float32 [rows, columns / group] (float16 or uint8 exponents for groups of 32)");
+  m.scale = half || e8m0 ? nullptr : scale.data_ptr<float>();
   m.scale_h = half ? reinterpret_cast<const uint16_t*>(scale.data_ptr()) : nullptr;
+  m.scale_e = e8m0 ? scale.data_ptr<uint8_t>() : nullptr;
   m.zero = nullptr;
+  TORCH_CHECK(!e8m0 || !(zero.has_value() && zero->defined()), "exponent scales (MXFP4) take no offsets");
   if (zero.has_value() && zero->defined()) {
     TORCH_CHECK(zero->scalar_type() == scale.scalar_type() && zero->is_contiguous() && zero->sizes() == scale.sizes(),
                 "zero must be contiguous and shaped like scale, of its dtype");
