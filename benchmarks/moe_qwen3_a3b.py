@@ -149,7 +149,7 @@ def write_checkpoint(out: Path, vocab_size: int) -> dict:
     return cfg
 
 
-def convert(hf_dir: Path, gguf_path: Path, llama_cpp: Path) -> None:
+def convert(hf_dir: Path, gguf_path: Path, llama_cpp: Path, outtype: str = "q8_0") -> None:
     """llama.cpp's converter on the checkpoint plus the default model's tokenizer, linked into a
     folder of its own (removed after): the checkpoint itself stays without a tokenizer."""
     from pagedllm.loading import resolve_model_dir
@@ -169,7 +169,7 @@ def convert(hf_dir: Path, gguf_path: Path, llama_cpp: Path) -> None:
             str(llama_cpp / "convert_hf_to_gguf.py"),
             str(staging),
             "--outtype",
-            "q8_0",
+            outtype,
             "--outfile",
             str(gguf_path),
         ]
@@ -184,7 +184,14 @@ def main() -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--llama-cpp", type=Path, required=True, help="folder of llama.cpp's convert_hf_to_gguf.py")
     parser.add_argument("--vocab-size", type=int, default=49152, help="at least the tokenizer's 49152")
+    parser.add_argument(
+        "--layers", type=int, default=12, help="12: 1.37B parameters; 24 makes its Q4_K_M over twice a 480 MiB L3"
+    )
+    parser.add_argument(
+        "--outtype", default="q8_0", help="the converter's; f16 to quantize to Q4_K_M after (benchmarks/llama_quantize.py)"
+    )
     args = parser.parse_args()
+    CONFIG["num_hidden_layers"] = args.layers
     if not (args.llama_cpp / "convert_hf_to_gguf.py").is_file():
         parser.error(f"{args.llama_cpp}: no convert_hf_to_gguf.py there (see the docstring: the sdist carries it)")
     if args.vocab_size < 49152:
@@ -197,9 +204,9 @@ def main() -> int:
     print(f"{hf_dir}: Qwen3-MoE, {total:,} parameters ({total / 1e9:.3f}B)")
     print(f"active per token: {active:,} ({active / 1e9:.3f}B); less the embedding table: {read:,} ({read / 1e9:.3f}B)")
     print(json.dumps({k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "num_experts", "vocab_size")}))
-    gguf_path = args.out / GGUF_NAME
-    convert(hf_dir, gguf_path, args.llama_cpp)
-    print(f"{gguf_path}: {gguf_path.stat().st_size / 1e9:.2f} GB, Q8_0")
+    gguf_path = args.out / GGUF_NAME.replace("Q8_0", args.outtype.upper())
+    convert(hf_dir, gguf_path, args.llama_cpp, args.outtype)
+    print(f"{gguf_path}: {gguf_path.stat().st_size / 1e9:.2f} GB, {args.outtype.upper()}")
     return 0
 
 

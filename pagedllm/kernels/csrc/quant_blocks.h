@@ -73,24 +73,9 @@ inline float half_to_float(const uint8_t* p) {
 #endif
 }
 
-// Q4_K/Q5_K's 12 scale bytes -> sc[0..7] in bytes 0-7 and m[0..7] in bytes 8-15 (6 bits each).
-// Bytes 0-3: sc[0..3] in their low 6 bits, the top 2 bits of sc[4..7]; bytes 4-7 the same for
-// m; bytes 8-11: sc[4..7]'s low nibble | m[4..7]'s low nibble << 4. Done four bytes at a time.
-// The four words are returned in registers: written to memory as four and read back as one
-// 16-byte load, they stall store forwarding (~12 cycles a block).
-struct K4Scales {
-  uint32_t words[4];  // bytes 0-7: sc[0..7]; bytes 8-15: m[0..7]
-};
-inline K4Scales k4_scale_words(const uint8_t* s) {
-  uint32_t lo, mid, hi;
-  std::memcpy(&lo, s, 4);
-  std::memcpy(&mid, s + 4, 4);
-  std::memcpy(&hi, s + 8, 4);
-  const uint32_t six = 0x3F3F3F3Fu, nib = 0x0F0F0F0Fu, two = 0x03030303u;
-  return {{lo & six, (hi & nib) | (((lo >> 6) & two) << 4), mid & six, ((hi >> 4) & nib) | (((mid >> 6) & two) << 4)}};
-}
-
-// Sub-block j's (sc, m) alone, as k4_scale_words lays them out.
+// Q4_K/Q5_K's sub-block j (sc, m), 6 bits each, from its 12 scale bytes: bytes 0-3 hold sc[0..3]
+// in their low 6 bits and the top 2 bits of sc[4..7]; bytes 4-7 the same for m; bytes 8-11:
+// sc[4..7]'s low nibble | m[4..7]'s low nibble << 4.
 inline void k4_scale_min(const uint8_t* s, int64_t j, float& sc, float& m) {
   if (j < 4) {
     sc = float(s[j] & 63);

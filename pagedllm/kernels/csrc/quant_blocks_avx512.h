@@ -67,11 +67,20 @@ inline __m512 raw_block_scales(const uint8_t* b) {
   if constexpr (Type == kQ6K) {
     const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)), _mm512_set1_ps(half_to_float(b + 208)));
-  } else {
-    const K4Scales sm = k4_scale_words(b + 4);
-    const __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(half_to_float(b)),
-                                          _mm512_set1_ps(-half_to_float(b + 2)));
-    const __m128i bytes = _mm_setr_epi32(int(sm.words[0]), int(sm.words[1]), int(sm.words[2]), int(sm.words[3]));
+  } else {  // Q4_K/Q5_K's 12 scale bytes unpacked in one register (k4_scale_min's layout), d and dmin
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+    // a: scale bytes s0-3, s8-11, s4-7, s8-11 (the six low bits of sc0-3 and m0-3, the nibbles of
+    // sc4-7 and m4-7); tops: s0-3 and s4-7 where sc4-7 and m4-7 take their top two bits
+    const __m128i a = _mm_shuffle_epi8(v, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __m128i tops = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11));
+    const __m128i low = _mm_and_si128(a, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
+    const __m128i high_nibbles = _mm_and_si128(_mm_srli_epi16(a, 4), _mm_setr_epi32(0, 0, 0, 0x0F0F0F0F));
+    const __m128i top_bits = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(tops, 6), _mm_set1_epi8(3)), 4);
+    const __m128i bytes = _mm_or_si128(_mm_or_si128(low, high_nibbles), top_bits);  // sc0-7, m0-7
+    const __m512 both = _mm512_castps128_ps512(_mm_cvtph_ps(v));                    // d, dmin, ...
+    __m512 d = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), both);
+    d = _mm512_castsi512_ps(  // -dmin for the offsets: the sign flipped, -0 for +0 as gguf's d x q - dmin x m has it
+        _mm512_mask_xor_epi32(_mm512_castps_si512(d), 0xFF00, _mm512_castps_si512(d), _mm512_set1_epi32(INT32_MIN)));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)), d);
   }
 }
