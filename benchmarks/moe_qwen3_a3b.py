@@ -188,7 +188,7 @@ def main() -> int:
         "--layers", type=int, default=12, help="12: 1.37B parameters; 24 makes its Q4_K_M over twice a 480 MiB L3"
     )
     parser.add_argument(
-        "--outtype", default="q8_0", help="the converter's; f16 to quantize to Q4_K_M after (benchmarks/llama_quantize.py)"
+        "--outtype", default="q8_0", help="the converter's; f16 to make Q4_K_M of (benchmarks/llama_quantize.py)"
     )
     args = parser.parse_args()
     CONFIG["num_hidden_layers"] = args.layers
