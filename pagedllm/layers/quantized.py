@@ -2,11 +2,13 @@
 
 A ``QuantizedWeight`` is one matrix in the layout the CPU kernels read (``kernels/csrc/quant.h``):
 ``value[n, k] = q[n, k] * scale[n, k // group] + zero[n, k // group]``, or with a ``codebook``
-``CODEBOOKS[codebook][q[n, k]] * scale + zero`` (4-bit codes: MXFP4, IQ4_NL, IQ4_XS). GGUF's
-Q4_0/Q4_1/Q4_K map onto 4-bit q, MXFP4/IQ4_NL/IQ4_XS onto 4-bit codes and Q8_0/Q5_K/Q6_K onto
-8-bit q exactly (``loading/gguf_quants.py``);
-``quantize`` makes the same from a float checkpoint tensor (int8: one scale per row, symmetric;
-int4: groups of 32 with scale and offset).
+``CODEBOOKS[codebook][q[n, k]] * scale + zero`` (4-bit codes: Q4_0, MXFP4, IQ4_NL, IQ4_XS).
+GGUF's Q4_1 maps onto 4-bit q, Q4_0/MXFP4/IQ4_NL/IQ4_XS onto 4-bit codes, Q5_0/Q5_1 onto 5-bit q
+as their blocks store them and Q8_0 onto 8-bit q, exactly, their scales as the file has them
+where it can (float16 d and m, MXFP4's exponent byte); Q2_K..Q6_K keep their super-blocks
+(``block_type``; ``loading/gguf_quants.py``). ``quantize`` makes a matrix from a float checkpoint
+tensor (int8: one scale per row, symmetric; int4: Q4_K blocks, or groups of 32 with scale and
+offset where a width is not whole blocks of 256).
 
 A ``QuantizedLinear`` multiplies through its backend (``Backend.quantized_matmul``): on the
 compiled CPU kernels, few rows (a decode step of a few requests) run the kernel that reads each
