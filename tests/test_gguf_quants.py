@@ -38,7 +38,7 @@ _F16_FIELDS = {
 _E8M0_EDGES = np.array([0, 1, 2, 126, 127, 128, 252, 253, 254, 255], dtype=np.uint8)
 # bits, group, qweight dtype, qweight columns per weight column, has a zero (the coded types:
 # their codebook in _CODEBOOK)
-_CODEBOOK = {"Q4_0": "q4_0", "Q5_0": "q5_0", "MXFP4": "mxfp4", "IQ4_NL": "iq4_nl", "IQ4_XS": "iq4_nl"}
+_CODEBOOK = {"Q4_0": "q4_0", "Q5_0": "q5_0", "MXFP4": "mxfp4", "IQ4_NL": "iq4_nl"}
 _FORMAT = {
     "Q4_0": (4, 32, np.uint8, 0.5, False),
     "Q4_1": (4, 32, np.uint8, 0.5, True),
@@ -47,7 +47,6 @@ _FORMAT = {
     "Q5_1": (5, 32, np.uint8, 20 / 32, True),
     "MXFP4": (4, 32, np.uint8, 0.5, False),
     "IQ4_NL": (4, 32, np.uint8, 0.5, False),
-    "IQ4_XS": (4, 32, np.uint8, 0.5, False),
 }
 
 
@@ -111,7 +110,6 @@ def test_q_stays_in_its_range(type_name):
         "Q5_1": (0, 31),
         "MXFP4": (0, 15),  # codes
         "IQ4_NL": (0, 15),
-        "IQ4_XS": (0, 15),
     }[type_name]
     q = qt.qweight
     if qt.bits == 4:
@@ -261,7 +259,7 @@ _RAM_PER_FILE = {
     **{name: 1.0 for name in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")},
     "Q8_0": 1.0,  # its f16 d kept as float16 (float32: 36 / 34)
     "IQ4_NL": 1.0,
-    "IQ4_XS": 20 * 8 / 136,  # d x (sc - 32) a float32 per 32
+    "IQ4_XS": 1.0,  # its super-blocks (as d x (sc - 32) a float32 per 32: 20 * 8 / 136)
     "MXFP4": 1.0,  # its byte e kept (as a float32 2^(e - 128): 20 / 17)
     "Q4_0": 1.0,  # codes q - 8 under its f16 d (was 24 / 18: a float32 scale and offset)
     "Q4_1": 1.0,

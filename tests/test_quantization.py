@@ -142,9 +142,9 @@ def test_dequantize_kernel_equals_the_torch_path_and_picks_rows(ops):
 
 # ---- K-quants kept as the file stores them -------------------------------------------------
 
-K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")  # IQ4_XS: super-blocks kept as the K-quants
 # Byte offsets of each K-quant's f16 d (and dmin) in its block (ggml-common.h)
-_K_F16 = {"Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+_K_F16 = {"Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_XS": [0]}
 
 
 def k_quant_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:

@@ -1,7 +1,8 @@
-"""GGUF's K-quant types kept in RAM as the file stores them: 256 columns a block, with their
-packed sub-scales, f16 d (and dmin) and high-bit planes (``kernels/csrc/quant_blocks.h`` decodes
-them). A weight in one costs what it costs on disk: Q4_K 4.5 bits, where the widened layout (a
-float32 scale and offset per 32 columns) took 6, and Q6_K 6.5 bits where it took 10.
+"""GGUF's K-quant types (and IQ4_XS, built the same way) kept in RAM as the file stores them: 256
+columns a block, with their packed sub-scales, f16 d (and dmin) and high-bit planes
+(``kernels/csrc/quant_blocks.h`` decodes them). A weight in one costs what it costs on disk:
+Q4_K 4.5 bits, where the widened layout (a float32 scale and offset per 32 columns) took 6, and
+Q6_K 6.5 bits where it took 10.
 
 Torch-free: the GGUF converter and the memory planner read it too. A matrix in this layout is
 ``QuantizedWeight(block_type=...)``: qweight uint8 [rows, blocks x block bytes], scale an empty
@@ -18,6 +19,7 @@ BLOCK_TYPES: dict[str, tuple[int, int]] = {
     "Q4_K": (12, 144),
     "Q5_K": (13, 176),
     "Q6_K": (14, 210),
+    "IQ4_XS": (23, 136),  # not a K-quant, but a super-block of 256 under one d with 6-bit sub-scales
 }
 _BY_BYTES = {size: name for name, (_, size) in BLOCK_TYPES.items()}
 

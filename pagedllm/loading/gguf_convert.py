@@ -159,10 +159,9 @@ _QUANT_FORMATS = {
     "Q5_1": (5, 32),
     "MXFP4": (4, 32),
     "IQ4_NL": (4, 32),
-    "IQ4_XS": (4, 32),
 }
-_NO_ZERO = frozenset({"Q4_0", "Q8_0", "Q5_0", "MXFP4", "IQ4_NL", "IQ4_XS"})
-_CODED = frozenset({"Q4_0", "Q5_0", "MXFP4", "IQ4_NL", "IQ4_XS"})
+_NO_ZERO = frozenset({"Q4_0", "Q8_0", "Q5_0", "MXFP4", "IQ4_NL"})
+_CODED = frozenset({"Q4_0", "Q5_0", "MXFP4", "IQ4_NL"})
 
 
 def _metadata(reader) -> dict:

@@ -26,11 +26,10 @@ type is affine per group of ``group`` elements:
     Q5_1   d f16, m f16, qh[4], qs[16]             5    32   0..31        d          m
     MXFP4  e uint8, qs[16]                      code    32   mxfp4        e: 2^(e-128) None
     IQ4_NL d f16, qs[16]                        code    32   iq4_nl       d          None
-    IQ4_XS d f16, sc_h u16, sc_l[4], qs[128]    code    32   iq4_nl       d*(sc-32)  None
 
 Kept as the file stores them, byte for byte (``layers/superblocks.py``; the kernels decode them,
-``kernels/csrc/quant_blocks.h``): Q2_K, Q3_K, Q4_K, Q5_K and Q6_K, super-blocks of 256 columns
-whose sub-scales are packed in 4 or 6 bits (Q6_K: int8) under an f16 d. Their ``QuantizedTensor``
+``kernels/csrc/quant_blocks.h``): Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS, super-blocks of 256
+columns whose sub-scales are packed in 4 or 6 bits (Q6_K: int8) under an f16 d. Their ``QuantizedTensor``
 has ``block_type`` set and qweight the blocks, uint8 [rows, blocks, block bytes]. Widened to a
 float32 scale and offset per 32 columns, as they were before, Q4_K took 6 bits a weight where the
 file takes 4.5 (a Q4_K_M file 1.39x its bytes in RAM).
@@ -51,8 +50,8 @@ Scales in the file's bytes: where scale and zero are a block's own f16 d and m (
 Q5_0, Q5_1, IQ4_NL: ``FLOAT16_SCALES``) they stay float16, so these take in RAM exactly the file's
 bytes (float32 scales cost Q4_0 1.33x and Q8_0 1.06x; Q5_0 and Q5_1 took a byte a value, 1.64x
 and 1.67x, until December 6). MXFP4 keeps its scale byte e (uint8 scale, read as 2^(e-128):
-``E8M0_SCALES``; as float32 it cost 1.18x). IQ4_XS's d x (sc - 32) per 32, a product float16
-does not always hold, stays float32 (1.18x the file).
+``E8M0_SCALES``; as float32 it cost 1.18x). IQ4_XS, whose d x (sc - 32) per 32 cost 1.18x as
+float32 (a product float16 does not always hold), keeps its super-blocks as the K-quants do.
 
 Exactness: scale and zero are the products gguf's ``dequantize`` forms, and q * scale is exact or
 is gguf's own product, so ``dequantize(unpack(...))`` equals ``gguf.quants.dequantize`` bit for
@@ -190,12 +189,6 @@ def _f16(blocks: np.ndarray, offset: int) -> np.ndarray:
     return np.ascontiguousarray(blocks[..., offset : offset + 2]).view(np.float16)[..., 0]
 
 
-def _per_group(d: np.ndarray, factor: np.ndarray) -> np.ndarray:
-    """d [rows, n_blocks] times each block's per-group factors -> float32 [rows, groups]."""
-    rows = d.shape[0]
-    return (d.astype(np.float32)[..., None] * factor.astype(np.float32)).reshape(rows, -1)
-
-
 def _nibbles(qs: np.ndarray) -> np.ndarray:
     """16 bytes per block -> uint8 [..., 32] in element order: byte j holds element j in its low
     nibble and j + 16 in its high one (Q4_0's order)."""
@@ -248,15 +241,6 @@ def _iq4_nl(b: np.ndarray) -> QuantizedTensor:
     return QuantizedTensor(4, 32, np.ascontiguousarray(b[..., 2:]).reshape(rows, -1), _f16(b, 0), None, "iq4_nl")
 
 
-def _iq4_xs(b: np.ndarray) -> QuantizedTensor:
-    rows = b.shape[0]
-    high = np.ascontiguousarray(b[..., 2:4]).view(np.uint16)  # [rows, n_blocks, 1]
-    low = b[..., 4:8, None] >> np.array([0, 4], dtype=np.uint8)  # [rows, n_blocks, 4, 2]: groups 2i, 2i+1
-    sc = (low.reshape(*b.shape[:2], 8) & 0x0F) | (((high >> np.arange(0, 16, 2, dtype=np.uint16)) & 3) << 4)
-    scale = _per_group(_f16(b, 0), sc.astype(np.int8) - np.int8(32))
-    return QuantizedTensor(4, 32, np.ascontiguousarray(b[..., 8:]).reshape(rows, -1), scale, None, "iq4_nl")
-
-
 _UNPACKERS: dict[str, Callable[[np.ndarray], QuantizedTensor]] = {
     "Q4_0": _q4_0,
     "Q4_1": _q4_1,
@@ -265,6 +249,5 @@ _UNPACKERS: dict[str, Callable[[np.ndarray], QuantizedTensor]] = {
     "Q5_1": _q5_1,
     "MXFP4": _mxfp4,
     "IQ4_NL": _iq4_nl,
-    "IQ4_XS": _iq4_xs,
     **{name: _kept_as_stored(name) for name in KEPT_AS_STORED},
 }

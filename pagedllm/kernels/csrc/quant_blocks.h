@@ -15,6 +15,9 @@
 //     Q4_K  d, dmin f16, scales 6-bit sc and m x 8 in 12, qs[128] (4 bits)            144 bytes
 //     Q5_K  as Q4_K, then qh[32] (fifth bit) before qs                                 176 bytes
 //     Q6_K  ql[128] (low 4 bits), qh[64] (high 2 bits), sc int8[16], d f16            210 bytes
+//     IQ4_XS d f16, sc_h u16, sc_l[4] (6-bit scales x 8), qs[128] (4-bit codes)        136 bytes
+// IQ4_XS's codes index IQ4_NL's grid; u is the grid value plus 128 and the offset -128 x scale, so
+// that u * scale + offset is the grid value times the scale, exactly (that product fits a float).
 // loading/gguf_quants.py's docstring says which bits go where; tests/test_gguf_quants.py pins
 // every type to the gguf package's dequantize, bit for bit.
 #pragma once
@@ -29,7 +32,11 @@
 namespace pagedllm {
 
 constexpr int64_t kRawLayout = 4096;  // layout = kRawLayout + ggml type number
-enum RawType : int64_t { kQ2K = 10, kQ3K = 11, kQ4K = 12, kQ5K = 13, kQ6K = 14 };
+enum RawType : int64_t { kQ2K = 10, kQ3K = 11, kQ4K = 12, kQ5K = 13, kQ6K = 14, kIQ4XS = 23 };
+// IQ4_NL's grid (quant.h's kCodebooks[2]) plus 128: IQ4_XS's codes as the unsigned u of this
+// file's formula, the 128 taken back out by the offset
+alignas(16) inline constexpr uint8_t kIQ4GridPlus128[16] = {1,   24,  45,  63,  79,  93,  106, 118,
+                                                            129, 141, 153, 166, 181, 197, 217, 241};
 constexpr int64_t kSuperBlock = 256;
 
 // Bytes of one 256-column block of a raw type, or 0 for a number that is not one.
@@ -40,6 +47,7 @@ inline int64_t raw_block_bytes(int64_t type) {
     case kQ4K: return 144;
     case kQ5K: return 176;
     case kQ6K: return 210;
+    case kIQ4XS: return 136;
     default: return 0;
   }
 }
@@ -135,6 +143,14 @@ inline void raw_group_affine(int64_t type, const uint8_t* b, int64_t j, float sc
       }
       return;
     }
+    case kIQ4XS: {  // 6-bit scale j: low nibble of sc_l[j / 2] (j odd: high), top 2 bits of sc_h
+      uint16_t high;
+      std::memcpy(&high, b + 2, 2);
+      const int ls = ((b[4 + j / 2] >> (4 * (j & 1))) & 15) | (((high >> (2 * j)) & 3) << 4);
+      scale[0] = scale[1] = half_to_float(b) * float(ls - 32);
+      offset[0] = offset[1] = -128.f * scale[0];
+      return;
+    }
     default: return;
   }
 }
@@ -167,6 +183,14 @@ inline void raw_group_bits(int64_t type, const uint8_t* b, int64_t j, uint8_t u[
     case kQ3K: {
       const uint8_t* qs = b + 32 + 32 * h;
       for (int l = 0; l < 32; ++l) u[l] = uint8_t(((qs[l] >> (2 * t)) & 3) | (((b[l] >> j) & 1) << 2));
+      return;
+    }
+    case kIQ4XS: {  // group j's 16 bytes: column l's code in byte l's low nibble, l + 16's in its high
+      const uint8_t* qs = b + 8 + 16 * j;
+      for (int l = 0; l < 16; ++l) {
+        u[l] = kIQ4GridPlus128[qs[l] & 15];
+        u[l + 16] = kIQ4GridPlus128[qs[l] >> 4];
+      }
       return;
     }
     default: return;

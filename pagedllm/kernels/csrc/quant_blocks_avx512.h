@@ -40,6 +40,13 @@ inline __m256i raw_group_bits_of(const uint8_t* b, int j) {
     const __m256i top = _mm256_and_si256(shift_right(qh, 2 * t), _mm256_set1_epi8(3));
     return _mm256_or_si256(_mm256_and_si256(shift_right(ql, 4 * (t >> 1)), low4), _mm256_slli_epi16(top, 4));
   }
+  if constexpr (Type == kIQ4XS) {  // the codes' grid values plus 128, columns 0-15 then 16-31
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 8 + 16 * j));
+    const __m128i grid = _mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4GridPlus128)), nibble = _mm_set1_epi8(15);
+    const __m128i low = _mm_shuffle_epi8(grid, _mm_and_si128(qs, nibble));
+    const __m128i high = _mm_shuffle_epi8(grid, _mm_and_si128(_mm_srli_epi16(qs, 4), nibble));
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(low), high, 1);
+  }
   alignas(32) uint8_t bytes[32];
   raw_group_bits(Type, b, j, bytes);
   return _mm256_load_si256(reinterpret_cast<const __m256i*>(bytes));
@@ -53,6 +60,7 @@ inline decltype(auto) with_raw_type(int64_t type, F f) {
     case kQ5K: return f(std::integral_constant<int64_t, kQ5K>{});
     case kQ6K: return f(std::integral_constant<int64_t, kQ6K>{});
     case kQ2K: return f(std::integral_constant<int64_t, kQ2K>{});
+    case kIQ4XS: return f(std::integral_constant<int64_t, kIQ4XS>{});
     default: return f(std::integral_constant<int64_t, kQ3K>{});
   }
 }
@@ -159,7 +167,72 @@ void tile_raw(const QuantMatrix& m, const float* X, int64_t ldx, int64_t n0, flo
 }
 
 #if defined(PAGEDLLM_VNNI)
-inline bool vnni_takes_raw(int64_t type) { return type == kQ4K || type == kQ5K || type == kQ6K; }
+inline bool vnni_takes_raw(int64_t type) { return type == kQ4K || type == kQ5K || type == kQ6K || type == kIQ4XS; }
+
+// IQ4_XS block b's eight group scales d x (sc - 32) in lanes 0-7 (raw_group_affine's, in
+// registers): sc's low nibble j is bits 4j of sc_l read as one little-endian word, its top two
+// bits 2j of sc_h.
+inline __m512 iq4xs_block_scales(const uint8_t* b) {
+  uint16_t high;
+  uint32_t low;
+  std::memcpy(&high, b + 2, 2);
+  std::memcpy(&low, b + 4, 4);
+  const __m256i j = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i nib = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(int(low)), _mm256_slli_epi32(j, 2)),
+                                       _mm256_set1_epi32(15));
+  const __m256i top = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(high), _mm256_slli_epi32(j, 1)),
+                                       _mm256_set1_epi32(3));
+  const __m256i sc = _mm256_sub_epi32(_mm256_or_si256(nib, _mm256_slli_epi32(top, 4)), _mm256_set1_epi32(32));
+  return _mm512_zextps256_ps512(_mm256_mul_ps(_mm256_cvtepi32_ps(sc), _mm256_set1_ps(half_to_float(b))));
+}
+
+// IQ4_XS's blocks against bf16 rows in 8 bits, as tile_vnni sums 4-bit codes: per 128 columns
+// (four groups, 64 bytes in the order Int8Rows keeps x: each group's low nibbles its first 16
+// columns, high its last 16), the codes looked up in the grid plus 128, two dpbusd per row, one
+// scale per group (d x (sc - 32), the block's eight decoded once); the 128 taken back out once a
+// block with each group's sum of x.
+template <int NC, int MR>
+void tile_vnni_iq4xs(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, int64_t n0, float* Y, int64_t ldy) {
+  __m512 acc[NC][MR];
+  for (int c = 0; c < NC; ++c)
+    for (int r = 0; r < MR; ++r) acc[c][r] = _mm512_setzero_ps();
+  const int64_t block_bytes = raw_block_bytes(kIQ4XS), rb = m.row_bytes();
+  const __m512i grid = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4GridPlus128)));
+  const __m512i nibble = _mm512_set1_epi8(15);
+  for (int64_t blk = 0; blk < m.k / kSuperBlock; ++blk) {
+    __m512 scales[NC];  // lanes 0-7: the block's eight group scales
+    for (int c = 0; c < NC; ++c) {
+      const uint8_t* p = m.q + (n0 + c) * rb + blk * block_bytes;
+      for (int64_t line = 0; line < block_bytes; line += 64) prefetch_ahead(p + line);
+      scales[c] = iq4xs_block_scales(p);
+    }
+    for (int h = 0; h < 2; ++h) {
+      __m512i xlo[MR], xhi[MR];
+      __m512 xs[MR];
+      load_x_groups<MR>(xr, row0, blk * 8 + 4 * h, xlo, xhi, xs);
+      const __m512i spread = _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                              _mm512_set1_epi32(4 * h));
+      for (int c = 0; c < NC; ++c) {
+        const __m512i v = _mm512_loadu_si512(m.q + (n0 + c) * rb + blk * block_bytes + 8 + 64 * h);
+        const __m512i lo = _mm512_shuffle_epi8(grid, _mm512_and_si512(v, nibble));
+        const __m512i hi = _mm512_shuffle_epi8(grid, _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble));
+        const __m512 s = _mm512_permutexvar_ps(spread, scales[c]);
+        for (int r = 0; r < MR; ++r) {
+          const __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo[r]), hi, xhi[r]);
+          acc[c][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s, xs[r]), acc[c][r]);
+        }
+      }
+    }
+    for (int c = 0; c < NC; ++c)
+      for (int r = 0; r < MR; ++r) {  // - 128 x each group's scale x its scaled sum of x
+        const __m512 sums =
+            _mm512_zextps256_ps512(_mm256_loadu_ps(xr.block_sums.data() + (row0 + r) * xr.padded_groups + 8 * blk));
+        acc[c][r] = _mm512_fnmadd_ps(_mm512_mul_ps(scales[c], _mm512_set1_ps(128.f)), sums, acc[c][r]);
+      }
+  }
+  for (int c = 0; c < NC; ++c)
+    for (int r = 0; r < MR; ++r) Y[r * ldy + n0 + c] = _mm512_reduce_add_ps(acc[c][r]);
+}
 
 // 64 weight bytes of a block unpack into two vectors of 64 values, a and b. Q4_K/Q5_K: four
 // 32-column groups, in 128-bit lanes as groups 0, 2, 1, 3 of the 128 columns, a their first 16
@@ -306,7 +379,9 @@ void tile_any_vnni_raw(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, i
     tile_any_vnni_raw<2, MR>(m, xr, row0, n0 + 2, Y, ldy);
     return;
   }
-  if (m.raw == kQ4K)
+  if (m.raw == kIQ4XS)
+    tile_vnni_iq4xs<NC, MR>(m, xr, row0, n0, Y, ldy);
+  else if (m.raw == kQ4K)
     tile_vnni_raw<NC, MR, kQ4K>(m, xr, row0, n0, Y, ldy);
   else if (m.raw == kQ5K)
     tile_vnni_raw<NC, MR, kQ5K>(m, xr, row0, n0, Y, ldy);
