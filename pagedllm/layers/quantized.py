@@ -277,7 +277,6 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x / step).to(torch.int8), step
 
 
-@functools.cache
 def scale_values(scale: torch.Tensor) -> torch.Tensor:
     """float32 scales: float32 and float16 as they are; MXFP4's uint8 exponent bytes e as
     2^(e - 128), built from their bits (2^-128 and 2^-127 are subnormal)."""
@@ -288,6 +287,7 @@ def scale_values(scale: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
+@functools.cache
 def _codebook_values(codebook: str) -> torch.Tensor:
     """A codebook's 16 values as a float32 tensor, made once (the reference path runs per call)."""
     return torch.tensor(CODEBOOKS[codebook], dtype=torch.float32)
