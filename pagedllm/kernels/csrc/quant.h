@@ -5,17 +5,16 @@
 // HF checkpoint): value[n][k] = q[n][k] * scale[n][k / group] + zero[n][k / group] (zero may be
 // absent: 0), scale and zero float32, or float16 as a GGUF block stores its d and m (Q4_0, Q4_1,
 // Q5_0, Q5_1, Q8_0, IQ4_NL; groups of 32), or MXFP4's byte e standing for 2^(e - 128): then the
-// matrix takes the file's bytes, where float32 cost Q4_0 1.33x them and MXFP4 1.18x. 4-bit q (0..15) sit two to a byte, per 32 columns from k0:
-// byte k0/2 + j holds column k0 + j in its low nibble and k0 + 16 + j in its high one, as GGUF's
+// matrix takes the file's bytes, where float32 cost Q4_0 1.33x them and MXFP4 1.18x.
+// 4-bit q (0..15) sit two to a byte, per 32 columns from k0: byte k0/2 + j holds column k0 + j in its low nibble and k0 + 16 + j in its high one, as GGUF's
 // Q4_0/Q4_1 blocks do. 8-bit q are int8, one per byte. 5-bit q (0..31; Q5_0 and Q5_1 as the file
 // stores them, less d and m) take 20 bytes per 32 columns: 4 bytes qh, read as a little-endian
 // uint32 whose bit j is column j's fifth bit, then 16 bytes of the low four bits in 4-bit's order;
 // Q5_0's q stand for q - 16 (`centered`).
 //
 // 4-bit codes: where a matrix has a codebook, its 4-bit q are not values but indices into a
-// table of 16 int8 values (MXFP4's e2m1 values doubled; IQ4_NL's and IQ4_XS's non-linear grid;
-// Q4_0's q - 8),
-// read as value = table[q] * scale + zero. The kernels take the codebook in their `bits`
+// table of 16 int8 values (MXFP4's e2m1 values doubled; IQ4_NL's non-linear grid; Q4_0's
+// q - 8), read as value = table[q] * scale + zero. The kernels take the codebook in their `bits`
 // argument: bits + 256 x the codebook's number (layers/codebooks.py's CODEBOOKS, in this order, from 1).
 //
 // K-quant super-blocks as the file stores them (quant_blocks.h): layout kRawLayout + ggml's type

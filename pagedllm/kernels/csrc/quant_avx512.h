@@ -330,8 +330,9 @@ inline __m512 load_half_scales(const float* p, int64_t groups) {
 
 // As tile_vnni for 8-bit weights in groups of 32 (Q8_0 as stored): per 4 groups, 128 bytes of
 // weights, two dpbusd per row, as llama.cpp's Q8_0 x Q8 dot product sums them. Halves: the
-// weights' groups are 16 columns (Q6_K, widened to a byte a value), so each 32 columns' first
-// and last 16 (lo, hi) take their own scale; x keeps one scale per 32.
+// weights' groups are 16 columns (the layout Q6_K was widened to until December 6; no loader
+// makes it now, the kernel tests still do), so each 32 columns' first and last 16 (lo, hi) take
+// their own scale; x keeps one scale per 32.
 template <int NC, int MR, bool Halves>
 void tile_vnni8(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, int64_t n0, float* Y, int64_t ldy) {
   __m512 acc[NC][MR];

@@ -5,11 +5,11 @@
 //   4-bit weight costs a quarter of a bf16 one. Many rows (prefill, big batches) go to a GEMM on
 //   weights dequantized a layer at a time instead (the layer chooses), or, with bf16 activations
 //   on a CPU with AMX, to AMX tiles here (amx.h).
-//   With bfloat16 activations and 4-bit or 8-bit weights in groups of 32 (Q4_0/Q4_1/int4,
-//   Q8_0; 8-bit ones in groups of 16 too: Q6_K widened), each row of x is itself quantized to 8 bits per 32 columns (as llama.cpp does) and the
-//   products are summed as integers, 64 per instruction (AVX512-VNNI, quant_avx512.h): a quarter
-//   of the instructions of the float path. float32
-//   activations take the float path, which computes with the exact weight values (its results
+//   With bfloat16 activations and 4-, 5- or 8-bit weights in groups of 32 (Q4_0/Q4_1/int4,
+//   Q5_0/Q5_1, Q8_0, IQ4_NL, MXFP4) or K-quant blocks (Q4_K, Q5_K, Q6_K, IQ4_XS), each row of x is
+//   itself quantized to 8 bits per 32 columns (as llama.cpp does) and the products are summed as
+//   integers, 64 per instruction (AVX512-VNNI, quant_avx512.h, quant_blocks_avx512.h): a quarter
+//   of the instructions of the float path. float32 activations take the float path, which computes with the exact weight values (its results
 //   match a GEMM on the dequantized weights).
 // - dequantize: the float rows of a quantized matrix (that GEMM path; embedding lookups).
 // - amx_tiles: whether the kernels' bf16 GEMMs run on AMX tiles in this process (quant_linear's
