@@ -8,6 +8,7 @@ its backend at construction and names the interface it calls, whose implementati
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pagedllm"
@@ -15,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pagedllm"
 # Lowest first. Components on one level do not import each other.
 LEVELS = [
     {"env"},  # every environment variable, read in one place
-    {"errors", "sizes", "paths"},  # facts every stage shares
+    {"errors", "sizes", "paths", "host"},  # facts every stage shares (host: the CPUs this process may use)
     {"model specs"},  # models/registry.py, family.py and each family's spec.py: torch-free, what a family is
     {"kernels"},  # compiled CPU kernels: built on first use, or absent
     {"config", "engine_config", "sampling_params", "outputs", "prompts"},  # what a model, an engine, a request are
@@ -124,6 +125,56 @@ def test_only_the_backends_reach_the_compiled_kernels():
             f"{path.relative_to(PACKAGE.parent)} imports {t}" for t in imports_of(path) if component(t) == "kernels"
         ]
     assert not wrong, "\n".join(wrong)
+
+
+DEVICES = ("cpu",)  # pagedllm/backends/<device>/: one folder per device (backends.DEVICES)
+MEASURES_THE_MACHINE = {"bench"}  # the benchmark reads the CPU's flags and kernels it times
+
+
+def test_nothing_outside_the_backends_names_a_device():
+    """The device seam: the engine, the planner and the models speak ``backends.base``'s protocols
+    and the registry (``backends.workspace``, ``backends.facts``); a device's own modules (its KV
+    cache, its attention layout, its kernels' tiles and scratch) are imported by the backends
+    alone, type-only names included, so a second device is one more folder."""
+    wrong = []
+    for path in PACKAGE.rglob("*.py"):
+        own = component(".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts))
+        if own == "backends" or own in MEASURES_THE_MACHINE:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+                if any(
+                    n.split(".")[:2] == ["backends", d] or ".backends." + d in "." + n for n in names for d in DEVICES
+                ):
+                    wrong.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert not wrong, "imports of a device's modules outside pagedllm/backends/:\n" + "\n".join(wrong)
+
+
+def test_the_footprint_never_branches_on_how_a_device_runs_a_step():
+    """The model's arithmetic (memory/footprint.py) asks the device's terms (``backends.workspace``)
+    how a phase runs there; it reads no kernel kind, ISA or tile flag of its own, so a device's
+    new path changes its own module only."""
+    tree = ast.parse((PACKAGE / "memory" / "footprint.py").read_text())
+    device_facts = {"kernels", "gemm_isa", "amx_tiles", "quant_float_max_rows"}
+    read = [
+        f"footprint.py:{n.lineno} reads .{n.attr}"
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute) and n.attr in device_facts and not isinstance(n.ctx, ast.Store)
+    ]
+    assert not read, "\n".join(read)
+
+
+def test_readme_maps_every_family_and_device_folder():
+    """README's layout is the reader's map: a family or device folder it does not name is one the
+    next engineer cannot find from it."""
+    readme = (PACKAGE.parent / "README.md").read_text()
+    layout = readme[readme.index("models/") :]
+    folders = [p for p in (PACKAGE / "models").iterdir() if (p / "spec.py").is_file()]
+    folders += [p for p in (PACKAGE / "backends").iterdir() if (p / "__init__.py").is_file()]
+    assert len(folders) > 12, folders  # twelve families and the CPU at least: the walk found them
+    missing = [p.name for p in folders if not re.search(rf"\b{p.name}\b", layout)]
+    assert not missing, f"README's layout does not name: {missing}"
 
 
 MAX_FUNCTION_LINES = 80

@@ -14,10 +14,12 @@ facts the memory planner needs (``plan_facts``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from ..sizes import ceil_div
 from .facts import PlanFacts
 
 if TYPE_CHECKING:
@@ -26,8 +28,76 @@ if TYPE_CHECKING:
     from ..layers.moe import SparseMoE
     from ..layers.quantized import QuantizedWeight
     from ..models.decoder import DecoderLM
-    from .cpu.attention import StepLayout
-    from .cpu.kv_cache import KVCache
+
+
+class KVCache(Protocol):
+    """A device's paged K/V cache, as the engine sees it: blocks it resizes, copies, zeroes and
+    gives back; what a block holds and how attention reads it stay the device's
+    (``backends.cpu.kv_cache.KVCache`` on CPU)."""
+
+    block_size: int
+
+    @property
+    def num_blocks(self) -> int: ...  # pool 0's blocks in use
+
+    @property
+    def capacity_blocks(self) -> int: ...  # pool 0's blocks the reservation allows
+
+    @property
+    def pool_capacity(self) -> Sequence[int]: ...  # each pool's
+
+    def copy_blocks(self, moves: list[tuple[int, int, int]]) -> None: ...  # (pool, source, destination)
+
+    def zero_blocks(self, blocks: list[tuple[int, int]]) -> None: ...  # (pool, block)
+
+    def resize(self, sizes: int | list[int]) -> None: ...
+
+    def release_pages(self, pool: int, first: int) -> None: ...  # blocks from ``first`` on unused
+
+
+class DecodeGroupShape(Protocol):
+    blocks: torch.Tensor  # [rows, blocks gathered]
+
+    @property
+    def keys(self) -> int: ...  # key slots gathered per row
+
+
+class PrefillShape(Protocol):
+    length: int  # query rows
+    context_len: int
+
+
+class AttentionLayout(Protocol):
+    """Where one step's tokens read and write K/V, built once per step (``Backend.attention_metadata``)
+    and read by every layer's attention. The engine reads only how the step is cut into decode
+    groups and prefill chunks: the memory planner's ``StepShape`` of it."""
+
+    @property
+    def decode_groups(self) -> Sequence[DecodeGroupShape]: ...
+
+    @property
+    def prefills(self) -> Sequence[PrefillShape]: ...
+
+
+def pool_tables(
+    tables: list[tuple[list[int], ...]], context_lens: list[int], block_size: int, device=None
+) -> torch.Tensor:
+    """[pools, S, widest] int32, the step's block tables as every device receives them
+    (``engine.step.StepInput.block_tables``): each sequence's blocks in each pool for its context,
+    block 0 past it and where a window's pool gave a block back (``block_manager.HOLE``: never
+    read by the kernel, read and masked by the PyTorch path)."""
+    widest = max((ceil_div(n, block_size) for n in context_lens), default=1)
+    pools = len(tables[0]) if tables else 1
+    rows = [
+        [_padded(seq[p], ceil_div(n, block_size), widest) for seq, n in zip(tables, context_lens)] for p in range(pools)
+    ]
+    if not tables:
+        return torch.zeros(1, 0, 1, dtype=torch.int32, device=device)
+    return torch.tensor(rows, dtype=torch.int32, device=device)
+
+
+def _padded(table: list[int], used: int, width: int) -> list[int]:
+    return [max(b, 0) for b in table[:used]] + [0] * (width - used)
 
 
 class Attention(Protocol):
@@ -90,11 +160,12 @@ class Backend:
         for every layer, or one per pool of ``cfg.kv_pools``."""
         raise NotImplementedError
 
-    def attention_metadata(self, step: StepInput, group_size: int) -> StepLayout:
-        """Where every token of the step reads and writes K/V, built once, read by every layer."""
+    def attention_metadata(self, step: StepInput, group_size: int) -> AttentionLayout:
+        """Where every token of the step reads and writes K/V, built once, read by every layer;
+        how it tiles the work (the CPU's pair and gather budgets) is the device's own."""
         raise NotImplementedError
 
-    def attention(self, kv_cache: KVCache, layout: StepLayout) -> Attention:
+    def attention(self, kv_cache: KVCache, layout: AttentionLayout) -> Attention:
         raise NotImplementedError
 
     # ---- pointwise ------------------------------------------------------------------------

@@ -29,7 +29,7 @@ def perplexity(llm: LLM, ids: list[int], chunk: int = CHUNK, keep_logits: list |
     engine = llm.engine
     if not isinstance(engine, LLMEngine):
         raise TypeError("perplexity reads the model in this process: LLM(..., engine_process=False)")
-    model, runner, blocks = engine.runner.model, engine.runner, engine.blocks
+    model, blocks = engine.runner.model, engine.blocks
     cfg = model.config
     seq_id = -1  # requests' ids count up from 0
     nll, count = 0.0, 0
@@ -42,8 +42,6 @@ def perplexity(llm: LLM, ids: list[int], chunk: int = CHUNK, keep_logits: list |
                     [SequenceSlice(0, end - start, end, blocks.tables_of(seq_id))],
                     engine.kv_cache.block_size,
                     cfg.num_heads // cfg.num_kv_heads,
-                    pairs_budget=runner.pairs_budget,
-                    gather_budget=runner.gather_budget,
                 )
                 logits = model(
                     torch.tensor(ids[start:end]),

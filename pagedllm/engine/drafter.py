@@ -28,8 +28,7 @@ from __future__ import annotations
 import torch
 
 from .. import loading
-from ..backends.base import Backend
-from ..backends.cpu.kv_cache import KVCache
+from ..backends.base import Backend, KVCache
 from ..config import ModelConfig
 from ..engine_config import ConfigError, EngineConfig
 from ..layers.sampler import Sampler

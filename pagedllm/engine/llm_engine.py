@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .. import env, prompts
-from ..backends.cpu.kv_cache import KVCache
+from ..backends.base import KVCache
 from ..engine_config import ConfigError, EngineConfig
 from ..errors import CacheDoesNotFitError, RequestRejected
 from ..limits import RequestLimits

@@ -22,10 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..backends.base import Backend
-from ..backends.cpu.attention import StepLayout, pool_tables
-from ..backends.cpu.kv_cache import KVCache
-from ..backends.cpu.workspace import GATHER_BUDGET, PAIRS_BUDGET
+from ..backends.base import Backend, KVCache, pool_tables
 from ..layers.sampler import Sampler, argmax_rows, needs_full_path
 from ..memory.footprint import StepShape
 from ..models import DecoderLM
@@ -66,15 +63,11 @@ class ModelRunner:
         kv_cache: KVCache,
         sampler: Sampler | None,  # None on a worker rank of a split model: it never samples
         backend: Backend,
-        pairs_budget: int = PAIRS_BUDGET,
-        gather_budget: int = GATHER_BUDGET,
     ):
         self.model = model
         self.kv_cache = kv_cache
         self.sampler = sampler
         self.backend = backend
-        self.pairs_budget = pairs_budget
-        self.gather_budget = gather_budget
         cfg = model.config
         self.group_size = cfg.num_heads // cfg.num_kv_heads
         # [P, hidden] float32: the sums of the pooled hidden states of the step ``execute`` ran
@@ -123,8 +116,6 @@ class ModelRunner:
             copies=longs(out.copies).view(-1, 3),
             zeros=longs(out.zeros).view(-1, 2),
             block_size=self.kv_cache.block_size,
-            pairs_budget=self.pairs_budget,
-            gather_budget=self.gather_budget,
             pool_ranges=longs(pool_ranges).view(-1, 2),
         )
 
@@ -277,7 +268,7 @@ class ModelRunner:
                 for s in chunk
                 if s.params.repetition_penalty != 1 or s.params.presence_penalty or s.params.frequency_penalty
             ]
-        layout = StepLayout.from_step(self.prepare(out), self.group_size)
+        layout = self.backend.attention_metadata(self.prepare(out), self.group_size)
         return StepShape(
             tokens=out.total_tokens,
             sampled=sum(r.logits_rows for r in out.rows),  # a guessed row has one per position

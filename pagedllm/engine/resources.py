@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from ..memory.machine import resident_bytes, return_freed_heap
 
 if TYPE_CHECKING:
-    from ..backends.cpu.kv_cache import KVCache
+    from ..backends.base import KVCache
     from ..engine_config import EngineConfig
     from ..layers.expert_cache import ExpertCache
     from ..limits import RequestLimits

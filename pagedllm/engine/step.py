@@ -114,8 +114,6 @@ class StepInput:
     copies: torch.Tensor  # [C, 3] int64: (pool, source, destination) blocks, copied before the step
     zeros: torch.Tensor  # [Z, 2] int64: (pool, block)s zeroed before the step
     block_size: int
-    pairs_budget: int  # attention's tiles (backends.cpu.workspace): part of the step, so a replay is exact
-    gather_budget: int
     # [P, 2] int64: (first, end) rows of the flat batch whose final hidden states are summed
     # (an embedding request's pooled positions; ``ModelRunner.pooled``)
     pool_ranges: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 2, dtype=torch.long))

@@ -35,6 +35,12 @@ With N = KV-cache blocks, M = ``max_batch_tokens``, S = ``max_num_seqs``, L = ``
   depends on the kind of kernel the CPU runs (AMX, AVX-512 with or without bf16; none on AVX2)
   and on the threads: the device's ``gemm_scratch`` (``backends.cpu.workspace``). On fp32 there is none.
 
+What the model's shapes decide is here; how the device runs each phase (a norm's or attention's
+temporaries by kernel path, a GEMM's padding and scratch, how attention tiles the decode rows,
+the scratch outside torch's allocator) are the device's terms, asked through the registry
+(``backends.workspace(s.device)``; the CPU's: ``backends/cpu/workspace.py``), never branched
+on here.
+
 ``step_transient_bytes`` predicts the peak of one concrete step (its shape: tokens, sampled
 rows, decode groups, prefill chunks); ``activation_peak`` is its maximum over every step the
 limits allow, which is what the planner reserves. Both are checked against measured peaks.
@@ -42,19 +48,10 @@ limits allow, which is what the planner reserves. Both are checked against measu
 
 from __future__ import annotations
 
-from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from .. import backends
-from ..backends.cpu.workspace import (
-    DEQUANT_CHUNK_ELEMENTS,
-    GATHER_BUDGET,
-    PAIRS_BUDGET,
-    QUANT_FLOAT_ANY_ROWS,
-    QUANT_KERNEL_MAX_ROWS,
-    padded_rows,
-    tile_packable,
-)
+from ..backends.facts import ANY_ROWS
 from ..config import ModelConfig
 from ..layers.superblocks import int4_bytes
 from ..sizes import (
@@ -62,15 +59,12 @@ from ..sizes import (
     KV_SCALE_BYTES,
     QUANTIZED,
     SAMPLER_CHUNK_ROWS,
-    SHM_SLOT_BYTES,
     ceil_div,
     dtype_bytes,
     kv_element_bytes,
     kv_is_quantized,
 )
 from ..sizes import INDEX_BYTES as INDEX
-
-PAGE = 4096  # what a first write commits of a mapping
 
 SAMPLER_BYTES_PER_LOGIT = 25  # full sampling path: float32 copies, int64 sort order, masks
 SCALAR_SLACK = 256  # one-element temporaries (eps, scale factors) that ops create on the way
@@ -271,11 +265,12 @@ class StreamableLayers:
     layer_bytes: tuple[int, ...]
 
 
-def expert_slot_floor(cfg: ModelConfig) -> int:
+def expert_slot_floor(cfg: ModelConfig, device_name: str = "cpu") -> int:
     """The fewest slots one kind of expert needs: every expert a step's layer may choose on the
-    expert kernel's path (up to QUANT_KERNEL_MAX_ROWS tokens, top_k each) resident at once."""
+    device's expert kernel's path (up to its QUANT_KERNEL_MAX_ROWS tokens, top_k each) resident
+    at once."""
     assert cfg.moe is not None
-    return min(cfg.moe.num_experts, QUANT_KERNEL_MAX_ROWS * cfg.moe.top_k)
+    return min(cfg.moe.num_experts, backends.workspace(device_name).QUANT_KERNEL_MAX_ROWS * cfg.moe.top_k)
 
 
 @dataclass(frozen=True)
@@ -284,9 +279,7 @@ class EngineSettings:
     kv_dtype: str | None = None  # default: as dtype
     block_size: int = 16
     max_model_len: int | None = None  # default: the model's
-    pairs_budget: int = PAIRS_BUDGET
-    gather_budget: int = GATHER_BUDGET
-    device: str = "cpu"  # whose workspace terms apply (``backends.workspace``)
+    device: str = "cpu"  # whose workspace terms apply (``backends.workspace``): how the step runs there
     gemm_isa: str = "avx512_bf16"  # what oneDNN's bf16 GEMMs run on (machine.GEMM_ISAS): their scratch
     kernels: str = "compiled"  # "compiled" (pagedllm.kernels) or "torch": the attention and norm workspaces differ
     threads: int = 1  # torch threads: the compiled attention keeps scratch per thread
@@ -298,7 +291,7 @@ class EngineSettings:
     # the most float32 rows the compiled quantized kernel takes (any count on its AVX-512 path,
     # QUANT_FLOAT_AVX2_ROWS on AVX2); more dequantize + GEMM, as bf16 rows beyond
     # QUANT_KERNEL_MAX_ROWS do
-    quant_float_max_rows: int = QUANT_FLOAT_ANY_ROWS
+    quant_float_max_rows: int = ANY_ROWS
     grammar_cache_bytes: int = 0  # structured output's compiled-grammar caches, at their bound
     # Tensor parallelism (distributed.shards): the config is one rank's; the row-parallel outputs
     # are summed across ranks (a communication buffer of their size while they are), and the
@@ -329,118 +322,17 @@ def device(s: EngineSettings):
     return backends.workspace(s.device)
 
 
-def _norm_transient(rows: int, width: int, e: int) -> int:
-    """RMSNorm's temporaries above its input (HF's float32 formulation)."""
-    return rows * width * (4 if e == 4 else 8) + 4 * rows
-
-
-def _softmax_bytes(pairs: int, e: int) -> int:
-    """scores (activation dtype) + float32 softmax output (+ float32 input copy on bf16)."""
-    return pairs * (e + 4 + (0 if e == 4 else 4))
-
-
-def _per_head(rows: int, keys: int, g: int, d: int, e: int, query_copy: bool) -> int:
-    """Peak of one KV head's matmul / softmax / matmul over ``rows`` query rows of ``g`` heads."""
-    pairs = rows * g * keys
-    return max(
-        pairs * e + (rows * g * d * e if query_copy else 0),  # q @ k^T
-        _softmax_bytes(pairs, e),  # softmax in float32
-        pairs * e + rows * g * d * e,
-    )  # probs @ v
-
-
-def _attention_workspace(cfg: ModelConfig, s: EngineSettings, shape: StepShape, windowed: bool) -> int:
-    """Largest live workspace of one attention call (one decode group or one prefill tile)."""
-    e = dtype_bytes(s.dtype)
-    # an 8-bit cache is gathered as stored, then dequantized into the activation dtype
-    kv_e = e + 1 if kv_is_quantized(s.kv) else kv_element_bytes(s.kv)
-    g, d = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
-    dq, dk = cfg.num_heads * d, cfg.num_kv_heads * d
-    worst = 0
-    for rows, keys, _ in shape.decode_groups:  # keys: gathered slots per row, whole blocks
-        gathered = 2 * rows * keys * dk * kv_e + rows * dq * e  # K, V, the group's queries
-        mask = 2 * rows * keys + INDEX * (keys + rows) if windowed else 0  # a window's mask, built once
-        worst = max(worst, gathered + mask + _per_head(rows, keys, g, d, e, query_copy=False))
-    for q_rows, ctx in shape.prefills:
-        tile = min(q_rows, max(1, s.pairs_budget // (g * ctx)))
-        padded = ceil_div(ctx, s.block_size) * s.block_size
-        build = INDEX * (tile + ctx) + tile * ctx + (tile * ctx + INDEX * tile if windowed else 0)
-        body = tile * ctx + _per_head(tile, ctx, g, d, e, query_copy=True)
-        worst = max(worst, 2 * padded * dk * kv_e + max(build, body))
-    return worst
-
-
-def step_buffers(
-    shape: StepShape, block_size: int, windows: AbstractSet[int] = frozenset(), compiled: bool = True, pools: int = 1
-) -> int:
-    """Index tensors built for the step: ids, positions, logit rows, and where K/V live: int32
-    tables for the compiled kernels (query starts, context lengths, block tables padded to the
-    longest context: one per KV pool), always built; the PyTorch path adds, per pool, a slot per
-    token, the block ids of every context and the decode masks (padding; one per sliding window
-    shorter than the group's context)."""
+def step_buffers(shape: StepShape, block_size: int, pools: int = 1) -> int:
+    """The step's input (``engine.step.StepInput``), as every device receives it: token ids,
+    positions and logits rows (int64), query starts and context lengths (int32), and the block
+    tables padded to the longest context, one per KV pool (int32)."""
     seqs = sum(rows for rows, _, _ in shape.decode_groups) + len(shape.prefills)
     widest = max(
         [keys // block_size for _, keys, _ in shape.decode_groups]
         + [ceil_div(ctx, block_size) for _, ctx in shape.prefills],
         default=1,
     )
-    total = INDEX * (2 * shape.tokens + shape.sampled) + 4 * (2 * seqs + 1) + 4 * seqs * widest * pools
-    if compiled:
-        return total
-    per_pool = INDEX * shape.tokens
-    for rows, keys, _ in shape.decode_groups:
-        per_pool += INDEX * (rows * (keys // block_size) + 2 * rows) + rows * keys
-    per_pool += sum(INDEX * ceil_div(ctx, block_size) for _, ctx in shape.prefills)
-    masks = sum(rows * keys * sum(1 for w in windows if w < keys) for rows, keys, _ in shape.decode_groups)
-    return total + pools * per_pool + masks
-
-
-class _Gemms:
-    """What one GEMM of a step holds, by how it runs. oneDNN's prepacked GEMMs run on rows
-    padded to a bucket: a padded copy of the input while they run, and a padded output whose first
-    rows are the result. With AMX tiles, a layer whose shape the compiled kernels' own packed GEMM
-    takes (backends.cpu.compiled_backend.pack_weight) runs there instead: its output is its only tensor
-    (kernel_scratch_bytes has the rest), on the rows as they are. Quantized weights: their
-    kernels' outputs, or a dequantized chunk at a time and a plain GEMM."""
-
-    def __init__(self, s: EngineSettings):
-        self.s, self.e = s, dtype_bytes(s.dtype)
-        self.pad = s.packed and not s.quantized_weights
-        self.tiled = self.pad and self.e == 2 and s.amx_tiles and s.kernels == "compiled"
-
-    def ours(self, k: int, out: int, packed: bool) -> bool:
-        return self.tiled and packed and tile_packable(out, k)
-
-    def rows_of(self, rows: int, k: int, out: int, packed: bool | None = None) -> int:
-        """The rows of the GEMM's output tensor."""
-        packed = self.s.packed if packed is None else packed
-        return padded_rows(rows) if self.pad and packed and not self.ours(k, out, packed) else rows
-
-    def bytes(self, rows: int, k: int, out: int, packed: bool | None = None) -> int:
-        s, e = self.s, self.e
-        packed = s.packed if packed is None else packed
-        padded = self.rows_of(rows, k, out, packed)
-        if self.ours(k, out, packed):
-            return rows * out * e
-        if s.quantization == "w8a8":  # x in int8, the int32 sums, their float result
-            if s.kernels == "compiled":  # int8_gemm.cpp: x in int8 is freed before the result is made
-                return max(rows * k + rows * out * 4, rows * out * 8)
-            rounding = 2 * rows * k * 4  # backends.cpu.torch_backend.int8_matmul: x / step and its rounding
-            return rows * k + rows * 4 + max(rounding, rows * out * 8)
-        if s.quantized_weights:
-            tiles = s.amx_tiles and e == 2 and rows > QUANT_KERNEL_MAX_ROWS
-            float_rows = e == 4 and s.kernels == "compiled" and rows <= s.quant_float_max_rows
-            kernel = rows <= QUANT_KERNEL_MAX_ROWS or tiles or float_rows
-            if kernel:  # a float32 output; for bf16 the result in bf16,
-                # and, off the tiles, x in fp32
-                return rows * out * 4 + (rows * out * e + (0 if tiles else rows * k * 4) if e != 4 else 0)
-            chunk = min(out, DEQUANT_CHUNK_ELEMENTS // k)  # one dequantized chunk, a plain GEMM
-            slices = rows * out * e + (rows * chunk * e if chunk < out else 0)  # output, a chunk's result
-            return (
-                slices + chunk * k * e + device(s).gemm_scratch(rows, k, chunk, s.dtype, s.gemm_isa, False, s.threads)
-            )
-        copy = (2 * padded - rows) * k * e if padded != rows else 0
-        return padded * out * e + copy + device(s).gemm_scratch(padded, k, out, s.dtype, s.gemm_isa, packed, s.threads)
+    return INDEX * (2 * shape.tokens + shape.sampled) + 4 * (2 * seqs + 1) + 4 * seqs * widest * pools
 
 
 def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[str, int]:
@@ -448,10 +340,11 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
 
     The step as ``DecoderLM.forward`` runs it: the residual stream h, one normed copy x, q/k/v
     from one stacked GEMM, gate/up from another; the residual add fused with the next norm.
-    The compiled kernels (norms, rotary, attention) allocate only their outputs as tensors; their
-    per-thread scratch is outside torch's allocator (``kernel_scratch_bytes``, a fixed cost)."""
+    What a phase holds beyond its inputs and outputs (a norm's, rotary's and attention's
+    temporaries, a GEMM's padding and scratch, the attention layout's indices) depends on how
+    the device runs it: its terms (``backends.workspace``), asked, never branched on here."""
     e = dtype_bytes(s.dtype)
-    compiled = s.kernels == "compiled"
+    dev = device(s)
     t, n = shape.tokens, shape.sampled
     h, i, v, d = cfg.hidden_size, largest_mlp_width(cfg), cfg.vocab_size, cfg.head_dim
     dq, dk = cfg.num_heads * d, cfg.num_kv_heads * d
@@ -459,19 +352,18 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
     # a draft model's distributions at the guesses it drew (one per guessed logits row at most),
     # alive from its passes before the step to the step's sampling
     drafted = shape.sampled * (s.gathered_vocab or v) * 4 if s.draft_weights_bytes else 0
-    x = step_buffers(shape, s.block_size, window_sizes, compiled, len(cfg.kv_pools)) + SCALAR_SLACK + drafted
+    pools = len(cfg.kv_pools)
+    x = step_buffers(shape, s.block_size, pools) + dev.layout_buffers(s, shape, window_sizes, pools)
+    x += SCALAR_SLACK + drafted
     # one (cos, sin) pair per kind of rotary table: "local" beside "global" (Gemma 3's sliding layers)
     rope_kinds = 2 if cfg.local_rope is not None else 1
     tables = rope_kinds * 2 * t * d * e
     base = x + t * h * e + tables  # buffers, residual stream, rotary tables
     xn = th = t * h * e
-    norm = 0 if compiled else _norm_transient(t, h, e)
-    if compiled:  # the attention kernel's only tensor is its output; rotary works in place
-        attention = rotary = 0
-    else:
-        attention = _attention_workspace(cfg, s, shape, bool(window_sizes))
-        rotary = t * dq * e  # rotate_half's copy of q, then of k
-    g = _Gemms(s)
+    norm = dev.norm_transient(s, t, h)
+    attention = dev.attention_transient(cfg, s, shape, bool(window_sizes))
+    rotary = dev.rotary_transient(s, t, dq)
+    g = dev.Gemms(s)
     rows_of, gemm = g.rows_of, g.bytes
     head_packed = s.packed and not cfg.tie_word_embeddings  # a tied lm_head stays plain (DecoderLM.pack)
     allreduce = t * h * e if s.tensor_parallel > 1 else 0  # what the collective holds of an output
@@ -501,19 +393,7 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
     if e != 4:
         phases["logits to float32"] = base + n * h * e + head_out + n * sv * 4
     if cfg.qk_norm:
-        # q's norm, then k's while q's result is alive
-        dk = cfg.num_kv_heads * d
-        whole = cfg.qk_norm_scope == "all"  # OLMoE: q and k normed over their whole rows
-        if s.kernels == "compiled" and not whole:  # the kernel's output, after a contiguous copy of the heads' rows
-            copies = 2 if t > 1 else 1  # one row's heads are contiguous already
-            norms = max(copies * t * dq * e, t * dq * e + copies * t * dk * e)
-        elif whole:  # PyTorch's formulation on every backend: the rows are strided views of qkv's
-            norms = max(_norm_transient(t, dq, e), t * dq * e + _norm_transient(t, dk, e))
-        else:  # PyTorch's formulation
-            norms = max(
-                _norm_transient(t * cfg.num_heads, d, e), t * dq * e + _norm_transient(t * cfg.num_kv_heads, d, e)
-            )
-        phases["q/k norm"] = base + xn + qkv_out + norms
+        phases["q/k norm"] = base + xn + qkv_out + dev.qk_norm_transient(cfg, s, t)
     logits = n * sv * 4
     sampler = max([r * sv * SAMPLER_BYTES_PER_LOGIT + INDEX * sv for r in shape.full_sampler_rows], default=0)
     penalties = max([40 * length for length in shape.penalized_lengths], default=0)
@@ -525,7 +405,7 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
     return phases
 
 
-def _sparse_mlp_phases(cfg: ModelConfig, t: int, e: int, live: int, g: _Gemms) -> dict[str, int]:
+def _sparse_mlp_phases(cfg: ModelConfig, t: int, e: int, live: int, g) -> dict[str, int]:
     """A sparse layer as ``layers.moe.SparseMoE`` runs it, above ``live`` (buffers, residual,
     normed x): the router's float32 input, logits and softmax; then the output accumulator
     and the routing (weights, experts, their order, tokens, sorted weights, the counts) held
@@ -540,7 +420,7 @@ def _sparse_mlp_phases(cfg: ModelConfig, t: int, e: int, live: int, g: _Gemms) -
     held = live + t * h * e + routing  # the accumulator and the routing
     phases = {"moe router": live + logits + t * k * (4 + INDEX)}
     # each routed expert on c of the tokens' rows (gathered); the shared one on every row, as is
-    mlps = [(c, moe.expert_size, c * h * e) for c in {t, _fewest_rows_padded_alike(t)}]
+    mlps = [(c, moe.expert_size, c * h * e) for c in {t, g.fewest_rows_alike(t)}]
     if moe.shared_expert_size:  # its sigmoid gate [t, 1] and that gate's product with its output
         mlps.append((t, moe.shared_expert_size, 2 * t * e + 64))
     for c, width, rows in mlps:
@@ -558,14 +438,6 @@ def _sparse_mlp_phases(cfg: ModelConfig, t: int, e: int, live: int, g: _Gemms) -
     return phases
 
 
-def _fewest_rows_padded_alike(rows: int) -> int:
-    """The fewest rows whose GEMM pads to the same bucket as ``rows`` (``padded_rows``)."""
-    if rows <= 4:
-        return rows
-    step = 16 if rows <= 512 else 64
-    return max(5 if step == 16 else 513, (rows - 1) // step * step + 1)
-
-
 def step_transient_bytes(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> int:
     """Predicted peak tensor memory of one step above the weights and the cache."""
     return max(step_phases(cfg, s, shape).values())
@@ -581,13 +453,8 @@ def worst_step(
     as L (gather indices, padding masks).
     """
     m, seqs, ctx = max_batch_tokens, min(max_num_seqs, max_batch_tokens), max_model_len
-    # Decode groups: many short rows filling the gather budget, or one row of the longest context.
     bs = s.block_size
-    rows = max(1, min(seqs, s.gather_budget // bs))
-    groups = [
-        (rows, max(bs, min(_whole_blocks(ctx, bs), s.gather_budget // rows // bs * bs)), True),
-        (1, _whole_blocks(ctx, bs), True),
-    ]
+    groups = device(s).worst_decode_groups(s, seqs, ctx)  # the device's tiling of decode rows
     chunks = min(seqs, SAMPLER_CHUNK_ROWS)
     shape = StepShape(
         tokens=m,
@@ -617,16 +484,5 @@ def activation_peak(
     return (
         worst
         + device(s).kernel_scratch_bytes(cfg, s, s.threads, max_model_len)
-        + shared_memory_bytes(cfg, s, max_batch_tokens, max_num_seqs)
+        + device(s).shared_memory_bytes(cfg, s, max_batch_tokens, max_num_seqs)
     )
-
-
-def shared_memory_bytes(cfg: ModelConfig, s: EngineSettings, max_batch_tokens: int, max_num_seqs: int) -> int:
-    """The region every rank on one host maps (``distributed/shm.py``), as far as a step touches
-    it: two banks of a slot per rank, each slot written up to the largest message (a step's
-    hidden states, or a rank's logits rows), at most ``SHM_SLOT_BYTES``; every rank reads every
-    slot, so each counts them all."""
-    if s.tensor_parallel == 1 or s.kernels != "compiled":
-        return 0
-    largest = max(max_batch_tokens * cfg.hidden_size * dtype_bytes(s.dtype), max_num_seqs * cfg.vocab_size * 4)
-    return 2 * s.tensor_parallel * ceil_div(min(SHM_SLOT_BYTES, largest), PAGE) * PAGE

@@ -11,11 +11,10 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from .. import env
-from ..backends.cpu.threads import allowed_cpus, physical_cores
 from ..engine_config import EngineConfig
+from ..host import allowed_cpus, numa_node, physical_cores
 
 MEMORY = "memory"  # in place of a step: every rank reports (resident before loading, peak resident)
 
@@ -58,7 +57,7 @@ def rank_cpus(local_rank: int, local_size: int) -> list[int]:
     where the counts allow (its memory, first touched by its own threads, then stays on its
     node); all CPUs when there are more ranks than cores (the ranks then share, unpinned)."""
     cores = physical_cores(allowed_cpus())
-    share = split_cores(cores, {cpu: _numa_node(cpu) for cpu in cores}, local_rank, local_size)
+    share = split_cores(cores, {cpu: numa_node(cpu) for cpu in cores}, local_rank, local_size)
     return share or allowed_cpus()
 
 
@@ -69,12 +68,6 @@ def split_cores(cores: list[int], node_of: dict[int, int], rank: int, size: int)
     ordered = sorted(cores, key=lambda c: (node_of[c], c))
     each = len(ordered) // size
     return ordered[rank * each : (rank + 1) * each]
-
-
-def _numa_node(cpu: int) -> int:
-    for entry in Path(f"/sys/devices/system/cpu/cpu{cpu}").glob("node[0-9]*"):
-        return int(entry.name[4:])
-    return 0
 
 
 def watch_parent(parent_pid: int) -> None:

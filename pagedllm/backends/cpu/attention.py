@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...sizes import ceil_div
+from ..base import pool_tables
 from .workspace import GATHER_BUDGET, PAIRS_BUDGET
 
 
@@ -116,17 +117,10 @@ class StepLayout:
         self._paths: dict[int, tuple[list[DecodeGroup], list[PrefillChunk]]] = {}
 
     @classmethod
-    def from_step(cls, step, group_size: int) -> StepLayout:
-        """The layout of a ``StepInput``."""
-        return cls(
-            step.query_start,
-            step.context_lens,
-            step.block_tables,
-            step.block_size,
-            group_size,
-            step.pairs_budget,
-            step.gather_budget,
-        )
+    def from_step(cls, step, group_size: int, **budgets) -> StepLayout:
+        """The layout of a ``StepInput``; ``budgets``: the backend's ``pairs_budget`` and
+        ``gather_budget`` (the same on every rank and every replay of a step)."""
+        return cls(step.query_start, step.context_lens, step.block_tables, step.block_size, group_size, **budgets)
 
     @classmethod
     def from_slices(cls, seqs: list[SequenceSlice], block_size: int, group_size: int, **budgets) -> StepLayout:
@@ -200,26 +194,6 @@ class StepLayout:
 def block_tables(tables: list[list[int]], context_lens: list[int], block_size: int, device=None) -> torch.Tensor:
     """[S, widest] int32: each sequence's blocks for its context, padded with block 0."""
     return pool_tables([(t,) for t in tables], context_lens, block_size, device)[0]
-
-
-def pool_tables(
-    tables: list[tuple[list[int], ...]], context_lens: list[int], block_size: int, device=None
-) -> torch.Tensor:
-    """[pools, S, widest] int32: each sequence's blocks in each pool for its context, block 0
-    past it and where a window's pool gave a block back (``block_manager.HOLE``: never read by
-    the kernel, read and masked by the PyTorch path)."""
-    widest = max((ceil_div(n, block_size) for n in context_lens), default=1)
-    pools = len(tables[0]) if tables else 1
-    rows = [
-        [_padded(seq[p], ceil_div(n, block_size), widest) for seq, n in zip(tables, context_lens)] for p in range(pools)
-    ]
-    if not tables:
-        return torch.zeros(1, 0, 1, dtype=torch.int32, device=device)
-    return torch.tensor(rows, dtype=torch.int32, device=device)
-
-
-def _padded(table: list[int], used: int, width: int) -> list[int]:
-    return [max(b, 0) for b in table[:used]] + [0] * (width - used)
 
 
 def _pack_decodes(decodes, max_keys: int, block_size: int):

@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...layers import quantized as quant
+from .. import base
 from ..base import Attention, PlanFacts
 from . import attention
 from .expert_kernel import quantized_expert_arguments
-from .kv_cache import KVCache
 from .threads import ThreadGovernor
-from .torch_backend import CPUTorchBackend
+from .torch_backend import CPUTorchBackend, cpu_step
 from .workspace import QUANT_KERNEL_MAX_ROWS, tile_packable
 
 if TYPE_CHECKING:
@@ -39,8 +39,8 @@ class CPUCompiledBackend(CPUTorchBackend):
         # AVX2); more dequantize + GEMM, as bf16 rows beyond ``QUANT_KERNEL_MAX_ROWS`` do.
         self.quant_float_max_rows = int(ops.quant_float_max_rows())
 
-    def attention(self, kv_cache: KVCache, layout: attention.StepLayout) -> Attention:
-        return attention.CompiledPagedAttention(self.ops, kv_cache, layout)
+    def attention(self, kv_cache: base.KVCache, layout: base.AttentionLayout) -> Attention:
+        return attention.CompiledPagedAttention(self.ops, *cpu_step(kv_cache, layout))
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         # Qwen3's q/k norms get [T, H, D] views of the qkv rows: the kernel takes a contiguous copy

@@ -27,28 +27,12 @@ from pathlib import Path
 import torch
 
 from ... import env
+from ...host import allowed_cpus, physical_cores
 
 log = logging.getLogger(__name__)
 
 CHECK_INTERVAL_S = 0.5  # how often the load of other processes is read
 BUSY_CORE = 0.5  # another process's use of a core, in cores, from which the core counts as taken
-
-
-def allowed_cpus() -> list[int]:
-    return sorted(os.sched_getaffinity(0))
-
-
-def physical_cores(cpus: list[int]) -> list[int]:
-    """One CPU per physical core among ``cpus`` (hyper-threads of one core share its units)."""
-    seen: set[str] = set()
-    chosen = []
-    for cpu in cpus:
-        siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
-        key = siblings.read_text().strip() if siblings.is_file() else str(cpu)
-        if key not in seen:
-            seen.add(key)
-            chosen.append(cpu)
-    return chosen
 
 
 class ThreadGovernor:

@@ -11,11 +11,12 @@ import torch.nn.functional as F
 
 from ...layers import pointwise
 from ...layers import quantized as quant
+from .. import base
 from ..base import Attention, Backend, PlanFacts
 from . import attention
 from .kv_cache import KVCache
 from .threads import ThreadGovernor
-from .workspace import DEQUANT_CHUNK_ELEMENTS, padded_rows
+from .workspace import DEQUANT_CHUNK_ELEMENTS, GATHER_BUDGET, PAIRS_BUDGET, padded_rows
 
 if TYPE_CHECKING:
     from ...config import ModelConfig
@@ -26,6 +27,9 @@ class CPUTorchBackend(Backend):
     name = "cpu-torch"
     device = torch.device("cpu")
     kernels = "torch"  # what the memory planner's workspace terms follow
+    # attention's tiles (``workspace``): the backend's own, so every rank and replay of a step tiles alike
+    pairs_budget = PAIRS_BUDGET
+    gather_budget = GATHER_BUDGET
 
     # ---- the KV cache and attention -------------------------------------------------------
 
@@ -58,10 +62,12 @@ class CPUTorchBackend(Backend):
         )
 
     def attention_metadata(self, step: StepInput, group_size: int) -> attention.StepLayout:
-        return attention.StepLayout.from_step(step, group_size)
+        return attention.StepLayout.from_step(
+            step, group_size, pairs_budget=self.pairs_budget, gather_budget=self.gather_budget
+        )
 
-    def attention(self, kv_cache: KVCache, layout: attention.StepLayout) -> Attention:
-        return attention.TorchPagedAttention(kv_cache, layout)
+    def attention(self, kv_cache: base.KVCache, layout: base.AttentionLayout) -> Attention:
+        return attention.TorchPagedAttention(*cpu_step(kv_cache, layout))
 
     # ---- pointwise ------------------------------------------------------------------------
 
@@ -177,3 +183,11 @@ def _warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
         log.warning(message)
+
+
+def cpu_step(kv_cache: base.KVCache, layout: base.AttentionLayout) -> tuple[KVCache, attention.StepLayout]:
+    """The CPU's own cache and layout behind the protocols the engine hands back (a cache or a
+    layout another device made is a programming error, said as one)."""
+    if not isinstance(kv_cache, KVCache) or not isinstance(layout, attention.StepLayout):
+        raise TypeError(f"a CPU backend's attention over {type(kv_cache).__name__} and {type(layout).__name__}")
+    return kv_cache, layout

@@ -5,14 +5,18 @@ The kernels use them and the memory planner budgets by them: one place, torch-fr
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING
 
-from ...sizes import ceil_div, dtype_bytes
+from ...sizes import INDEX_BYTES as INDEX
+from ...sizes import SHM_SLOT_BYTES, ceil_div, dtype_bytes, kv_element_bytes, kv_is_quantized
 from ..facts import ANY_ROWS
 
 if TYPE_CHECKING:
     from ...config import ModelConfig
-    from ...memory.footprint import EngineSettings
+    from ...memory.footprint import EngineSettings, StepShape
+
+PAGE = 4096  # what a first write commits of a mapping
 
 
 # Query rows x keys scored at once per KV head (2^18 pairs = 1 MiB of fp32 scores).
@@ -118,7 +122,7 @@ def kernel_scratch_bytes(cfg: ModelConfig, s: EngineSettings, threads: int, max_
     if s.kernels != "compiled":
         return 0
     g, d = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
-    pairs = max(s.pairs_budget, g * max_model_len)
+    pairs = max(PAIRS_BUDGET, g * max_model_len)
     per_thread = 4 * pairs + 4 * 2 * 32 * g * d + 4 * 16 * d
     if s.amx_tiles and s.dtype == "bfloat16" and s.kv == "bfloat16":
         rows = 32 * g + 15  # a tile's query rows, padded to whole tiles
@@ -129,3 +133,172 @@ def kernel_scratch_bytes(cfg: ModelConfig, s: EngineSettings, threads: int, max_
     if s.amx_tiles and s.dtype == "bfloat16" and s.packed and not s.quantized_weights:  # any layer may be ours
         tail = 2 * 16 * max(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)
     return threads * per_thread + tail
+
+
+# ---- a step's tensors on this device, by path -----------------------------------------------
+# The footprint (``memory.footprint.step_phases``) sums a step's phases from the model's shapes;
+# what each phase holds beyond them depends on how the CPU runs it (the compiled kernels or
+# PyTorch, oneDNN's GEMMs or the kernels' own), and is these terms. The planner asks them through
+# the registry (``backends.workspace``).
+
+
+def layout_buffers(s: EngineSettings, shape: StepShape, windows: AbstractSet[int], pools: int) -> int:
+    """Index tensors the attention layout builds beyond the step's input (``StepLayout``): none
+    for the compiled kernels, which read the step's tables as they are; the PyTorch path adds,
+    per pool, a slot per token, the block ids of every context and the decode masks (padding;
+    one per sliding window shorter than the group's context)."""
+    if s.kernels == "compiled":
+        return 0
+    bs = s.block_size
+    per_pool = INDEX * shape.tokens
+    for rows, keys, _ in shape.decode_groups:
+        per_pool += INDEX * (rows * (keys // bs) + 2 * rows) + rows * keys
+    per_pool += sum(INDEX * ceil_div(ctx, bs) for _, ctx in shape.prefills)
+    masks = sum(rows * keys * sum(1 for w in windows if w < keys) for rows, keys, _ in shape.decode_groups)
+    return pools * per_pool + masks
+
+
+def norm_transient(s: EngineSettings, rows: int, width: int) -> int:
+    """An RMSNorm's tensors above its input and output: none from the compiled kernel."""
+    return 0 if s.kernels == "compiled" else _norm_transient(rows, width, dtype_bytes(s.dtype))
+
+
+def rotary_transient(s: EngineSettings, tokens: int, q_width: int) -> int:
+    """Rotary's: the compiled kernel rotates in place; PyTorch's rotate_half copies q, then k."""
+    return 0 if s.kernels == "compiled" else tokens * q_width * dtype_bytes(s.dtype)
+
+
+def attention_transient(cfg: ModelConfig, s: EngineSettings, shape: StepShape, windowed: bool) -> int:
+    """Attention's tensors beside its output: none from the compiled kernel (its scratch is
+    ``kernel_scratch_bytes``); the PyTorch path's largest call (``_attention_workspace``)."""
+    return 0 if s.kernels == "compiled" else _attention_workspace(cfg, s, shape, windowed)
+
+
+def qk_norm_transient(cfg: ModelConfig, s: EngineSettings, tokens: int) -> int:
+    """q's norm, then k's while q's result is alive (Qwen3, OLMoE, Gemma 3)."""
+    t, e, d = tokens, dtype_bytes(s.dtype), cfg.head_dim
+    dq, dk = cfg.num_heads * d, cfg.num_kv_heads * d
+    whole = cfg.qk_norm_scope == "all"  # OLMoE: q and k normed over their whole rows
+    if s.kernels == "compiled" and not whole:  # the kernel's output, after a contiguous copy of the heads' rows
+        copies = 2 if t > 1 else 1  # one row's heads are contiguous already
+        return max(copies * t * dq * e, t * dq * e + copies * t * dk * e)
+    if whole:  # PyTorch's formulation on every backend: the rows are strided views of qkv's
+        return max(_norm_transient(t, dq, e), t * dq * e + _norm_transient(t, dk, e))
+    return max(  # PyTorch's formulation
+        _norm_transient(t * cfg.num_heads, d, e), t * dq * e + _norm_transient(t * cfg.num_kv_heads, d, e)
+    )
+
+
+def worst_decode_groups(s: EngineSettings, seqs: int, context: int) -> list[tuple[int, int, bool]]:
+    """The decode groups whose attention holds the most (``StepShape.decode_groups``): many short
+    rows filling the gather budget, or one row of the longest context."""
+    bs = s.block_size
+    whole = ceil_div(context, bs) * bs  # gathers are whole blocks
+    rows = max(1, min(seqs, GATHER_BUDGET // bs))
+    return [(rows, max(bs, min(whole, GATHER_BUDGET // rows // bs * bs)), True), (1, whole, True)]
+
+
+def _norm_transient(rows: int, width: int, e: int) -> int:
+    """RMSNorm's temporaries above its input (HF's float32 formulation)."""
+    return rows * width * (4 if e == 4 else 8) + 4 * rows
+
+
+def _softmax_bytes(pairs: int, e: int) -> int:
+    """scores (activation dtype) + float32 softmax output (+ float32 input copy on bf16)."""
+    return pairs * (e + 4 + (0 if e == 4 else 4))
+
+
+def _per_head(rows: int, keys: int, g: int, d: int, e: int, query_copy: bool) -> int:
+    """Peak of one KV head's matmul / softmax / matmul over ``rows`` query rows of ``g`` heads."""
+    pairs = rows * g * keys
+    return max(
+        pairs * e + (rows * g * d * e if query_copy else 0),  # q @ k^T
+        _softmax_bytes(pairs, e),  # softmax in float32
+        pairs * e + rows * g * d * e,
+    )  # probs @ v
+
+
+def _attention_workspace(cfg: ModelConfig, s: EngineSettings, shape: StepShape, windowed: bool) -> int:
+    """Largest live workspace of one attention call (one decode group or one prefill tile)."""
+    e = dtype_bytes(s.dtype)
+    # an 8-bit cache is gathered as stored, then dequantized into the activation dtype
+    kv_e = e + 1 if kv_is_quantized(s.kv) else kv_element_bytes(s.kv)
+    g, d = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+    dq, dk = cfg.num_heads * d, cfg.num_kv_heads * d
+    worst = 0
+    for rows, keys, _ in shape.decode_groups:  # keys: gathered slots per row, whole blocks
+        gathered = 2 * rows * keys * dk * kv_e + rows * dq * e  # K, V, the group's queries
+        mask = 2 * rows * keys + INDEX * (keys + rows) if windowed else 0  # a window's mask, built once
+        worst = max(worst, gathered + mask + _per_head(rows, keys, g, d, e, query_copy=False))
+    for q_rows, ctx in shape.prefills:
+        tile = min(q_rows, max(1, PAIRS_BUDGET // (g * ctx)))
+        padded = ceil_div(ctx, s.block_size) * s.block_size
+        build = INDEX * (tile + ctx) + tile * ctx + (tile * ctx + INDEX * tile if windowed else 0)
+        body = tile * ctx + _per_head(tile, ctx, g, d, e, query_copy=True)
+        worst = max(worst, 2 * padded * dk * kv_e + max(build, body))
+    return worst
+
+
+class Gemms:
+    """What one GEMM of a step holds, by how it runs. oneDNN's prepacked GEMMs run on rows
+    padded to a bucket: a padded copy of the input while they run, and a padded output whose first
+    rows are the result. With AMX tiles, a layer whose shape the compiled kernels' own packed GEMM
+    takes (backends.cpu.compiled_backend.pack_weight) runs there instead: its output is its only tensor
+    (kernel_scratch_bytes has the rest), on the rows as they are. Quantized weights: their
+    kernels' outputs, or a dequantized chunk at a time and a plain GEMM."""
+
+    def __init__(self, s: EngineSettings):
+        self.s, self.e = s, dtype_bytes(s.dtype)
+        self.pad = s.packed and not s.quantized_weights
+        self.tiled = self.pad and self.e == 2 and s.amx_tiles and s.kernels == "compiled"
+
+    def ours(self, k: int, out: int, packed: bool) -> bool:
+        return self.tiled and packed and tile_packable(out, k)
+
+    def rows_of(self, rows: int, k: int, out: int, packed: bool | None = None) -> int:
+        """The rows of the GEMM's output tensor."""
+        packed = self.s.packed if packed is None else packed
+        return padded_rows(rows) if self.pad and packed and not self.ours(k, out, packed) else rows
+
+    def bytes(self, rows: int, k: int, out: int, packed: bool | None = None) -> int:
+        s, e = self.s, self.e
+        packed = s.packed if packed is None else packed
+        padded = self.rows_of(rows, k, out, packed)
+        if self.ours(k, out, packed):
+            return rows * out * e
+        if s.quantization == "w8a8":  # x in int8, the int32 sums, their float result
+            if s.kernels == "compiled":  # int8_gemm.cpp: x in int8 is freed before the result is made
+                return max(rows * k + rows * out * 4, rows * out * 8)
+            rounding = 2 * rows * k * 4  # backends.cpu.torch_backend.int8_matmul: x / step and its rounding
+            return rows * k + rows * 4 + max(rounding, rows * out * 8)
+        if s.quantized_weights:
+            tiles = s.amx_tiles and e == 2 and rows > QUANT_KERNEL_MAX_ROWS
+            float_rows = e == 4 and s.kernels == "compiled" and rows <= s.quant_float_max_rows
+            kernel = rows <= QUANT_KERNEL_MAX_ROWS or tiles or float_rows
+            if kernel:  # a float32 output; for bf16 the result in bf16,
+                # and, off the tiles, x in fp32
+                return rows * out * 4 + (rows * out * e + (0 if tiles else rows * k * 4) if e != 4 else 0)
+            chunk = min(out, DEQUANT_CHUNK_ELEMENTS // k)  # one dequantized chunk, a plain GEMM
+            slices = rows * out * e + (rows * chunk * e if chunk < out else 0)  # output, a chunk's result
+            return slices + chunk * k * e + gemm_scratch(rows, k, chunk, s.dtype, s.gemm_isa, False, s.threads)
+        copy = (2 * padded - rows) * k * e if padded != rows else 0
+        return padded * out * e + copy + gemm_scratch(padded, k, out, s.dtype, s.gemm_isa, packed, s.threads)
+
+    def fewest_rows_alike(self, rows: int) -> int:
+        """The fewest rows whose GEMM pads to the same bucket as ``rows`` (``padded_rows``): with
+        ``rows``, the worst case of a GEMM whose rows vary (a sparse layer's expert)."""
+        if rows <= 4:
+            return rows
+        step = 16 if rows <= 512 else 64
+        return max(5 if step == 16 else 513, (rows - 1) // step * step + 1)
+
+
+def shared_memory_bytes(cfg: ModelConfig, s: EngineSettings, max_batch_tokens: int, max_num_seqs: int) -> int:
+    """The region every rank on one host maps (``distributed/shm.py``), as far as a step touches
+    it: two banks of a slot per rank, each slot written up to the largest message (a step's
+    hidden states, or a rank's logits rows), at most ``SHM_SLOT_BYTES``; every rank reads every
+    slot, so each counts them all."""
+    if s.tensor_parallel == 1 or s.kernels != "compiled":  # the compiled ops' (Backend.shared_memory_ops)
+        return 0
+    largest = max(max_batch_tokens * cfg.hidden_size * dtype_bytes(s.dtype), max_num_seqs * cfg.vocab_size * 4)
+    return 2 * s.tensor_parallel * ceil_div(min(SHM_SLOT_BYTES, largest), PAGE) * PAGE
