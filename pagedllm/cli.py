@@ -141,17 +141,12 @@ def cmd_plan(args) -> int:
         cfg, name = ModelConfig.from_file(path), (path.parent.name if path.name == "config.json" else path.stem)
     elif path is not None and (path / "config.json").is_file():
         cfg, name = ModelConfig.from_file(path), path.name
-    else:  # the default model, or a GGUF file: converted once (needs torch), then read
-        from .loading import checkpoint_weights, resolve_model_dir, routed_experts, streamable_layers
+    else:  # the default model, or a GGUF file: converted once (needs torch), then read as a build reads it
+        from .loading import Checkpoint, planning_facts, resolve_model_dir
 
         model_dir, name = resolve_model_dir(args.model)
-        cfg = ModelConfig.from_file(model_dir)
-        facts["weights_bytes"], facts["quantized_weights"] = checkpoint_weights(
-            model_dir, config.dtype, config.quantization
-        )
-        facts["routed"] = routed_experts(model_dir, config.quantization, config.expert_slots is not None)
-        if cfg.moe is None:
-            facts["layers"] = streamable_layers(model_dir, config.quantization, config.resident_layers is not None)
+        ckpt = Checkpoint.read(model_dir)
+        cfg, facts = ckpt.config, planning_facts(ckpt, config)
     try:
         result = plan_engine(cfg, config, model_name=name, **facts)
     except CacheDoesNotFitError as e:

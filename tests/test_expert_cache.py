@@ -16,7 +16,7 @@ from pagedllm.engine_config import ConfigError, EngineConfig
 from pagedllm.errors import ModelLoadError
 from pagedllm.layers.moe import SparseMoE
 from pagedllm.loading import resolve_model_dir, routed_experts
-from pagedllm.loading.checkpoint import safetensors_files
+from pagedllm.loading.checkpoint_facts import safetensors_files
 from pagedllm.loading.safetensors_io import iter_tensors, read_header
 from pagedllm.memory.footprint import RoutedExperts
 from pagedllm.memory.planner import plan_engine

@@ -121,11 +121,13 @@ def oom_points(engine):
     """Where an allocation can fail inside a step, each as (object, attribute name): attention in
     a middle layer (the Python layer loop's), the compiled decode step's layers, the lm head, the
     sampler after it drew the random numbers, the copy of a block shared by a request's samples."""
+    from pagedllm.backends.cpu.attention import CompiledPagedAttention, TorchPagedAttention
     from pagedllm.backends.cpu.decode_program import DecodeProgram
     from pagedllm.layers import sampler
 
+    compiled = engine.backend.name == "cpu-compiled"
     return {
-        "attention": (type(engine.backend.attention(engine.kv_cache, None)), "attend"),
+        "attention": (CompiledPagedAttention if compiled else TorchPagedAttention, "attend"),
         "decode_step": (DecodeProgram, "run"),
         "lm_head": (engine.loaded.model.lm_head, "forward"),
         "sampler_after_draws": (sampler, "_logprobs"),

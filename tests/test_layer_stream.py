@@ -15,7 +15,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.engine_config import ConfigError, EngineConfig
 from pagedllm.errors import ModelLoadError
 from pagedllm.loading import resolve_model_dir, streamable_layers
-from pagedllm.loading.checkpoint import safetensors_files
+from pagedllm.loading.checkpoint_facts import safetensors_files
 from pagedllm.loading.safetensors_io import iter_tensors, read_header
 from pagedllm.memory.footprint import StreamableLayers
 from pagedllm.memory.planner import plan_engine

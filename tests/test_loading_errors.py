@@ -175,3 +175,42 @@ def test_qwen_gguf_files_load_and_generate_what_transformers_does(tmp_path, arch
     outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     assert_greedy_matches([o.token_ids for o in outs], [hf_greedy(hf, p, 16) for p in prompts])
     assert llm.tokenizer.decode(llm.tokenizer.encode("tea at ten")) == "tea at ten"
+
+
+def test_a_build_reads_config_and_each_header_once(tiny_checkpoints, tmp_path, monkeypatch):
+    """Planning (weights, experts, layers) and loading share one reading of the checkpoint: a
+    second parse could see another file than the plan did, and each cost a pass over the headers."""
+    from pagedllm import LLM
+    from pagedllm.config import ModelConfig
+    from pagedllm.loading import safetensors_io
+
+    d = copy_checkpoint(tiny_checkpoints["llama"][0], tmp_path / "m")
+    reads: list[str] = []
+    from_file, read_header = ModelConfig.from_file.__func__, safetensors_io.read_header
+    monkeypatch.setattr(
+        ModelConfig, "from_file", classmethod(lambda cls, p: reads.append("config") or from_file(cls, p))
+    )
+    monkeypatch.setattr(safetensors_io, "read_header", lambda p: reads.append(p.name) or read_header(p))
+    llm = LLM(model=str(d), engine_process=False, max_model_len=64)
+    try:
+        assert sorted(reads) == ["config", "model.safetensors"], reads
+        assert llm.generate([[1, 2, 3]])[0].outputs[0].token_ids  # and it runs
+    finally:
+        llm.close()
+
+
+def test_a_file_changed_between_the_plan_and_the_load_is_named(tiny_checkpoints, tmp_path):
+    """The headers read at planning describe the bytes the loader reads: a file rewritten in
+    between is refused by name, not read through its old header."""
+    import os
+
+    from pagedllm.loading import Checkpoint, load_dir
+
+    d = copy_checkpoint(tiny_checkpoints["llama"][0], tmp_path / "m")
+    ckpt = Checkpoint.read(d)
+    weights = d / "model.safetensors"
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # rewritten in place, same size
+    with pytest.raises(ModelLoadError, match="changed since the model was planned") as e:
+        load_dir(ckpt, "m")
+    assert str(weights) in str(e.value)

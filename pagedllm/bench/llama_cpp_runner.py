@@ -23,6 +23,18 @@ from bench_result import print_result, throughput
 CHUNK = 512
 
 
+def _parallel_context(L, gguf: str, sequences: int, tokens: int, threads: int):
+    """(a llama.cpp context for ``sequences`` sequences of ``tokens`` in all, the vocabulary's size)."""
+    L.llama_backend_init()
+    model = L.llama_model_load_from_file(gguf.encode(), L.llama_model_default_params())
+    cp = L.llama_context_default_params()
+    cp.n_ctx = tokens
+    cp.n_batch = cp.n_ubatch = CHUNK
+    cp.n_seq_max = sequences
+    cp.n_threads = cp.n_threads_batch = threads
+    return L.llama_init_from_model(model, cp), L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+
+
 def main() -> None:
     workload_path, gguf, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
     workload = json.loads(open(workload_path).read())
@@ -39,16 +51,7 @@ def main() -> None:
         return
     n = len(prompts)
     per_seq = max(len(p) + m for p, m in zip(prompts, max_tokens)) + 1
-    L.llama_backend_init()
-    model = L.llama_model_load_from_file(gguf.encode(), L.llama_model_default_params())
-    cp = L.llama_context_default_params()
-    cp.n_ctx = per_seq * n
-    cp.n_batch = cp.n_ubatch = CHUNK
-    cp.n_seq_max = n
-    cp.n_threads = cp.n_threads_batch = threads
-    ctx = L.llama_init_from_model(model, cp)
-    vocab = L.llama_model_get_vocab(model)
-    n_vocab = L.llama_vocab_n_tokens(vocab)
+    ctx, n_vocab = _parallel_context(L, gguf, n, per_seq * n, threads)
     batch = L.llama_batch_init(CHUNK, 0, 1)
 
     def decode(entries):  # entries: (seq, pos, token, wants_logits); returns rows' argmax per seq

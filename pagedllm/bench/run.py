@@ -287,17 +287,12 @@ def main(args) -> int:
     if len(sizes) > 1:
         print(split_summary(results, len(sizes)))
     if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {
-                    "model": name,
-                    "workload": workload.name,
-                    "dtype": args.dtype,
-                    "machine": machine(),
-                    "machine_limits": dataclasses.asdict(machine_limits),
-                    "results": results,
-                },
-                indent=2,
-            )
-        )
+        _write_json(Path(args.json), name, workload.name, args.dtype, machine_limits, results)
     return 0 if "skipped" not in results[0] else 1
+
+
+def _write_json(path: Path, name: str, workload: str, dtype: str, machine_limits, results: list[dict]) -> None:
+    """The run as ``--json`` asks: the rows, and the machine and its measured limits beside them."""
+    run: dict[str, object] = {"model": name, "workload": workload, "dtype": dtype, "machine": machine()}
+    run |= {"machine_limits": dataclasses.asdict(machine_limits), "results": results}
+    path.write_text(json.dumps(run, indent=2))

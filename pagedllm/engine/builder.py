@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from .. import backends, loading, structured
 from ..backends.base import Backend
-from ..config import ModelConfig
 from ..distributed.shards import RankShard, shard_layout
 from ..engine_config import EngineConfig
 from ..errors import ModelLoadError
@@ -20,7 +19,7 @@ from ..memory.machine import (
     resident_bytes,
     return_freed_heap,
 )
-from ..memory.planner import plan_for
+from ..memory.planner import plan_engine
 from ..processes.driver_ranks import RankSetup, launched_rank
 from . import rank_worker, ranks
 from .drafter import draft_facts
@@ -37,26 +36,33 @@ def build_engine(config: EngineConfig, api_process_bytes: int = 0) -> LLMEngine:
     the other ranks first (``ranks.start``). On a launched rank other than 0 (torchrun) the call
     serves the driver headless until it closes the group, then ends the process (SystemExit 0)."""
     backend = backends.get(config.backend)  # kernels built or loaded before measuring
+    model_dir, name = loading.resolve_model_dir(config.model)  # a GGUF file is converted in a child process
+    ckpt = loading.Checkpoint.read(model_dir)  # config.json and the headers, once for the whole build
     if config.tensor_parallel_size == 1:
-        return _build(config, api_process_bytes, backend, None)
-    model_dir, _ = loading.resolve_model_dir(config.model)
-    shard_layout(ModelConfig.from_file(model_dir), config.tensor_parallel_size)  # one that does not split: now
+        return _build(config, api_process_bytes, backend, None, ckpt, name)
+    shard_layout(ckpt.config, config.tensor_parallel_size)  # one that does not split: now
     launched = launched_rank()
     if launched is not None and launched.rank != 0:
         rank_worker.serve_launched(launched, config.backend)
         raise SystemExit(0)
     group = ranks.start(config, backend)
     try:
-        return _build(config, api_process_bytes, backend, group)
+        return _build(config, api_process_bytes, backend, group, ckpt, name)
     except BaseException:
         group.close()
         raise
 
 
-def _build(config: EngineConfig, api_process_bytes: int, backend: Backend, group: ranks.Ranks | None) -> LLMEngine:
-    model_dir, name = loading.resolve_model_dir(config.model)  # a GGUF file is converted in a child process
-    tokenizer = loading.load_tokenizer(model_dir)  # before measuring: it belongs to the baseline
-    model_config = ModelConfig.from_file(model_dir)
+def _build(
+    config: EngineConfig,
+    api_process_bytes: int,
+    backend: Backend,
+    group: ranks.Ranks | None,
+    ckpt: loading.Checkpoint,
+    name: str,
+) -> LLMEngine:
+    tokenizer = loading.load_tokenizer(ckpt.model_dir)  # before measuring: it belongs to the baseline
+    model_config = ckpt.config
     grammars = None
     with_grammars = config.structured_output and tokenizer is not None and structured.available()
     if with_grammars and config.budgeted:  # before measuring too; else at the first constrained request
@@ -69,30 +75,22 @@ def _build(config: EngineConfig, api_process_bytes: int, backend: Backend, group
         release_library_pages()
     tp = config.tensor_parallel_size
     shard = RankShard.of(model_config, tp, 0) if tp > 1 else None  # ranks hold equal shares: the driver's bounds all
-    weights_bytes, quantized = loading.checkpoint_weights(model_dir, config.dtype, config.quantization, shard)
-    plan = plan_for(
-        config,
+    plan = plan_engine(
         model_config,
-        name,
-        backend.plan_facts(config.dtype),
+        config,
+        model_name=name,
+        backend=backend.plan_facts(config.dtype),
         grammars=grammars_possible(config, tokenizer),
-        weights_bytes=weights_bytes,
-        quantized_weights=quantized,
         baseline_bytes=resident_bytes()[0],
         api_process_bytes=api_process_bytes,
         draft=draft_facts(config),
-        routed=loading.routed_experts(model_dir, config.quantization, config.expert_slots is not None)
-        if tp == 1
-        else None,
-        layers=loading.streamable_layers(model_dir, config.quantization, config.resident_layers is not None)
-        if tp == 1 and model_config.moe is None
-        else None,
+        **loading.planning_facts(ckpt, config, shard),
     )
     if group is not None:  # every rank loads its shard at once; the cache is the driver's plan's
         group.group.broadcast(RankSetup(config, plan.pool_blocks, plan.block_size, plan.kv_dtype))
     try:
         loaded = loading.load_dir(
-            model_dir,
+            ckpt,
             name,
             config.dtype,
             tokenizer=tokenizer,

@@ -19,7 +19,7 @@ from ..loading import LoadedModel
 from ..memory.budget import total_memory
 from ..memory.footprint import RoutedExperts, window_pool_blocks
 from ..memory.machine import resident_bytes
-from ..memory.planner import AUTO_MAX_BATCH_TOKENS, AUTO_MAX_NUM_SEQS, MemoryPlan, plan_for
+from ..memory.planner import AUTO_MAX_BATCH_TOKENS, AUTO_MAX_NUM_SEQS, MemoryPlan, plan_engine
 from ..structured import Grammars
 from .block_pools import BlockPools
 from .detokenizer import Detokenizer
@@ -88,17 +88,12 @@ def assemble(
     memory = EngineMemory(
         plan, config, kv_cache, blocks, limits, scheduler, replanner(loaded, backend), loaded.model.expert_cache
     )
-    fixed = None
-    if ranks is not None:
-        fixed = "a split model's budget cannot change at run time yet"
-    elif drafter is not None:
-        fixed = "with a draft model the budget cannot change at run time yet"
     sampler = Sampler(eos, grammars, backend)
     cpus = ranks.cpus if ranks is not None else None
     return EngineParts(
         backend=backend,
         memory=memory,
-        elastic=ElasticMemory(memory, str(backend.device), fixed),
+        elastic=ElasticMemory(memory, str(backend.device), _budget_fixed(ranks, drafter)),
         scheduler=scheduler,
         runner=ModelRunner(loaded.model, kv_cache, sampler, backend),
         sampler=sampler,
@@ -107,6 +102,15 @@ def assemble(
         threads=backend.thread_policy(config.threads or (len(cpus) if cpus else None), cpus=cpus),
         eos_token_ids=eos,
     )
+
+
+def _budget_fixed(ranks: Ranks | None, drafter) -> str | None:
+    """Why the budget cannot change at run time, or None where it can (``ElasticMemory``)."""
+    if ranks is not None:
+        return "a split model's budget cannot change at run time yet"
+    if drafter is not None:
+        return "with a draft model the budget cannot change at run time yet"
+    return None
 
 
 def plan_loaded(loaded: LoadedModel, backend: Backend, config: EngineConfig, draft: LoadedModel | None) -> MemoryPlan:
@@ -127,12 +131,12 @@ def _plan(
     api_process_bytes: int = 0,
     routed: RoutedExperts | None = None,
 ) -> MemoryPlan:
-    """``plan_for`` with what the loaded model says of itself."""
-    return plan_for(
-        config,
+    """``plan_engine`` with what the loaded model says of itself."""
+    return plan_engine(
         loaded.config,
-        loaded.name,
-        backend.plan_facts(config.dtype),
+        config,
+        model_name=loaded.name,
+        backend=backend.plan_facts(config.dtype),
         grammars=grammars_possible(config, loaded.tokenizer),
         weights_bytes=weights_bytes,
         quantized_weights=loaded.model.quantized(),

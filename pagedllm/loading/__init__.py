@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ..config import ModelConfig
 from ..errors import ModelLoadError
 from ..sizes import torch_dtype
+from .checkpoint_facts import Checkpoint, checkpoint_of
 from .default_model import DEFAULT_MODEL_NAME, default_gguf_path
 from .generation_config import sampling_defaults
 from .gguf_cache import converted_dir
@@ -23,6 +24,7 @@ if TYPE_CHECKING:  # torch is imported by the functions that load weights, not b
 
     from ..backends.base import Backend
     from ..distributed.shards import RankShard
+    from ..engine_config import EngineConfig
     from ..memory.footprint import RoutedExperts, StreamableLayers
     from ..models import DecoderLM
 
@@ -72,7 +74,7 @@ def load(
 
 
 def load_dir(
-    model_dir: Path,
+    model_dir: Path | Checkpoint,
     name: str,
     dtype: str | torch.dtype = "float32",
     tokenizer: Any = None,
@@ -84,37 +86,53 @@ def load_dir(
 ) -> LoadedModel:
     """Weights (and the tokenizer, unless the caller loaded it already) of an HF-style directory;
     ``quantization``, ``backend``, ``shard``, ``expert_slots`` and ``streamed_layers`` as
-    ``checkpoint.load_decoder`` takes them."""
+    ``checkpoint.load_decoder`` takes them; ``model_dir`` read already (``Checkpoint``) or not."""
     from .checkpoint import load_decoder
 
-    decoder = load_decoder(model_dir, torch_dtype(dtype), quantization, backend, shard, expert_slots, streamed_layers)
+    ckpt = checkpoint_of(model_dir)
+    model_dir = ckpt.model_dir
+    decoder = load_decoder(ckpt, torch_dtype(dtype), quantization, backend, shard, expert_slots, streamed_layers)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
     config = shard.cfg if shard is not None else decoder.config  # the whole model's, not the rank's
     return LoadedModel(decoder, config, tokenizer, model_dir, name, sampling_defaults(model_dir))
 
 
 def checkpoint_weights(
-    model_dir: Path, dtype: str, quantization: str | None, shard: RankShard | None = None
+    source: Path | Checkpoint, dtype: str, quantization: str | None, shard: RankShard | None = None
 ) -> tuple[int, bool]:
     """(bytes, quantized) of the weights as they will be loaded (``checkpoint.checkpoint_weights``)."""
     from .checkpoint import checkpoint_weights as weights
 
-    return weights(model_dir, dtype, quantization, shard)
+    return weights(source, dtype, quantization, shard)
 
 
-def routed_experts(model_dir: Path, quantization: str | None, required: bool = False) -> RoutedExperts | None:
+def routed_experts(source: Path | Checkpoint, quantization: str | None, required: bool = False) -> RoutedExperts | None:
     """A mixture's routed experts as stored, for a residency plan (``checkpoint.routed_experts``)."""
     from .checkpoint import routed_experts as routed
 
-    return routed(model_dir, quantization, required)
+    return routed(source, quantization, required)
 
 
-def streamable_layers(model_dir: Path, quantization: str | None, required: bool = False) -> StreamableLayers | None:
+def streamable_layers(
+    source: Path | Checkpoint, quantization: str | None, required: bool = False
+) -> StreamableLayers | None:
     """A dense model's layers as stored, for a residency plan (``streamed_layers.streamable_layers``)."""
-    from .checkpoint import safetensors_files
     from .streamed_layers import streamable_layers as streamable
 
-    return streamable(model_dir, safetensors_files(model_dir), quantization, required)
+    return streamable(checkpoint_of(source), quantization, required)
+
+
+def planning_facts(ckpt: Checkpoint, config: EngineConfig, shard: RankShard | None = None) -> dict[str, Any]:
+    """What the planner reads of a checkpoint (``plan_engine``'s ``weights_bytes``,
+    ``quantized_weights``, ``routed``, ``layers``), from one reading of it: the builder's and
+    ``pagedllm plan``'s alike. A split model's (``shard``) keeps every expert and layer resident."""
+    weights, quantized = checkpoint_weights(ckpt, config.dtype, config.quantization, shard)
+    facts: dict[str, Any] = {"weights_bytes": weights, "quantized_weights": quantized}
+    if shard is None:
+        facts["routed"] = routed_experts(ckpt, config.quantization, config.expert_slots is not None)
+        if ckpt.config.moe is None:
+            facts["layers"] = streamable_layers(ckpt, config.quantization, config.resident_layers is not None)
+    return facts
 
 
 def load_tokenizer(model_dir: Path):

@@ -13,7 +13,6 @@ and multiplies in integers (``layers/quantized.py``); "none" dequantizes everyth
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import cast
 
@@ -46,32 +45,13 @@ from ..memory.footprint import RoutedExperts, expert_slot_floor
 from ..memory.machine import return_freed_heap
 from ..models import DecoderLM
 from ..sizes import QUANTIZATIONS, QUANTIZED
+from .checkpoint_facts import Checkpoint, checkpoint_of
 from .gguf_convert import CODES, QUANTIZED_FIELDS
-from .safetensors_io import iter_tensors, read_header
+from .safetensors_io import iter_tensors
 from .streamed_layers import stored_layers, stored_tensors, streamed_names
 
 # Buffers some checkpoints carry that we recompute.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def safetensors_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, UnicodeDecodeError):
-            raise ModelLoadError(f"{index}: corrupt index (no weight_map)") from None
-        files = [model_dir / f for f in sorted(set(weight_map.values()))]
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise ModelLoadError(f"{index}: shard(s) missing: {', '.join(missing)}")
-        return files
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        others = [p.name for p in model_dir.glob("*.bin")] + [p.name for p in model_dir.glob("*.pt*")]
-        hint = f" (found {', '.join(others)}: only safetensors is supported)" if others else ""
-        raise ModelLoadError(f"{model_dir}: no *.safetensors weights{hint}")
-    return files
 
 
 def stored_experts(cfg: ModelConfig, headers) -> tuple[dict[tuple[int, int], dict[str, list[StoredTensor]]], str]:
@@ -106,20 +86,21 @@ def stored_experts(cfg: ModelConfig, headers) -> tuple[dict[tuple[int, int], dic
     return out, ""
 
 
-def routed_experts(model_dir: Path, quantization: str | None, required: bool = False) -> RoutedExperts | None:
+def routed_experts(source: Path | Checkpoint, quantization: str | None, required: bool = False) -> RoutedExperts | None:
     """What a residency plan needs of the checkpoint's routed experts (``RoutedExperts``), or None
     where they cannot stay in the files (no mixture, quantized at load, stored in float); then a
     ``ConfigError`` on ``expert_slots`` saying why, when ``required`` (the user set it)."""
-    cfg = ModelConfig.from_file(model_dir)
+    ckpt = checkpoint_of(source)
+    cfg = ckpt.config
     why = "the model has no routed experts" if cfg.moe is None else ""
     if not why and quantization is not None:
         why = f"quantization={quantization!r} quantizes them at load; their files hold other values"
     experts: dict = {}
     if not why:
-        experts, why = stored_experts(cfg, [(f, *read_header(f)) for f in safetensors_files(model_dir)])
+        experts, why = stored_experts(cfg, list(ckpt.headers))
     if not experts:
         if required:
-            raise ConfigError("expert_slots", f"{model_dir}: its experts cannot be read from the file: {why}")
+            raise ConfigError("expert_slots", f"{ckpt.model_dir}: its experts cannot be read from the file: {why}")
         return None
     return _routed_facts(cfg, experts)
 
@@ -131,7 +112,7 @@ def _routed_facts(cfg: ModelConfig, experts: dict[tuple[int, int], dict[str, lis
 
 
 def load_decoder(
-    model_dir: Path,
+    source: Path | Checkpoint,
     dtype: torch.dtype,
     quantization: str | None = None,
     backend: Backend | None = None,
@@ -146,9 +127,9 @@ def load_decoder(
     (``layers/expert_cache.py``). ``streamed_layers``: (resident, slots): layers from ``resident`` on read each step."""
     backend = backend or _default_backend()
     _check_quantization(quantization)
-    cfg = ModelConfig.from_file(model_dir)
-    files = safetensors_files(model_dir)
-    headers = [(f, *read_header(f)) for f in files]  # validate every file before reading any
+    ckpt = checkpoint_of(source)  # every file's header validated before any tensor is read
+    ckpt.check_unchanged()  # (read at planning: the files must still be what they described)
+    model_dir, cfg, headers = ckpt.model_dir, ckpt.config, list(ckpt.headers)
     stored = _stored_quantized(headers)
     experts, streamed = _streamed_experts(model_dir, cfg, headers, expert_slots, shard, quantization)
     streamed |= streamed_names(
@@ -161,28 +142,17 @@ def load_decoder(
     loaded: set[str] = set()
     pieces: dict[str, dict[str, torch.Tensor]] = {}  # a quantized tensor's parts read so far
 
-    def destination(name: str) -> torch.Tensor | None:
-        """Float stacked layers' rows, so their tensors are read in place."""
-        module, leaf, part = slots.get(name, (None, "", None))
-        if isinstance(module, Linear) and part is not None:
-            return module.part_view(leaf, part, dtype)
-        return None
-
-    def keep_dtype(name: str) -> bool:
-        return name.endswith(QUANTIZED_FIELDS)
-
     place = _placer(cfg, slots, loaded, dtype, backend, shard)
     select = _rank_slices(path_of=model_dir, shard=shard) if shard is not None else None
     unfuse = cfg.family.unfuse or (lambda name, value, cfg: None)
 
-    def wanted(name: str) -> bool:
-        return not streamed or name.rpartition(".")[0] not in streamed
-
+    destination = _row_views(slots, dtype)
+    wanted = (lambda name: name.rpartition(".")[0] not in streamed) if streamed else (lambda name: True)
     loaded.update(streamed)
     for path, header, start in headers:
-        for name, tensor in iter_tensors(path, header, start, dtype, destination, keep_dtype, select, wanted):
+        for name, tensor in iter_tensors(path, header, start, dtype, destination, _kept_as_stored, select, wanted):
             value: torch.Tensor | QuantizedWeight = tensor
-            if keep_dtype(name):
+            if _kept_as_stored(name):
                 base, _, field = name.rpartition(".")
                 pieces.setdefault(base, {})[field] = tensor
                 if set(pieces[base]) != stored[base]:
@@ -199,14 +169,37 @@ def load_decoder(
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ModelLoadError(f"{model_dir}: checkpoint lacks {len(missing)} tensor(s): {shown}")
+    return _finished(model, cfg, (experts, expert_slots), (layers, streamed_layers[1]))
+
+
+def _kept_as_stored(name: str) -> bool:
+    """A quantized tensor's part (codes, scales): read in its own dtype, not converted."""
+    return name.endswith(QUANTIZED_FIELDS)
+
+
+def _row_views(slots: dict, dtype: torch.dtype):
+    """name -> the rows of a float stacked layer its tensor fills (read there in place), or None."""
+
+    def destination(name: str) -> torch.Tensor | None:
+        module, leaf, part = slots.get(name, (None, "", None))
+        if isinstance(module, Linear) and part is not None:
+            return module.part_view(leaf, part, dtype)
+        return None
+
+    return destination
+
+
+def _finished(model: DecoderLM, cfg: ModelConfig, experts: tuple[dict, int], layers: tuple[dict, int]) -> DecoderLM:
+    """Every tensor read: the embeddings tied, the expert cache ((experts, slots)) and the layer
+    stream ((layers, slots)) attached where they stay in the files, the weights packed."""
     if cfg.tie_word_embeddings:
         model.tie_embeddings()
-    if experts:
-        cache = ExpertCache(experts, expert_slots, expert_slot_floor(cfg))
-        cache.facts = _routed_facts(cfg, experts)
+    if experts[0]:
+        cache = ExpertCache(experts[0], experts[1], expert_slot_floor(cfg))
+        cache.facts = _routed_facts(cfg, experts[0])
         _attach_expert_cache(model, cache)
-    if layers:
-        model.layer_stream = LayerStream(layers, streamed_layers[1], model.model.decoder_layers())
+    if layers[0]:
+        model.layer_stream = LayerStream(layers[0], layers[1], model.model.decoder_layers())
     model.pack()
     return_freed_heap()  # the plain copies packing replaced
     return model.eval()
@@ -316,7 +309,7 @@ def _check_quantization(quantization: str | None) -> None:
 
 
 def checkpoint_weights(
-    model_dir: Path, dtype: str, quantization: str | None, shard: RankShard | None = None
+    source: Path | Checkpoint, dtype: str, quantization: str | None, shard: RankShard | None = None
 ) -> tuple[int, bool]:
     """(bytes, whether they run quantized) of the loaded weights, from the checkpoint's headers
     alone: the planner's figures when the checkpoint is at hand (exact for tensors kept as
@@ -325,8 +318,8 @@ def checkpoint_weights(
     from ..memory.footprint import weight_bytes
     from ..sizes import dtype_bytes
 
-    cfg = ModelConfig.from_file(model_dir)
-    headers = [(f, *read_header(f)) for f in safetensors_files(model_dir)]
+    ckpt = checkpoint_of(source)
+    cfg, headers = ckpt.config, list(ckpt.headers)
     stored = _stored_quantized(headers)
     if quantization is not None or not stored:
         local = shard.local_config if shard is not None else cfg

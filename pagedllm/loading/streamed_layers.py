@@ -7,8 +7,6 @@ read (a converted GGUF file's), so a slot holds the file's bytes as they are.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from ..config import ModelConfig
@@ -19,7 +17,8 @@ from ..layers.layer_stream import FIELDS, MATRICES, StoredLayer, StoredSegment, 
 from ..layers.quantized import columns_of, stored_bits
 from ..layers.stored_reads import StoredTensor
 from ..memory.footprint import StreamableLayers
-from .safetensors_io import DTYPES, read_header
+from .checkpoint_facts import Checkpoint
+from .safetensors_io import DTYPES
 
 
 def stored_tensors(headers) -> dict[str, StoredTensor]:
@@ -62,20 +61,18 @@ def stored_layers(cfg: ModelConfig, headers) -> tuple[dict[int, StoredLayer], st
     return out, ""
 
 
-def streamable_layers(
-    model_dir: Path, files: list[Path], quantization: str | None, required: bool = False
-) -> StreamableLayers | None:
+def streamable_layers(ckpt: Checkpoint, quantization: str | None, required: bool = False) -> StreamableLayers | None:
     """What a residency plan needs of a dense model's layers (``StreamableLayers``), or None where
     they cannot stream (a mixture, quantized at load, stored in float); then a ``ConfigError`` on
     ``resident_layers`` saying why, when ``required`` (the user set it)."""
-    cfg = ModelConfig.from_file(model_dir)
+    cfg = ckpt.config
     why = f"quantization={quantization!r} quantizes them at load; their files hold other values" if quantization else ""
     layers: dict[int, StoredLayer] = {}
     if not why:
-        layers, why = stored_layers(cfg, [(f, *read_header(f)) for f in files])
+        layers, why = stored_layers(cfg, list(ckpt.headers))
     if not layers:
         if required:
-            raise ConfigError("resident_layers", f"{model_dir}: its layers cannot be read from the file: {why}")
+            raise ConfigError("resident_layers", f"{ckpt.model_dir}: its layers cannot be read from the file: {why}")
         return None
     return StreamableLayers(tuple(layer_bytes(layers[i]) for i in range(cfg.num_layers)))
 

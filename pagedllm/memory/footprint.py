@@ -394,10 +394,17 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
         phases["logits to float32"] = base + n * h * e + head_out + n * sv * 4
     if cfg.qk_norm:
         phases["q/k norm"] = base + xn + qkv_out + dev.qk_norm_transient(cfg, s, t)
+    return phases | _sampler_phases(shape, sv, drafted)
+
+
+def _sampler_phases(shape: StepShape, sv: int, drafted: int) -> dict[str, int]:
+    """After the forward pass, the sampled rows' float32 logits (``sv`` wide) and, beside them,
+    the sampler's chunks on the full path, the penalties' counts, or the prompt logprobs."""
+    n = shape.sampled
     logits = n * sv * 4
     sampler = max([r * sv * SAMPLER_BYTES_PER_LOGIT + INDEX * sv for r in shape.full_sampler_rows], default=0)
     penalties = max([40 * length for length in shape.penalized_lengths], default=0)
-    phases["sampler"] = logits + sampler + penalties + INDEX * n + SCALAR_SLACK + drafted
+    phases = {"sampler": logits + sampler + penalties + INDEX * n + SCALAR_SLACK + drafted}
     if shape.prompt_logprob_rows:
         # a chunk's log-softmax, its top 20 at most (values and ids), one row's "more likely" mask
         prompt = max(r * sv * 4 + r * 20 * (4 + INDEX) + sv for r in shape.prompt_logprob_rows)

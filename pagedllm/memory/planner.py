@@ -1,22 +1,36 @@
 """The memory planner: solves the footprint polynomial (``footprint``) for what the user left
 unset, under a budget (``budget``); says in GiB what does not fit and what would.
 
-Pure arithmetic over ``ModelConfig``: no torch, no engine imports, no weights.
+Pure arithmetic over ``ModelConfig``: no torch, no engine imports, no weights. One job per module:
+
+- ``planner`` (here): the doors (``plan_engine``, ``plan_for``) and the solve (``plan``);
+- ``costs``: the footprint of one configuration as the solve sees it, and the auto sizes;
+- ``residency``: how many routed experts or decoder layers stay loaded when not all fit;
+- ``refusal``: the error when nothing fits, with the sizes that would;
+- ``memory_plan``: the result, and its report (``pagedllm plan``'s table).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
-from functools import cached_property, partial
-from typing import TYPE_CHECKING, NoReturn
+from dataclasses import replace
+from functools import partial
+from typing import TYPE_CHECKING
 
 from .. import backends
 from ..config import ModelConfig
 from ..distributed.shards import rank_config, shard_layout
 from ..engine_config import ConfigError, EngineConfig
 from ..errors import CacheDoesNotFitError
-from ..sizes import GRAMMAR_CACHE_BYTES, QUANTIZED, ceil_div, dtype_bytes, gib, kv_element_bytes
+from ..sizes import GRAMMAR_CACHE_BYTES, QUANTIZED, ceil_div
 from .budget import resolve_budget
+from .costs import (
+    AUTO_MAX_BATCH_TOKENS,
+    AUTO_MAX_NUM_SEQS,
+    ESTIMATED_BASELINE_BYTES,
+    OVERHEAD_BYTES,
+    Costs,
+    overhead,
+)
 from .footprint import (
     EngineSettings,
     RoutedExperts,
@@ -24,334 +38,24 @@ from .footprint import (
     activation_peak,
     kv_bytes_per_block,
     loader_bytes,
-    weight_bytes,
-    window_pool_blocks,
 )
 from .machine import usable_cpus
+from .memory_plan import MemoryPlan
+from .refusal import Refusal
+from .residency import expert_plan_fields, expert_residency, layer_plan_fields, layer_residency
 
 if TYPE_CHECKING:
     from ..backends.facts import PlanFacts
 
-# What the process holds beyond the tensors the footprint itemises, under load: library code
-# paged in by the first steps, the allocator's kept memory, the capped GEMM kernel caches,
-# per-request Python state, the server's buffers. The baseline is measured after the library
-# pages are handed back (machine.release_library_pages), so the libraries' working set is paged
-# in here: 37-83 MiB measured under the 64-prompt workload (docs/memory.md, "The whole
-# process"); 100 MiB leaves a margin.
-OVERHEAD_BYTES = 100 * 1024**2
-# The process before any weight is loaded, when there is none to measure (``pagedllm plan``):
-# Python with torch, transformers and a tokenizer, measured on this machine (docs/memory.md).
-ESTIMATED_BASELINE_BYTES = 320 * 1024**2
-# CPU throughput vs max_batch_tokens flattens out by 512 tokens per step on this class of
-# machine (docs/memory.md has the sweep); larger steps only cost memory.
-AUTO_MAX_BATCH_TOKENS = 512
-# The context a residency plan keeps a cache for (one request), unless max_model_len says: the
-# rest of the budget goes to the expert cache, and the solve gives the KV cache what is left.
-EXPERT_CACHE_CONTEXT = 4096
-
-
-def overhead(s: EngineSettings) -> int:
-    """OVERHEAD_BYTES, plus structured output's grammar caches at their bound when it is on."""
-    return OVERHEAD_BYTES + s.grammar_cache_bytes
-
-
-AUTO_MAX_NUM_SEQS = 64
-
-
-@dataclass
-class MemoryPlan:
-    """What the process will hold at its peak, part by part, and the sizes that produce it."""
-
-    model: str
-    budget_bytes: int
-    budget_source: str
-    num_blocks: int
-    block_size: int
-    max_batch_tokens: int
-    max_num_seqs: int
-    max_model_len: int
-    max_model_len_source: str  # "given", "the model's", or "solved: what the cache holds"
-    dtype: str
-    kv_dtype: str
-    baseline_bytes: int
-    baseline_source: str  # "measured" (RSS before loading) or "estimated"
-    weights_bytes: int
-    kv_cache_bytes: int
-    kv_bytes_per_block: int
-    activation_bytes: int
-    overhead_bytes: int
-    loader_bytes: int  # what loading holds above the weights, freed before the cache exists
-    weights_format: str = ""  # e.g. "int4 weights, bfloat16 activations"; empty: plain dtype
-    api_process_bytes: int = 0  # the server's API process, in the baseline (engine in its own process)
-    tensor_parallel_size: int = 1  # above 1: this is one rank's plan (the driver's, which bounds them all)
-    # speculative decoding's draft model, included in weights_bytes and kv_bytes_per_block
-    draft_weights_bytes: int = 0
-    draft_kv_bytes_per_block: int = 0
-    # the pools of sliding-window layers beside pool 0 (``engine.block_pools``): each one's
-    # window, blocks and bytes per block; and what one pool for every layer would hold instead
-    window_pools: tuple[tuple[int, int, int], ...] = ()
-    shared_pool_tokens: int = 0
-    # a mixture whose weights exceed the budget (or expert_slots): how many of its routed experts
-    # stay resident (0: all of them, loaded), of how many, each's bytes, and what a token is
-    # expected to read from the file with a router that chooses uniformly (layers/expert_cache.py)
-    expert_slots: int = 0
-    routed_experts: int = 0
-    expert_slot_bytes: int = 0
-    expert_reads_per_token: int = 0
-    # a dense model whose weights exceed the budget (or resident_layers): its decoder layers from
-    # ``resident_layers`` on are read from the file every step into ``layer_slots`` slots of
-    # ``layer_slot_bytes`` (0 slots: every layer loaded), ``layer_reads_per_step`` bytes a step
-    resident_layers: int = 0
-    model_layers: int = 0
-    layer_slots: int = 0
-    layer_slot_bytes: int = 0
-    layer_reads_per_step: int = 0
-
-    @property
-    def pool_blocks(self) -> list[int]:
-        """Blocks of every pool, pool 0 first (``KVCache``, ``BlockPools``)."""
-        return [self.num_blocks, *(blocks for _, blocks, _ in self.window_pools)]
-
-    @property
-    def total_bytes(self) -> int:
-        """The peak under load: everything resident at once."""
-        return (
-            self.baseline_bytes + self.weights_bytes + self.kv_cache_bytes + self.activation_bytes + self.overhead_bytes
-        )
-
-    @property
-    def loading_peak_bytes(self) -> int:
-        return self.baseline_bytes + self.weights_bytes + self.loader_bytes
-
-    @property
-    def headroom_bytes(self) -> int:
-        return self.budget_bytes - max(self.total_bytes, self.loading_peak_bytes)
-
-    @property
-    def cache_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
-    @property
-    def full_length_requests(self) -> int:
-        return self.num_blocks // ceil_div(self.max_model_len, self.block_size)
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d.update(
-            total_bytes=self.total_bytes,
-            loading_peak_bytes=self.loading_peak_bytes,
-            headroom_bytes=self.headroom_bytes,
-            cache_tokens=self.cache_tokens,
-            full_length_requests=self.full_length_requests,
-        )
-        d["window_pools"] = [{"window": w, "blocks": n, "bytes_per_block": b} for w, n, b in self.window_pools]
-        return d
-
-    def _expert_rows(self) -> list[tuple[str, str]]:
-        if not self.expert_slots:
-            return []
-        return [
-            (
-                "  experts",
-                f"{gib(self.expert_slots * self.expert_slot_bytes, 8)} of them: {self.expert_slots} of the "
-                f"{self.routed_experts} routed experts resident, the others read from the file when chosen "
-                f"(~{self.expert_reads_per_token / 1024**2:.0f} MiB a token with a uniform router; "
-                "less as the router repeats itself)",
-            )
-        ]
-
-    def _layer_rows(self) -> list[tuple[str, str]]:
-        if not self.layer_slots:
-            return []
-        streamed = self.model_layers - self.resident_layers
-        return [
-            (
-                "  layers",
-                f"{self.resident_layers} of the {self.model_layers} decoder layers resident; the other {streamed} "
-                f"read from the file every step into {self.layer_slots} slot(s) of "
-                f"{gib(self.layer_slot_bytes, 8)} (~{self.layer_reads_per_step / 1024**2:.0f} MiB a step)",
-            )
-        ]
-
-    def table(self) -> str:
-        rows = [("model", self.model)]
-        if self.tensor_parallel_size > 1:
-            rows.append(
-                (
-                    "ranks",
-                    f"{self.tensor_parallel_size}: each rank's process (the figures below; rank 0, the driver, "
-                    f"which also gathers the logits and samples, bounds the others); all ranks together "
-                    f"{gib(self.tensor_parallel_size * self.total_bytes, 8)}",
-                )
-            )
-        rows += [
-            ("budget", f"{gib(self.budget_bytes, 8)}  ({self.budget_source}; the whole process's peak RSS)"),
-            (
-                "process baseline",
-                f"{gib(self.baseline_bytes, 8)}  ({self.baseline_source}: Python, libraries, tokenizer)",
-            ),
-            (
-                "weights",
-                f"{gib(self.weights_bytes, 8)}  ({self.weights_format or self.dtype}"
-                + (f"; the draft model's {gib(self.draft_weights_bytes, 8)})" if self.draft_weights_bytes else ")"),
-            ),
-            *self._expert_rows(),
-            *self._layer_rows(),
-            (
-                "KV cache",
-                f"{gib(self.kv_cache_bytes, 8)}  ({'full-attention layers: ' if self.window_pools else ''}"
-                f"{self.num_blocks} blocks x {self.block_size} tokens = "
-                f"{self.cache_tokens} tokens, {self.full_length_requests} requests of "
-                f"{self.max_model_len} tokens ({self.max_model_len_source}); {self.kv_dtype}"
-                + (
-                    f"; the draft model's {self.draft_kv_bytes_per_block / 1024:.1f} KiB of each block)"
-                    if self.draft_kv_bytes_per_block
-                    else ")"
-                ),
-            ),
-            *(
-                (
-                    f"  window {w}",
-                    f"{gib(n * b, 8)}  ({n} blocks x {self.block_size} tokens = {n * self.block_size} tokens: "
-                    f"the last {w} tokens of each running sequence, for its {w}-token-window layers)",
-                )
-                for w, n, b in self.window_pools
-            ),
-            *(
-                [
-                    (
-                        "  one shared pool",
-                        f"would hold {self.shared_pool_tokens} tokens in the same memory "
-                        f"({self.cache_tokens / max(1, self.shared_pool_tokens):.1f}x fewer)",
-                    )
-                ]
-                if self.window_pools
-                else []
-            ),
-            (
-                "activation peak",
-                f"{gib(self.activation_bytes, 8)}  (max_batch_tokens={self.max_batch_tokens}, "
-                f"max_num_seqs={self.max_num_seqs})",
-            ),
-            (
-                "overhead",
-                f"{gib(self.overhead_bytes, 8)}  (allocator, requests, buffers"
-                + (
-                    f", {(self.overhead_bytes - OVERHEAD_BYTES) // 1024**2} MiB of grammar caches)"
-                    if self.overhead_bytes > OVERHEAD_BYTES
-                    else ")"
-                ),
-            ),
-            ("total", f"{gib(self.total_bytes, 8)}  (peak under load)"),
-            (
-                "loading peak",
-                f"{gib(self.loading_peak_bytes, 8)}  (baseline + weights + "
-                f"{self.loader_bytes // 1024**2} MiB held while loading)",
-            ),
-            ("headroom", gib(self.headroom_bytes, 8)),
-        ]
-        width = max(len(k) for k, _ in rows)
-        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
-
-
-@dataclass(frozen=True)
-class _Costs:
-    """The footprint of one configuration, as the solver and the error messages see it."""
-
-    cfg: ModelConfig
-    s: EngineSettings
-    seqs: int
-    baseline: int
-    loader: int
-
-    @property
-    def weights(self) -> int:
-        """The model's weights, and a draft model's beside them."""
-        if self.s.weights_bytes is not None:
-            return self.s.weights_bytes + self.s.draft_weights_bytes
-        return weight_bytes(self.cfg, self.s.dtype, self.s.quantization) + self.s.draft_weights_bytes
-
-    @property
-    def per_block(self) -> int:
-        """A block of pool 0 (every layer, when there is one kind), and one of a draft model's
-        (it holds as many)."""
-        pool = 0 if len(self.cfg.kv_pools) > 1 else None
-        return kv_bytes_per_block(self.cfg, self.s.block_size, self.s.kv, pool) + self.s.draft_kv_bytes_per_block
-
-    @cached_property  # (the solver asks once per candidate N)
-    def windows(self) -> list[tuple[int, int]]:
-        """(window, bytes per block) of each pool beside pool 0 (pools past 0 have windows)."""
-        pools = self.cfg.kv_pools
-        return [(w, kv_bytes_per_block(self.cfg, self.s.block_size, self.s.kv, p)) for p, w in _windowed(pools)]
-
-    def window_blocks(self, n: int, m: int) -> list[int]:
-        """Each window pool's blocks beside N blocks of pool 0: what its sequences can hold at
-        once, and never more than pool 0 (a sequence holds a window block only where it holds a
-        pool 0 one)."""
-        return [min(n, window_pool_blocks(w, self.s.block_size, m, self.seqs)) for w, _ in self.windows]
-
-    def kv(self, n: int, m: int) -> int:
-        """The cache's bytes with N blocks of pool 0, the window pools beside it."""
-        return n * self.per_block + sum(b * blocks for (_, b), blocks in zip(self.windows, self.window_blocks(n, m)))
-
-    def fixed(self, m: int, max_len: int) -> int:
-        """Everything but the cache, at step budget ``m`` and context ``max_len``."""
-        return (
-            self.baseline + self.weights + activation_peak(self.cfg, self.s, m, self.seqs, max_len) + overhead(self.s)
-        )
-
-    def total(self, n: int, m: int, max_len: int) -> int:
-        return self.fixed(m, max_len) + self.kv(n, m)
-
-    def largest_n(self, budget: int, m: int, max_len: int) -> int:
-        room = budget - self.fixed(m, max_len)
-        lo, hi = 0, max(0, room // self.per_block)  # kv(n) grows with n, by per_block at least
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.kv(mid, m) <= room:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
-
-    def shared_pool_tokens(self, budget: int, m: int, max_len: int) -> int:
-        """What one pool for every layer would hold in the same budget (0 with one kind of layer)."""
-        if not self.windows:
-            return 0
-        every_layer = kv_bytes_per_block(self.cfg, self.s.block_size, self.s.kv) + self.s.draft_kv_bytes_per_block
-        return max(0, (budget - self.fixed(m, max_len)) // every_layer) * self.s.block_size
-
-    def largest_m(self, budget: int, n: int, max_len: int, cap: int) -> int:
-        """Largest M in [1, cap] with total(n, M) <= budget (0 if none)."""
-        if self.total(n, 1, max_len) > budget:
-            return 0
-        lo, hi = 1, cap
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.total(n, mid, max_len) <= budget:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
-
-    def longest_context(self, budget: int, m: int, limit: int) -> int:
-        """Largest L in [block_size, limit], a whole number of blocks unless it is the limit,
-        such that the cache that fits holds one request of L tokens (0 if none)."""
-        bs = self.s.block_size
-
-        def holds(length: int) -> bool:
-            return self.largest_n(budget, m, length) * bs >= length
-
-        if holds(limit):
-            return limit
-        lo, hi = 0, limit // bs  # in blocks
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if holds(mid * bs):
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo * bs
+__all__ = [
+    "AUTO_MAX_BATCH_TOKENS",
+    "AUTO_MAX_NUM_SEQS",
+    "OVERHEAD_BYTES",
+    "MemoryPlan",
+    "overhead",
+    "plan",
+    "plan_engine",
+]
 
 
 def plan(
@@ -385,10 +89,10 @@ def plan(
     s = settings or EngineSettings()
     model_len = cfg.max_position_embeddings
     given_len = min(s.max_model_len, model_len) if s.max_model_len else None
-    costs = _Costs(cfg, s, max_num_seqs or AUTO_MAX_NUM_SEQS, baseline_bytes, loader_bytes(cfg, s))
-    fail = _Failure(costs, budget_bytes, budget_source, num_blocks, max_batch_tokens, given_len or model_len)
-    slots, costs = _residency_plan(costs, budget_bytes, given_len, model_len, max_batch_tokens, fail)
-    layer_plan, costs = _layer_residency_plan(costs, budget_bytes, given_len, model_len, max_batch_tokens, fail)
+    costs = Costs(cfg, s, max_num_seqs or AUTO_MAX_NUM_SEQS, baseline_bytes, loader_bytes(cfg, s))
+    fail = Refusal(costs, budget_bytes, budget_source, num_blocks, max_batch_tokens, given_len or model_len)
+    slots, costs = expert_residency(costs, budget_bytes, given_len, model_len, max_batch_tokens, fail)
+    layer_plan, costs = layer_residency(costs, budget_bytes, given_len, model_len, max_batch_tokens, fail)
     if costs.baseline + costs.weights + overhead(s) > budget_bytes:
         fail("the process baseline and the weights alone exceed the budget")
     solve = partial(
@@ -406,6 +110,19 @@ def plan(
         fail.costs = costs
         n, m, max_len = solve(costs)
     source = "given" if given_len else ("the model's" if max_len == model_len else "solved: what the cache holds")
+    residency = {
+        **expert_plan_fields(cfg, s.routed_experts, slots),
+        **layer_plan_fields(s.streamable_layers, layer_plan),
+    }
+    return _result(
+        costs, (n, m, max_len), (model_name, budget_bytes, budget_source, source, baseline_source), residency
+    )
+
+
+def _result(costs: Costs, solved: tuple[int, int, int], names: tuple[str, int, str, str, str], residency: dict):
+    """The MemoryPlan of a solve: (N, M, L), and (model, budget, its source, L's source, the baseline's source)."""
+    (n, m, max_len), (model_name, budget_bytes, budget_source, len_source, baseline_source) = solved, names
+    s = costs.s
     return MemoryPlan(
         model_name,
         budget_bytes,
@@ -415,7 +132,7 @@ def plan(
         m,
         costs.seqs,
         max_len,
-        source,
+        len_source,
         s.dtype,
         s.kv,
         costs.baseline,
@@ -423,7 +140,7 @@ def plan(
         costs.weights,
         costs.kv(n, m),
         costs.per_block,
-        activation_peak(cfg, s, m, costs.seqs, max_len),
+        activation_peak(costs.cfg, s, m, costs.seqs, max_len),
         overhead(s),
         costs.loader,
         _weights_format(s),
@@ -431,70 +148,8 @@ def plan(
         draft_kv_bytes_per_block=s.draft_kv_bytes_per_block,
         window_pools=tuple((w, n_w, b) for (w, b), n_w in zip(costs.windows, costs.window_blocks(n, m))),
         shared_pool_tokens=costs.shared_pool_tokens(budget_bytes, m, max_len),
-        **_residency(cfg, s.routed_experts, slots),
-        **_layer_residency(s.streamable_layers, layer_plan),
+        **residency,
     )
-
-
-def _residency_plan(
-    costs: _Costs, budget: int, given_len: int | None, model_len: int, max_batch_tokens: int | None, fail
-) -> tuple[int, _Costs]:
-    """(how many routed experts stay resident, the costs with only those among the weights, which
-    the failure's figures take too): 0 (all loaded) unless ``expert_slots`` bounds them or every
-    expert resident leaves no room for one request of ``context`` tokens (min(the model's, 4096)
-    unless max_model_len says)."""
-    s, experts = costs.s, costs.s.routed_experts
-    context = given_len or min(model_len, EXPERT_CACHE_CONTEXT)
-    m = max_batch_tokens or AUTO_MAX_BATCH_TOKENS
-    if experts is None:
-        return 0, costs
-    one_request = costs.kv(ceil_div(context, s.block_size), m) + activation_peak(costs.cfg, s, m, costs.seqs, context)
-    if not s.expert_slots and costs.baseline + costs.weights + overhead(s) + one_request <= budget:
-        return 0, costs
-    slots = _expert_slots(costs, experts, budget, context, m, fail)
-    if slots >= experts.count:
-        return 0, costs
-    resident = costs.weights - s.draft_weights_bytes - experts.total_bytes
-    fail.costs = replace(costs, s=replace(s, weights_bytes=resident + slots * experts.slot_bytes))
-    return slots, fail.costs
-
-
-def _expert_slots(costs: _Costs, experts: RoutedExperts, budget: int, context: int, m: int, fail) -> int:
-    """How many routed experts stay resident: the user's bound, else as many as the budget holds
-    beside everything else with a cache for one request of ``context`` tokens (the solve then
-    gives the cache what is left); fewer than the floor does not plan."""
-    s = costs.s
-    if s.expert_slots is not None:
-        if s.expert_slots < experts.floor:
-            fail(
-                f"expert_slots={s.expert_slots} is below the {experts.floor} experts a step's layer may choose at once"
-            )
-        return s.expert_slots
-    resident = costs.weights - experts.total_bytes
-    kv = costs.kv(ceil_div(context, s.block_size), m)
-    need = costs.baseline + resident + activation_peak(costs.cfg, s, m, costs.seqs, context) + overhead(s) + kv
-    slots = max(0, budget - need) // experts.slot_bytes
-    if slots < experts.floor:  # the figures the error gives: with the smallest expert cache
-        fail.costs = replace(costs, s=replace(s, weights_bytes=resident + experts.floor * experts.slot_bytes))
-        fail(
-            f"the weights exceed the budget, and beside what every token reads the budget holds {slots} of the "
-            f"{experts.count} routed experts, fewer than the {experts.floor} a step's layer may choose at once"
-        )
-    return slots
-
-
-def _residency(cfg: ModelConfig, experts: RoutedExperts | None, slots: int) -> dict:
-    """MemoryPlan's expert fields."""
-    if not slots or experts is None or cfg.moe is None:
-        return {}
-    chosen_per_token = cfg.moe.top_k * sum(cfg.moe.layers)
-    missed = chosen_per_token * (experts.count - slots) / experts.count
-    return {
-        "expert_slots": slots,
-        "routed_experts": experts.count,
-        "expert_slot_bytes": experts.slot_bytes,
-        "expert_reads_per_token": int(missed * experts.slot_bytes),
-    }
 
 
 def _all_resident_else_streamed(cfg: ModelConfig, budget: int, *, settings: EngineSettings, **arguments) -> MemoryPlan:
@@ -509,69 +164,7 @@ def _all_resident_else_streamed(cfg: ModelConfig, budget: int, *, settings: Engi
             raise refused from None
 
 
-def _layer_residency_plan(
-    costs: _Costs, budget: int, given_len: int | None, model_len: int, max_batch_tokens: int | None, fail
-) -> tuple[tuple[int, int], _Costs]:
-    """((resident layers, slots), the costs with only those among the weights) where a dense
-    model's last layers are read from the file every step; ((0, 0), costs) where all load.
-
-    Every step reads every streamed layer, so no cache of layers helps: as many whole layers stay
-    resident as fit beside a cache for one request of ``context`` tokens (the solve then gives the
-    KV cache what is left), the first ones, and the others take turns in two slots (one read
-    ahead while the other computes), or one where two do not fit. ``plan`` asks this only where
-    every layer resident does not plan, or ``resident_layers`` says how many stay (-1: solve)."""
-    s, layers = costs.s, costs.s.streamable_layers
-    if layers is None or s.resident_layers is None:
-        return (0, 0), costs
-    sizes, count = layers.layer_bytes, len(layers.layer_bytes)
-    if 0 <= s.resident_layers < count:
-        resident, slots = s.resident_layers, min(2, count - s.resident_layers)
-    elif s.resident_layers >= count:
-        return (0, 0), costs
-    else:
-        context = given_len or min(model_len, EXPERT_CACHE_CONTEXT)
-        m = max_batch_tokens or AUTO_MAX_BATCH_TOKENS
-        one_request = costs.kv(ceil_div(context, s.block_size), m)
-        one_request += activation_peak(costs.cfg, s, m, costs.seqs, context)
-        room = budget - (costs.baseline + costs.weights - sum(sizes) + overhead(s) + one_request)
-        fits = [(r, k) for k in (2, 1) for r in range(count - k, -1, -1) if _held(sizes, r, k) <= room]
-        if not fits:
-            fail.costs = replace(costs, s=replace(s, weights_bytes=costs.weights - sum(sizes) + max(sizes)))
-            fail(
-                "the weights exceed the budget, and beside what every step reads the budget holds no slot for one "
-                f"decoder layer read from the file ({max(sizes) / 1024**2:.0f} MiB) with a cache for {context} tokens"
-            )
-        resident, slots = fits[0]
-    weights = costs.weights - sum(sizes) + _held(sizes, resident, slots)
-    fail.costs = replace(costs, s=replace(s, weights_bytes=weights))
-    return (resident, slots), fail.costs
-
-
-def _held(sizes: tuple[int, ...], resident: int, slots: int) -> int:
-    """The layers' bytes in memory with the first ``resident`` loaded and the rest in ``slots`` slots."""
-    return sum(sizes[:resident]) + slots * max(sizes[resident:])
-
-
-def _layer_residency(layers: StreamableLayers | None, layer_plan: tuple[int, int]) -> dict:
-    """MemoryPlan's layer fields."""
-    resident, slots = layer_plan
-    if not slots or layers is None:
-        return {}
-    streamed = layers.layer_bytes[resident:]
-    return {
-        "resident_layers": resident,
-        "model_layers": len(layers.layer_bytes),
-        "layer_slots": slots,
-        "layer_slot_bytes": max(streamed),
-        "layer_reads_per_step": sum(streamed),
-    }
-
-
-def _windowed(pools: tuple[int | None, ...]) -> list[tuple[int, int]]:
-    return [(p, w) for p, w in enumerate(pools) if p > 0 and w is not None]
-
-
-def _fewer_seqs(costs: _Costs, solve) -> _Costs:
+def _fewer_seqs(costs: Costs, solve) -> Costs:
     """Every running sequence holds a block, so no more than N ever run at once: a solved
     max_num_seqs above N only reserves logits and sampler rows that never exist. The largest S
     whose cache still has S blocks (fewer rows reserved, more blocks)."""
@@ -593,14 +186,14 @@ def _weights_format(s: EngineSettings) -> str:
 
 
 def _solve(
-    costs: _Costs,
+    costs: Costs,
     *,
     budget: int,
     num_blocks: int | None,
     max_batch_tokens: int | None,
     given_len: int | None,
     cap: int,
-    fail: _Failure,
+    fail: Refusal,
 ) -> tuple[int, int, int]:
     """(N, M, L) for one max_num_seqs: see ``plan``."""
     s, model_len = costs.s, costs.cfg.max_position_embeddings
@@ -635,88 +228,11 @@ def _solve(
     return n, m, max_len
 
 
-def _auto_m(costs: _Costs, budget: int, min_tokens: int) -> int:
+def _auto_m(costs: Costs, budget: int, min_tokens: int) -> int:
     """AUTO_MAX_BATCH_TOKENS, or the largest M below it with which a cache of ``min_tokens``
     still fits (0 if none)."""
     blocks = ceil_div(min_tokens, costs.s.block_size)
     return costs.largest_m(budget, blocks, max(min_tokens, costs.s.block_size), AUTO_MAX_BATCH_TOKENS)
-
-
-class _Failure:
-    """Raises CacheDoesNotFitError with one consistent set of numbers: what was asked (or the
-    smallest engine that serves one request of L tokens), what each part of it needs, and the
-    largest values that fit instead, all from the same ``_Costs``."""
-
-    def __init__(
-        self,
-        costs: _Costs,
-        budget: int,
-        source: str,
-        num_blocks: int | None,
-        max_batch_tokens: int | None,
-        max_len: int,
-    ):
-        self.costs, self.budget, self.source = costs, budget, source
-        self.num_blocks, self.max_batch_tokens, self.max_len = num_blocks, max_batch_tokens, max_len
-
-    def __call__(self, reason: str, n: int | None = None, m: int | None = None) -> NoReturn:
-        c, s, budget, max_len = self.costs, self.costs.s, self.budget, self.max_len
-        min_blocks = ceil_div(max_len, s.block_size)
-        m = m or self.max_batch_tokens or AUTO_MAX_BATCH_TOKENS
-        n = max(n or self.num_blocks or 0, min_blocks)
-        act = activation_peak(c.cfg, s, m, c.seqs, max_len)
-        need = c.total(n, m, max_len)
-        breakdown = {
-            "baseline": c.baseline,
-            "weights": c.weights,
-            "kv_cache": c.kv(n, m),
-            "activations": act,
-            "overhead": overhead(s),
-            "total": need,
-            "budget": budget,
-        }
-        suggestions: dict = {"memory_bytes": need}
-        lines = [
-            f"{reason}.",
-            f"  needs {gib(need)}: process baseline {gib(c.baseline)} + weights {gib(c.weights)} ({s.dtype}) + "
-            f"KV cache {gib(c.kv(n, m))} ({n} blocks x {s.block_size} tokens) + activations {gib(act)} "
-            f"(max_batch_tokens={m}, max_num_seqs={c.seqs}, max_model_len={max_len}) + overhead "
-            f"{gib(overhead(s))}",
-            f"  budget: {gib(budget)} ({self.source})",
-        ]
-        if c.baseline + c.weights + overhead(s) <= budget:
-            if self.num_blocks is not None:
-                best_m = c.largest_m(budget, self.num_blocks, max_len, m * 64)
-                if best_m:
-                    suggestions["max_batch_tokens"] = best_m
-                    lines.append(f"  largest max_batch_tokens that fits with num_blocks={self.num_blocks}: {best_m}")
-            best_n = c.largest_n(budget, m, max_len)
-            if best_n:
-                suggestions["num_blocks"] = best_n
-                lines.append(
-                    f"  largest num_blocks that fits with max_batch_tokens={m}: {best_n} "
-                    f"({best_n * s.block_size} tokens)"
-                )
-            fits_len = c.longest_context(budget, m, max_len)
-            if self.num_blocks is not None:  # the cache the user gave holds no more than its blocks
-                fits_len = min(fits_len, self.num_blocks * s.block_size)
-            if 0 < fits_len < max_len:  # 0: no context fits at this step budget
-                suggestions["max_model_len"] = fits_len
-                lines.append(f"  longest max_model_len whose request fits with max_batch_tokens={m}: {fits_len}")
-        lines.append(
-            f"  smallest memory that fits (num_blocks={n}, max_batch_tokens={m}, max_model_len={max_len}): {gib(need)}"
-        )
-        levers = []
-        if kv_element_bytes(s.kv) > 1:
-            levers.append("an 8-bit KV cache (kv_cache_dtype='fp8' or 'int8') holds 2-4x the tokens")
-        if s.quantization in (None, "none") and s.weights_bytes is None:
-            levers.append("quantization='int8' or 'int4' shrinks the weights 2-8x")
-        if dtype_bytes(s.dtype) == 4:
-            levers.append("dtype='bfloat16' halves the weights")
-        levers.append("a smaller max_model_len shrinks the smallest cache and the gather buffers")
-        levers.append("block_size does not change bytes per token, only the rounding")
-        lines.append("  other levers: " + "; ".join(levers))
-        raise CacheDoesNotFitError("\n".join(lines), breakdown, suggestions)
 
 
 def _one_rank(
@@ -746,14 +262,16 @@ def plan_engine(
     already_loaded: int = 0,
     weights_bytes: int | None = None,
     quantized_weights: bool | None = None,
-    grammar_cache_bytes: int = 0,
+    grammars: bool = False,
     api_process_bytes: int = 0,
     draft: tuple[ModelConfig, int] | None = None,
     routed: RoutedExperts | None = None,
     layers: StreamableLayers | None = None,
 ) -> MemoryPlan:
-    """The plan an engine starts from: the budget, then ``plan``. Everything the user chose is in
-    ``config`` (default: ``EngineConfig()``); the rest are facts of this process and checkpoint.
+    """The one way an engine is planned (``build_engine`` before loading, ``LLMEngine`` after and at
+    each new budget, ``pagedllm plan`` without weights): the budget, then ``plan``. Everything the
+    user chose is in ``config`` (default: ``EngineConfig()``); the rest are facts of this process
+    and checkpoint (``loading.planning_facts`` reads the checkpoint's).
 
     ``config.memory`` bounds the whole process, ``baseline_bytes`` (its resident memory before any
     weight is loaded; estimated when not given) included. ``config.memory_fraction`` is a fraction
@@ -764,91 +282,59 @@ def plan_engine(
     without torch). ``weights_bytes``: the weights' exact size when the checkpoint is at hand (else
     computed from the config; with ``tensor_parallel_size`` > 1, one rank's share);
     ``quantized_weights``: whether they run quantized (default: when ``config.quantization`` says
-    so). With no budget given, a solved cache is capped at what ``max_num_seqs`` requests of
-    ``max_model_len`` tokens can use at once, so a small model does not reserve the whole host.
-    ``grammar_cache_bytes``: the bound of structured output's caches (when it is on), counted in the
-    overhead. ``api_process_bytes``: the peak of the server's API process when the engine runs in
-    its own (``engine_process``): the budget bounds the sum of both processes, so it joins the
-    baseline. ``draft``: a draft model's config and weights' bytes. ``routed``: a mixture's
-    routed experts as the checkpoint stores them (``loading.routed_experts``), which may then stay
-    in the file when the weights exceed the budget (or ``config.expert_slots`` bounds them).
-    ``layers``: a dense model's layers as stored (``loading.streamable_layers``): the last ones
-    may then be read from the file every step, where every layer resident does not plan (or
-    ``config.resident_layers`` says how many stay).
+    so).
+    ``grammars``: structured output can be used (on, with a tokenizer and xgrammar): its caches'
+    bound is counted in the overhead. ``api_process_bytes``: the peak of the server's API process
+    when the engine runs in its own (``engine_process``): the budget bounds the sum of both
+    processes, so it joins the baseline. ``draft``: a draft model's config and weights' bytes.
+    ``routed``: a mixture's routed experts as the checkpoint stores them
+    (``loading.routed_experts``), which may then stay in the file when the weights exceed the budget
+    (or ``config.expert_slots`` bounds them). ``layers``: a dense model's layers as stored
+    (``loading.streamable_layers``): the last ones may then be read from the file every step, where
+    every layer resident does not plan (or ``config.resident_layers`` says how many stay).
     """
     c = config or EngineConfig()
     cfg, split = _one_rank(cfg, c, weights_bytes, quantized_weights)
     baseline = (baseline_bytes if baseline_bytes is not None else ESTIMATED_BASELINE_BYTES) + api_process_bytes
-    budget, source = resolve_budget(
-        c.memory, c.memory_fraction, "cpu" if backend is None else backend.device, already_loaded
-    )
-    if c.memory is None:
-        budget, source = budget + baseline, f"{source} + the process baseline"
-    settings = _settings(c, backend, weights_bytes, quantized_weights, grammar_cache_bytes, split)
-    if routed is not None and c.tensor_parallel_size == 1:
-        settings = replace(settings, routed_experts=routed, expert_slots=c.expert_slots)
-    if layers is not None and c.tensor_parallel_size == 1:
-        settings = replace(settings, streamable_layers=layers, resident_layers=c.resident_layers)
+    budget, source = _budget(c, backend, already_loaded, baseline)
+    settings = _settings(c, backend, weights_bytes, quantized_weights, GRAMMAR_CACHE_BYTES if grammars else 0, split)
+    settings = _with_residency(settings, c, routed, layers)
     if draft is not None:
         settings = _with_draft(settings, cfg, *draft)
+    measured_source = ("measured" if baseline_bytes is not None else "estimated") + (
+        f", with the API process's {api_process_bytes / 1024**2:.0f} MiB" if api_process_bytes else ""
+    )
+    result = _solved(cfg, c, settings, (budget, source), (baseline, measured_source), model_name)
+    return replace(result, api_process_bytes=api_process_bytes, tensor_parallel_size=c.tensor_parallel_size)
+
+
+def _solved(
+    cfg: ModelConfig,
+    c: EngineConfig,
+    settings: EngineSettings,
+    budget: tuple[int, str],
+    baseline: tuple[int, str],
+    model_name: str,
+) -> MemoryPlan:
+    """``plan`` for the user's sizes ((bytes, source) of the budget and of the baseline). With no
+    budget given, a solved cache is capped at what ``max_num_seqs`` requests of ``max_model_len``
+    tokens can use at once; a dense model that may stream its layers is planned resident first."""
     seqs = c.max_num_seqs or AUTO_MAX_NUM_SEQS
     longest = min(c.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     cap = seqs * ceil_div(longest, c.block_size) if not c.budgeted else None
-    measured_source = "measured" if baseline_bytes is not None else "estimated"
-    if api_process_bytes:
-        measured_source += f", with the API process's {api_process_bytes / 1024**2:.0f} MiB"
     solver = _all_resident_else_streamed if settings.streamable_layers and c.resident_layers is None else plan
-    result = solver(
+    return solver(
         cfg,
-        budget,
-        budget_source=source,
+        budget[0],
+        budget_source=budget[1],
         model_name=model_name,
         settings=settings,
         num_blocks=c.num_blocks,
         max_batch_tokens=c.max_batch_tokens,
         max_num_seqs=c.max_num_seqs,
         cap_blocks=cap,
-        baseline_bytes=baseline,
-        baseline_source=measured_source,
-    )
-    return replace(result, api_process_bytes=api_process_bytes, tensor_parallel_size=c.tensor_parallel_size)
-
-
-def plan_for(
-    config: EngineConfig,
-    cfg: ModelConfig,
-    model_name: str,
-    facts: PlanFacts,
-    *,
-    grammars: bool,
-    weights_bytes: int | None,
-    quantized_weights: bool | None,
-    baseline_bytes: int,
-    already_loaded: int = 0,
-    api_process_bytes: int = 0,
-    draft: tuple[ModelConfig, int] | None = None,
-    routed: RoutedExperts | None = None,
-    layers: StreamableLayers | None = None,
-) -> MemoryPlan:
-    """The one way an engine is planned (``build_engine`` before loading, ``LLMEngine`` after, and
-    again at each new budget): the config, the backend's facts, the checkpoint's weights, the
-    structured-output caches when they can be used (``grammars``: on, with a tokenizer and
-    xgrammar), the server's API process when the engine runs in a process of its own
-    (``api_process_bytes``), a draft model's config and weights (``draft``)."""
-    return plan_engine(
-        cfg,
-        config,
-        model_name=model_name,
-        backend=facts,
-        baseline_bytes=baseline_bytes,
-        already_loaded=already_loaded,
-        weights_bytes=weights_bytes,
-        quantized_weights=quantized_weights,
-        grammar_cache_bytes=GRAMMAR_CACHE_BYTES if grammars else 0,
-        api_process_bytes=api_process_bytes,
-        draft=draft,
-        routed=routed,
-        layers=layers,
+        baseline_bytes=baseline[0],
+        baseline_source=baseline[1],
     )
 
 
@@ -883,6 +369,28 @@ def _settings(
         **split,
     )
     return settings
+
+
+def _budget(c: EngineConfig, backend: PlanFacts | None, already_loaded: int, baseline: int) -> tuple[int, str]:
+    """The whole process's budget and where it came from; with none given (a fraction of what is
+    free now), the baseline the process holds already joins it."""
+    budget, source = resolve_budget(
+        c.memory, c.memory_fraction, "cpu" if backend is None else backend.device, already_loaded
+    )
+    if c.memory is None:
+        return budget + baseline, f"{source} + the process baseline"
+    return budget, source
+
+
+def _with_residency(
+    s: EngineSettings, c: EngineConfig, routed: RoutedExperts | None, layers: StreamableLayers | None
+) -> EngineSettings:
+    """The settings with what may stay in the checkpoint (one process's model: a split keeps all)."""
+    if routed is not None and c.tensor_parallel_size == 1:
+        s = replace(s, routed_experts=routed, expert_slots=c.expert_slots)
+    if layers is not None and c.tensor_parallel_size == 1:
+        s = replace(s, streamable_layers=layers, resident_layers=c.resident_layers)
+    return s
 
 
 def _with_draft(s: EngineSettings, cfg: ModelConfig, draft: ModelConfig, draft_weights: int) -> EngineSettings:

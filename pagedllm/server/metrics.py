@@ -72,6 +72,17 @@ class _EngineCollector:
         self.engine, self.throughput, self.metrics, self.model = engine, throughput, metrics, model_name
 
     def collect(self):
+        for family, table in ((GaugeMetricFamily, self._gauges()), (CounterMetricFamily, self._counters())):
+            for name, (doc, value) in table.items():
+                metric = family(name, doc, labels=["model"])
+                metric.add_metric([self.model], value)
+                yield metric
+        errors = CounterMetricFamily("pagedllm_http_errors", "Error responses by status", labels=["status"])
+        for status, count in sorted(self.metrics.http_errors.items()):
+            errors.add_metric([str(status)], count)
+        yield errors
+
+    def _gauges(self) -> dict[str, tuple[str, float]]:
         s = self.engine.stats
         gauges = {
             "pagedllm_requests_running": ("Requests being computed", s.running),
@@ -108,7 +119,11 @@ class _EngineCollector:
             "Resident memory (VmRSS) of the server's processes, what the budget bounds",
             resident_total(self.engine.pids),
         )
-        counters = {
+        return gauges
+
+    def _counters(self) -> dict[str, tuple[str, float]]:
+        s = self.engine.stats
+        return {
             "pagedllm_prompt_tokens": ("Prompt tokens computed", s.prompt_tokens_computed),
             "pagedllm_generation_tokens": ("Tokens generated", s.tokens_generated),
             "pagedllm_preemptions": ("Requests preempted for lack of blocks", s.preemptions),
@@ -142,15 +157,6 @@ class _EngineCollector:
                 s.streamed_layer_bytes_read,
             ),
         }
-        for family, table in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
-            for name, (doc, value) in table.items():
-                metric = family(name, doc, labels=["model"])
-                metric.add_metric([self.model], value)
-                yield metric
-        errors = CounterMetricFamily("pagedllm_http_errors", "Error responses by status", labels=["status"])
-        for status, count in sorted(self.metrics.http_errors.items()):
-            errors.add_metric([str(status)], count)
-        yield errors
 
 
 def resident_total(pids: list[int]) -> int:
