@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import ModelLoadError, UnsupportedModelError
+from .models.layer_kinds import LayerKind, PagedKV, SequenceState
 from .models.registry import family_of_config
 
 if TYPE_CHECKING:
@@ -112,16 +113,35 @@ class ModelConfig:
         return "local" if sliding and self.local_rope is not None else "global"
 
     @functools.cached_property  # (asked per layer; a frozen dataclass's __dict__ still takes it)
+    def layer_kinds(self) -> tuple[LayerKind, ...]:
+        """Each layer's mixer, feed-forward and cache (``models.layer_kinds``)."""
+        windows = self.sliding_windows or (None,) * self.num_layers
+        return tuple(
+            LayerKind(
+                "attention",
+                "sparse" if self.is_moe_layer(i) else "dense",
+                PagedKV(windows[i], self.num_kv_heads, self.head_dim),
+            )
+            for i in range(self.num_layers)
+        )
+
+    @functools.cached_property
     def kv_pools(self) -> tuple[int | None, ...]:
-        """The window of each KV pool, one pool per kind of layer: full attention (None) first,
-        then the windows from the widest. A sliding layer reads only its window, so its pool keeps
-        only each sequence's last window of blocks; pool 0 is the one every context length is
-        planned against (a model without full layers: its widest window)."""
-        windows = set(self.sliding_windows or (None,))
+        """The window of each KV pool, one pool per window the layers' paged caches have: full
+        attention (None) first, then the windows from the widest. A sliding layer reads only its
+        window, so its pool keeps only each sequence's last window of blocks; pool 0 is the one
+        every context length is planned against (a model without full layers: its widest window)."""
+        windows = {k.cache.window for k in self.layer_kinds if isinstance(k.cache, PagedKV)} or {None}
         return tuple(sorted(windows, key=lambda w: (w is not None, -(w or 0))))
 
-    def kv_pool_of_layer(self, layer: int) -> int:
-        return self.kv_pools.index(self.sliding_windows[layer] if self.sliding_windows else None)
+    def kv_pool_of_layer(self, layer: int) -> int | None:
+        """The pool of the layer's paged K/V; None for a layer that keeps none."""
+        cache = self.layer_kinds[layer].cache
+        return self.kv_pools.index(cache.window) if isinstance(cache, PagedKV) else None
+
+    def state_bytes_per_sequence(self) -> int:
+        """What the layers that keep a fixed state hold for one running sequence (``SequenceState``)."""
+        return sum(k.cache.bytes for k in self.layer_kinds if isinstance(k.cache, SequenceState))
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and self.moe.layers[layer]

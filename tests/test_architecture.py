@@ -37,7 +37,7 @@ LEVELS = [
 LEVEL = {component: i for i, names in enumerate(LEVELS) for component in names}
 
 
-SPEC_MODULES = ("registry", "family", "spec")
+SPEC_MODULES = ("registry", "family", "spec", "layer_kinds")
 
 
 def component(module: str) -> str:

@@ -2,6 +2,7 @@
 exceeds the budget and is maximal; what does not fit fails before anything is allocated, saying
 what does fit."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -517,3 +518,30 @@ def test_qwen3_30b_a3b_in_int4_plans_32k_tokens_of_bf16_context_in_24_gib():
     out = json.loads(res.stdout)
     assert expected <= out["weights_bytes"] < expected * 1.001
     assert out["fits"] and out["total_bytes"] <= 24 * GiB and out["num_blocks"] * out["block_size"] >= 32768
+
+
+def test_the_plan_sums_each_layer_kinds_cache_and_counts_a_state_per_sequence():
+    """The planner asks each layer's cache (``models.layer_kinds``), never its kind: a model whose
+    every other layer keeps a fixed state in place of paged K/V (the next round's recurrent
+    kinds, built here by hand) pays half the bytes per block and max_num_seqs states, which the
+    solve takes from the cache: the arithmetic below is the test's own."""
+    from pagedllm.models.layer_kinds import LayerKind, PagedKV, SequenceState
+    from pagedllm.sizes import ceil_div
+
+    cfg, state = small_cfg(), 3 * 1024**2
+    attention = PagedKV(None, cfg.num_kv_heads, cfg.head_dim)
+    kinds = tuple(
+        LayerKind("attention", "dense", attention if i % 2 == 0 else SequenceState(state))
+        for i in range(cfg.num_layers)
+    )
+    hybrid = dataclasses.replace(cfg)
+    hybrid.__dict__["layer_kinds"] = kinds  # (a cached property of the frozen config)
+    attention_layers = ceil_div(cfg.num_layers, 2)
+    per_block = 16 * attention_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2  # bf16 K and V, 16 tokens
+    seqs, sizes = 8, dict(max_batch_tokens=256, max_num_seqs=8)
+    s = EngineSettings(dtype="bfloat16", max_model_len=2048)
+    dense, mixed = plan(cfg, 2 * GiB, settings=s, **sizes), plan(hybrid, 2 * GiB, settings=s, **sizes)
+    assert mixed.kv_bytes_per_block == per_block and dense.kv_bytes_per_block == 2 * per_block
+    assert mixed.state_bytes == seqs * state * (cfg.num_layers - attention_layers)
+    assert mixed.total_bytes <= 2 * GiB and mixed.total_bytes + per_block > 2 * GiB  # maximal, states counted
+    assert "sequence states" in mixed.table() and "sequence states" not in dense.table()

@@ -1,6 +1,7 @@
-"""The step's building blocks below the model: attention over the paged KV cache, the cache
-itself, the sampler, and the tensor layers the decoders share (norm, rotary, MLP).
-
-Kernels go here, each behind the seam of the layer it replaces. Importing this package imports
-no torch: ``workspace`` holds the kernels' size limits, which the memory planner reads.
+"""The tensor layers the decoders are stacked from, device-independent: linear (stacked,
+prepacked) and quantized (int8/int4 and GGUF's blocks kept as stored; superblocks, codebooks),
+norm, rotary, mlp, moe (a sparse mixture), pointwise (the reference arithmetic), and the sampler.
+Beside them, what keeps part of a model in its file: the expert cache and the layer stream, and
+their stored reads. Attention over the paged cache and the cache itself are the device's
+(``backends/<device>/``); which layer kinds a model stacks is ``models/layer_kinds.py``.
 """

@@ -75,11 +75,15 @@ class Costs:
         """The cache's bytes with N blocks of pool 0, the window pools beside it."""
         return n * self.per_block + sum(b * blocks for (_, b), blocks in zip(self.windows, self.window_blocks(n, m)))
 
+    @property
+    def states(self) -> int:
+        """The fixed state of every sequence that may run at once (``SequenceState`` layers)."""
+        return self.seqs * self.cfg.state_bytes_per_sequence()
+
     def fixed(self, m: int, max_len: int) -> int:
-        """Everything but the cache, at step budget ``m`` and context ``max_len``."""
-        return (
-            self.baseline + self.weights + activation_peak(self.cfg, self.s, m, self.seqs, max_len) + overhead(self.s)
-        )
+        """Everything but the paged cache, at step budget ``m`` and context ``max_len``."""
+        activations = activation_peak(self.cfg, self.s, m, self.seqs, max_len)
+        return self.baseline + self.weights + self.states + activations + overhead(self.s)
 
     def total(self, n: int, m: int, max_len: int) -> int:
         return self.fixed(m, max_len) + self.kv(n, m)

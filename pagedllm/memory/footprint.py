@@ -54,15 +54,13 @@ from .. import backends
 from ..backends.facts import ANY_ROWS
 from ..config import ModelConfig
 from ..layers.superblocks import int4_bytes
+from ..models.layer_kinds import PagedKV
 from ..sizes import (
     CONVERT_CHUNK_BYTES,
-    KV_SCALE_BYTES,
     QUANTIZED,
     SAMPLER_CHUNK_ROWS,
     ceil_div,
     dtype_bytes,
-    kv_element_bytes,
-    kv_is_quantized,
 )
 from ..sizes import INDEX_BYTES as INDEX
 
@@ -71,13 +69,13 @@ SCALAR_SLACK = 256  # one-element temporaries (eps, scale factors) that ops crea
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_dtype, pool: int | None = None) -> int:
-    """Bytes one block costs across all layers (or those of one pool of ``cfg.kv_pools``), K and
-    V. The only place this is computed."""
-    per_head = cfg.head_dim * kv_element_bytes(kv_dtype) + (KV_SCALE_BYTES if kv_is_quantized(kv_dtype) else 0)
-    layers = cfg.num_layers
+    """Bytes one block costs across the layers that keep paged K/V (or those of one pool of
+    ``cfg.kv_pools``): the sum of their caches' bytes per token (``models.layer_kinds.PagedKV``).
+    The only place this is computed."""
+    paged = [k.cache for k in cfg.layer_kinds if isinstance(k.cache, PagedKV)]
     if pool is not None:
-        layers = sum(cfg.kv_pool_of_layer(i) == pool for i in range(cfg.num_layers))
-    return 2 * layers * block_size * cfg.num_kv_heads * per_head
+        paged = [c for c in paged if cfg.kv_pools.index(c.window) == pool]
+    return block_size * sum(c.bytes_per_token(kv_dtype) for c in paged)
 
 
 def window_pool_blocks(window: int, block_size: int, max_batch_tokens: int, max_num_seqs: int) -> int:

@@ -57,6 +57,9 @@ class MemoryPlan:
     layer_slots: int = 0
     layer_slot_bytes: int = 0
     layer_reads_per_step: int = 0
+    # layers that keep a fixed state per running sequence (``models.layer_kinds.SequenceState``):
+    # every sequence that may run at once, max_num_seqs of them
+    state_bytes: int = 0
 
     @property
     def pool_blocks(self) -> list[int]:
@@ -67,7 +70,12 @@ class MemoryPlan:
     def total_bytes(self) -> int:
         """The peak under load: everything resident at once."""
         return (
-            self.baseline_bytes + self.weights_bytes + self.kv_cache_bytes + self.activation_bytes + self.overhead_bytes
+            self.baseline_bytes
+            + self.weights_bytes
+            + self.kv_cache_bytes
+            + self.state_bytes
+            + self.activation_bytes
+            + self.overhead_bytes
         )
 
     @property
@@ -156,6 +164,17 @@ class MemoryPlan:
                     )
                 ]
                 if self.window_pools
+                else []
+            ),
+            *(
+                [
+                    (
+                        "sequence states",
+                        f"{gib(self.state_bytes, 8)}  (a fixed state per running sequence, "
+                        f"{self.max_num_seqs} sequences)",
+                    )
+                ]
+                if self.state_bytes
                 else []
             ),
         ]

@@ -148,6 +148,7 @@ def _result(costs: Costs, solved: tuple[int, int, int], names: tuple[str, int, s
         draft_kv_bytes_per_block=s.draft_kv_bytes_per_block,
         window_pools=tuple((w, n_w, b) for (w, b), n_w in zip(costs.windows, costs.window_blocks(n, m))),
         shared_pool_tokens=costs.shared_pool_tokens(budget_bytes, m, max_len),
+        state_bytes=costs.states,
         **residency,
     )
 

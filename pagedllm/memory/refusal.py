@@ -39,6 +39,7 @@ class Refusal:
             "baseline": c.baseline,
             "weights": c.weights,
             "kv_cache": c.kv(n, m),
+            **({"states": c.states} if c.states else {}),
             "activations": act,
             "overhead": overhead(s),
             "total": need,

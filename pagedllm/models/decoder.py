@@ -22,6 +22,7 @@ outputs and the vocab-parallel embedding over the ranks and gathers the logits o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -95,8 +96,9 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int, backend: Backend):
         super().__init__()
-        self.self_attn = Attention(cfg, layer, backend)
-        self.mlp: MLP | SparseMoE = SparseMoE(cfg, backend) if cfg.is_moe_layer(layer) else MLP(cfg, backend)
+        kind = cfg.layer_kinds[layer]  # (models.layer_kinds)
+        self.self_attn = MIXERS[kind.mixer](cfg, layer, backend)
+        self.mlp: MLP | SparseMoE = FEED_FORWARDS[kind.feed_forward](cfg, backend)
 
         def norm() -> RMSNorm:
             return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
@@ -113,6 +115,12 @@ class DecoderLayer(nn.Module):
     @property
     def attn_out_norm(self) -> RMSNorm | None:
         return self.post_attention_layernorm if self.pre_feedforward_layernorm is not None else None
+
+
+# The modules of each layer kind's parts, by ``LayerKind.mixer`` and ``LayerKind.feed_forward``:
+# a new kind's module is one line here (and its cache, ``models.layer_kinds``).
+MIXERS: dict[str, Callable[[ModelConfig, int, Backend], Attention]] = {"attention": Attention}
+FEED_FORWARDS: dict[str, Callable[[ModelConfig, Backend], MLP | SparseMoE]] = {"dense": MLP, "sparse": SparseMoE}
 
 
 class DecoderBody(nn.Module):

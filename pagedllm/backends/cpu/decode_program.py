@@ -43,6 +43,10 @@ PLAIN, ONEDNN, TILES, QUANT, INT8 = range(5)
 ROPE_KINDS = {None: 0, "global": 1, "local": 2}
 
 
+# (mixer, feed-forward) of the layer kinds the compiled step runs (``models.layer_kinds``)
+PROGRAMMED_KINDS = (("attention", "dense"), ("attention", "sparse"))
+
+
 class NotProgrammable(Exception):
     """A layer the compiled program does not run (the Python loop then runs every step)."""
 
@@ -106,6 +110,9 @@ class DecodeProgram:
         cfg = model.config
         if cfg.qkv_clip is not None:
             raise NotProgrammable("q/k/v clipped (clip_qkv)")
+        kinds = {(k.mixer, k.feed_forward) for k in cfg.layer_kinds} - set(PROGRAMMED_KINDS)
+        if kinds:  # a kind is in the program once its entry is (kernels/csrc/decode_step.cpp)
+            raise NotProgrammable(f"layers of kinds {sorted(kinds)}")
         layers = model.model.decoder_layers()
         attn0 = layers[0].self_attn
         self.step = step_class(
