@@ -48,7 +48,9 @@ limits allow, which is what the planner reserves. Both are checked against measu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from .. import backends
 from ..backends.facts import ANY_ROWS
@@ -333,19 +335,42 @@ def step_buffers(shape: StepShape, block_size: int, pools: int = 1) -> int:
     return INDEX * (2 * shape.tokens + shape.sampled) + 4 * (2 * seqs + 1) + 4 * seqs * widest * pools
 
 
+@dataclass(frozen=True)
+class _Layer:
+    """What every phase of a decoder layer holds beside its own tensors (``live``: the step's
+    buffers, the residual stream, the rotary tables and the normed input x), and the step's sizes
+    its parts' terms read."""
+
+    cfg: ModelConfig
+    s: EngineSettings
+    shape: StepShape
+    live: int
+    gemms: Any  # the device's GEMM terms (``Gemms``: rows_of, bytes)
+    norm: int  # a norm's temporaries
+    allreduce: int  # what a split model's collective holds of an output
+
+    @property
+    def t(self) -> int:
+        return self.shape.tokens
+
+    @property
+    def e(self) -> int:
+        return dtype_bytes(self.s.dtype)
+
+
 def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[str, int]:
     """Peak live bytes of each phase of one step, above the weights and the cache.
 
-    The step as ``DecoderLM.forward`` runs it: the residual stream h, one normed copy x, q/k/v
-    from one stacked GEMM, gate/up from another; the residual add fused with the next norm.
-    What a phase holds beyond its inputs and outputs (a norm's, rotary's and attention's
-    temporaries, a GEMM's padding and scratch, the attention layout's indices) depends on how
-    the device runs it: its terms (``backends.workspace``), asked, never branched on here."""
-    e = dtype_bytes(s.dtype)
-    dev = device(s)
+    The step as ``DecoderLM.forward`` runs it: the embedding and the rotary tables, then each
+    layer's input norm, its mixer and its feed-forward (each kind's phases: ``MIXER_PHASES``,
+    ``FEED_FORWARD_PHASES``, for the kinds the model's layers are), the residual add fused with the
+    next norm; then the lm head, the logits and the sampler. What a phase holds beyond its inputs
+    and outputs (a norm's, rotary's and attention's temporaries, a GEMM's padding and scratch, the
+    attention layout's indices) depends on how the device runs it: its terms
+    (``backends.workspace``), asked, never branched on here."""
+    e, dev = dtype_bytes(s.dtype), device(s)
     t, n = shape.tokens, shape.sampled
-    h, i, v, d = cfg.hidden_size, largest_mlp_width(cfg), cfg.vocab_size, cfg.head_dim
-    dq, dk = cfg.num_heads * d, cfg.num_kv_heads * d
+    h, v, d = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
     window_sizes = {w for w in cfg.sliding_windows if w is not None}
     # a draft model's distributions at the guesses it drew (one per guessed logits row at most),
     # alive from its passes before the step to the step's sampling
@@ -354,45 +379,80 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
     x = step_buffers(shape, s.block_size, pools) + dev.layout_buffers(s, shape, window_sizes, pools)
     x += SCALAR_SLACK + drafted
     # one (cos, sin) pair per kind of rotary table: "local" beside "global" (Gemma 3's sliding layers)
-    rope_kinds = 2 if cfg.local_rope is not None else 1
-    tables = rope_kinds * 2 * t * d * e
+    tables = (2 if cfg.local_rope is not None else 1) * 2 * t * d * e
     base = x + t * h * e + tables  # buffers, residual stream, rotary tables
     xn = th = t * h * e
-    norm = dev.norm_transient(s, t, h)
-    attention = dev.attention_transient(cfg, s, shape, bool(window_sizes))
-    rotary = dev.rotary_transient(s, t, dq)
     g = dev.Gemms(s)
-    rows_of, gemm = g.rows_of, g.bytes
+    allreduce = t * h * e if s.tensor_parallel > 1 else 0
+    layer = _Layer(cfg, s, shape, base + xn, g, dev.norm_transient(s, t, h), allreduce)
     head_packed = s.packed and not cfg.tie_word_embeddings  # a tied lm_head stays plain (DecoderLM.pack)
-    allreduce = t * h * e if s.tensor_parallel > 1 else 0  # what the collective holds of an output
-    qkv_out = rows_of(t, h, dq + 2 * dk) * (dq + 2 * dk) * e
-    qkv = qkv_out + (t * (dq + dk) * e if cfg.qk_norm else 0)  # normed q and k: new tensors
     phases = {
         "embedding": x + th + INDEX * t,
         "rotary tables": x + th + tables - 2 * t * d * e + 12 * t * d,  # the last pair in float32
-        "attention norm": base + xn + norm,
-        "q/k/v projections": base + xn + gemm(t, h, dq + 2 * dk),
-        "rotary": base + xn + qkv + rotary,
-        "attention": base + xn + qkv + t * dq * e + attention,
-        "output projection": base + xn + t * dq * e + gemm(t, dq, h) + allreduce,
-        "residual add + norm": base + xn + rows_of(t, dq, h) * h * e + xn + norm,
-        "mlp gate/up": base + xn + gemm(t, h, 2 * i),
-        "silu * up": base + xn + rows_of(t, h, 2 * i) * 2 * i * e + t * i * e,
-        "mlp down": base + xn + t * i * e + gemm(t, i, h) + allreduce,
-        "lm head": base + n * h * e + gemm(n, h, v, head_packed),
+        "attention norm": base + xn + layer.norm,
+        "lm head": base + n * h * e + g.bytes(n, h, v, head_packed),
     }
-    if cfg.moe is not None:
-        phases.update(_sparse_mlp_phases(cfg, t, e, base + xn, g))
-    head_out = rows_of(n, h, v, head_packed) * v * e
+    for kind in {k.mixer for k in cfg.layer_kinds}:
+        phases |= MIXER_PHASES[kind](layer)
+    for kind in {k.feed_forward for k in cfg.layer_kinds}:
+        phases |= FEED_FORWARD_PHASES[kind](layer)
+    head_out = g.rows_of(n, h, v, head_packed) * v * e
     sv = s.gathered_vocab or v  # the logits the sampler sees
     if s.gathered_vocab:  # every rank's logits, side by side, on the driver
         phases["logits gathered"] = base + n * h * e + head_out + n * sv * e
         head_out = n * sv * e
     if e != 4:
         phases["logits to float32"] = base + n * h * e + head_out + n * sv * 4
-    if cfg.qk_norm:
-        phases["q/k norm"] = base + xn + qkv_out + dev.qk_norm_transient(cfg, s, t)
     return phases | _sampler_phases(shape, sv, drafted)
+
+
+def _attention_phases(layer: _Layer) -> dict[str, int]:
+    """Attention as ``models.decoder.Attention`` runs it: q/k/v from one stacked GEMM, q and k
+    normed (Qwen3, OLMoE) and rotated, attention over the paged cache, the output projection,
+    then the residual add and the next norm."""
+    cfg, s, t, e, live, g = layer.cfg, layer.s, layer.t, layer.e, layer.live, layer.gemms
+    dev, d = device(s), cfg.head_dim
+    dq, dk = cfg.num_heads * d, cfg.num_kv_heads * d
+    windowed = any(w is not None for w in cfg.sliding_windows)
+    qkv_out = g.rows_of(t, cfg.hidden_size, dq + 2 * dk) * (dq + 2 * dk) * e
+    qkv = qkv_out + (t * (dq + dk) * e if cfg.qk_norm else 0)  # normed q and k: new tensors
+    phases = {
+        "q/k/v projections": live + g.bytes(t, cfg.hidden_size, dq + 2 * dk),
+        "rotary": live + qkv + dev.rotary_transient(s, t, dq),
+        "attention": live + qkv + t * dq * e + dev.attention_transient(cfg, s, layer.shape, windowed),
+        "output projection": live + t * dq * e + g.bytes(t, dq, cfg.hidden_size) + layer.allreduce,
+        "residual add + norm": live
+        + g.rows_of(t, dq, cfg.hidden_size) * cfg.hidden_size * e
+        + t * cfg.hidden_size * e
+        + layer.norm,
+    }
+    if cfg.qk_norm:
+        phases["q/k norm"] = live + qkv_out + dev.qk_norm_transient(cfg, s, t)
+    return phases
+
+
+def _dense_mlp_phases(layer: _Layer) -> dict[str, int]:
+    """A dense SwiGLU (or GeGLU) MLP: gate and up from one stacked GEMM, their product, down."""
+    t, e, live, g, h = layer.t, layer.e, layer.live, layer.gemms, layer.cfg.hidden_size
+    i = layer.cfg.intermediate_size
+    return {
+        "mlp gate/up": live + g.bytes(t, h, 2 * i),
+        "silu * up": live + g.rows_of(t, h, 2 * i) * 2 * i * e + t * i * e,
+        "mlp down": live + t * i * e + g.bytes(t, i, h) + layer.allreduce,
+    }
+
+
+def _sparse_phases(layer: _Layer) -> dict[str, int]:
+    return _sparse_mlp_phases(layer.cfg, layer.t, layer.e, layer.live, layer.gemms)
+
+
+# Each layer kind's phases, by ``LayerKind.mixer`` and ``LayerKind.feed_forward``
+# (``models.layer_kinds``): a new kind's memory is one function and one line here.
+MIXER_PHASES: dict[str, Callable[[_Layer], dict[str, int]]] = {"attention": _attention_phases}
+FEED_FORWARD_PHASES: dict[str, Callable[[_Layer], dict[str, int]]] = {
+    "dense": _dense_mlp_phases,
+    "sparse": _sparse_phases,
+}
 
 
 def _sampler_phases(shape: StepShape, sv: int, drafted: int) -> dict[str, int]:
