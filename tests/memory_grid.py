@@ -94,13 +94,13 @@ def run_grid(loaded, dtype: str, seed: int = 0, kv_dtype: str | None = None) -> 
         quant_float_max_rows=getattr(loaded.model.backend, "quant_float_max_rows", QUANT_FLOAT_ANY_ROWS),
         kv_dtype=kv_dtype,
     )
-    warm = LLMEngine(loaded, num_blocks=64, max_model_len=256, kv_cache_dtype=kv_dtype)
+    warm = LLMEngine.of(loaded, num_blocks=64, max_model_len=256, kv_cache_dtype=kv_dtype)
     warm.threads.adapt = False
     warm.add_request(prompt(20), FULL)
     warm.step(), warm.step()  # first-use initialisation stays out of the measurements
     points = []
     for name, lengths, params, before, sizes in scenarios(cfg.max_position_embeddings):
-        engine = LLMEngine(loaded, num_blocks=2048, kv_cache_dtype=kv_dtype, **sizes)
+        engine = LLMEngine.of(loaded, num_blocks=2048, kv_cache_dtype=kv_dtype, **sizes)
         engine.threads.adapt = False  # predicted for settings.threads: a busy host must not change it
         engine.record_step_shapes = True
         for n in lengths:

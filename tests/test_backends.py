@@ -64,11 +64,13 @@ class _Counting:
 
 @pytest.mark.serial  # torch's thread count: a worker's share of the cores would hide it
 def test_threads_come_from_the_config(default_llm):
-    engine = LLMEngine(default_llm.loaded, default_llm.config.replace(threads=1, num_blocks=8, max_model_len=128))
+    engine = LLMEngine.of(default_llm.loaded, default_llm.config.replace(threads=1, num_blocks=8, max_model_len=128))
     try:
         assert engine.threads.max_threads == 1 and torch.get_num_threads() == 1
     finally:
-        LLMEngine(default_llm.loaded, default_llm.config.replace(num_blocks=8, max_model_len=128))  # back to all cores
+        LLMEngine.of(
+            default_llm.loaded, default_llm.config.replace(num_blocks=8, max_model_len=128)
+        )  # back to all cores
     assert torch.get_num_threads() == engine.backend.thread_policy().max_threads
 
 

@@ -101,17 +101,17 @@ def test_the_api_and_the_engine_plan_from_the_same_inputs(tiny_checkpoints, defa
     (quantized ones counted quantized), the same structured-output caches, the same sizes."""
     d = tiny_checkpoints["llama"][0]
     llm = LLM(d, quantization="int8", num_blocks=40, max_batch_tokens=32, max_model_len=64)
-    again = LLMEngine(llm.loaded, llm.config).memory_plan
+    again = LLMEngine.of(llm.loaded, llm.config).memory_plan
     first = llm.memory_plan
     assert (again.weights_bytes, again.weights_format) == (first.weights_bytes, first.weights_format)
     assert "int8" in first.weights_format
     assert (again.num_blocks, again.max_batch_tokens, again.max_model_len) == (40, 32, 64)
     with pytest.raises(ConfigError, match="dtype: bfloat16 asked for, but the loaded model is float32"):
-        LLMEngine(llm.loaded, llm.config.replace(dtype="bfloat16"))
+        LLMEngine.of(llm.loaded, llm.config.replace(dtype="bfloat16"))
 
     small = default_llm.config.replace(num_blocks=16, max_model_len=256)  # a tokenizer: grammars count
-    with_grammars = LLMEngine(default_llm.loaded, small).memory_plan
-    without = LLMEngine(default_llm.loaded, small.replace(structured_output=False)).memory_plan
+    with_grammars = LLMEngine.of(default_llm.loaded, small).memory_plan
+    without = LLMEngine.of(default_llm.loaded, small.replace(structured_output=False)).memory_plan
     assert with_grammars.overhead_bytes - without.overhead_bytes == GRAMMAR_CACHE_BYTES
 
 

@@ -33,7 +33,7 @@ class EngineMachine(RuleBasedStateMachine):
         prefix_caching=st.booleans(),
     )
     def build(self, num_blocks, max_batch_tokens, prefix_caching):
-        self.engine = LLMEngine(
+        self.engine = LLMEngine.of(
             self.loaded,
             block_size=4,
             num_blocks=num_blocks,
@@ -119,7 +119,7 @@ class EngineMachine(RuleBasedStateMachine):
         seed = None if params.seed is None else params.seed + index
         key = (tuple(prompt), params.greedy, seed, params.max_tokens)
         if key not in self.reference:
-            solo = LLMEngine(self.loaded, block_size=4, num_blocks=40, max_batch_tokens=64, max_model_len=40)
+            solo = LLMEngine.of(self.loaded, block_size=4, num_blocks=40, max_batch_tokens=64, max_model_len=40)
             solo.add_request(
                 prompt,
                 SamplingParams(

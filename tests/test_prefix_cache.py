@@ -82,7 +82,7 @@ def test_turning_it_off_means_no_hits(llms):
 def test_any_interleaving_keeps_the_invariants_and_ends_every_request_once(tiny_checkpoints, ops):
 
     loaded = _loaded(tiny_checkpoints)
-    engine = LLMEngine(loaded, block_size=4, num_blocks=24, max_batch_tokens=16, max_num_seqs=4, max_model_len=96)
+    engine = LLMEngine.of(loaded, block_size=4, num_blocks=24, max_batch_tokens=16, max_num_seqs=4, max_model_len=96)
     prefixes = [[7] * 9, [8, 9] * 6, [10] * 3, [11] * 17, [12]]
     ended: dict[tuple[str, int], int] = {}
     finals: dict[tuple[str, int], object] = {}
@@ -132,7 +132,7 @@ _cache: dict = {}
 def _alone(loaded, prompt: list[int], max_tokens: int) -> list[int]:
     key = (tuple(prompt), max_tokens)
     if key not in _cache:
-        solo = LLMEngine(loaded, block_size=4, num_blocks=64, max_model_len=96, enable_prefix_caching=False)
+        solo = LLMEngine.of(loaded, block_size=4, num_blocks=64, max_model_len=96, enable_prefix_caching=False)
         solo.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
         while solo.has_unfinished():
             for out in solo.step():

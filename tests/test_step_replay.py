@@ -72,7 +72,7 @@ def test_every_step_pickles_and_replays_into_a_fresh_runner_with_the_same_logits
 def test_a_scheduled_step_holds_no_live_request_state(default_llm):
     """A seeded, constrained request has a torch.Generator and a grammar matcher on the driver;
     neither is in the scheduler's output, which pickles whole."""
-    engine = LLMEngine(default_llm.loaded, num_blocks=32, max_model_len=256, grammars=default_llm.engine.grammars)
+    engine = LLMEngine.of(default_llm.loaded, num_blocks=32, max_model_len=256, grammars=default_llm.engine.grammars)
     constraint = StructuredOutput(choice=["yes", "no"])
     rid = engine.add_request(
         "Answer:", SamplingParams(max_tokens=4, temperature=0.9, seed=3, structured_output=constraint)

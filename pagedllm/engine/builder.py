@@ -24,7 +24,7 @@ from ..processes.driver_ranks import RankSetup, launched_rank
 from . import rank_worker, ranks
 from .drafter import draft_facts
 from .llm_engine import LLMEngine
-from .parts import grammars_possible, stop_token_ids
+from .parts import assemble, grammars_possible, stop_token_ids
 
 
 def build_engine(config: EngineConfig, api_process_bytes: int = 0) -> LLMEngine:
@@ -108,4 +108,4 @@ def _build(
         failed = [f for f in group.group.gather_objects(None) if f]
         if failed:
             raise ModelLoadError("a rank of the split model could not load its shard: " + "; ".join(failed))
-    return LLMEngine(loaded, config, plan=plan, grammars=grammars, ranks=group)
+    return LLMEngine(assemble(loaded, config, plan, grammars, group, None), loaded, grammars, group)

@@ -28,7 +28,7 @@ from ..sampling_params import SamplingParams, StructuredOutput
 from ..sizes import dtype_name
 from ..structured import Grammars
 from .block_pools import BlockPools
-from .parts import assemble
+from .parts import EngineParts, assemble
 from .ranks import Ranks
 from .scheduler import SchedulerCounters
 from .sequence import Sequence
@@ -69,35 +69,19 @@ class EngineStats(SchedulerCounters):
 
 
 class LLMEngine:
-    """Give it a loaded model and an ``EngineConfig`` (or its fields as keyword arguments), and
-    optionally the ``plan`` made for them (``LLM`` plans before loading); without one it plans
-    now, from what the process holds. The plan is checked before the KV cache is allocated.
+    """The step loop over parts made for it (``parts.assemble``): ``build_engine`` plans, loads
+    and assembles them; ``LLMEngine.of`` assembles them for a model loaded already. It builds
+    nothing itself.
 
     The backend is the model's (``loaded.model.backend``): the cache, the attention and the
     threads are the same device's."""
 
-    def __init__(
-        self,
-        loaded: LoadedModel,
-        config: EngineConfig | None = None,
-        *,
-        plan: MemoryPlan | None = None,
-        grammars: Grammars | None = None,
-        ranks: Ranks | None = None,
-        draft: LoadedModel | None = None,
-        **options,
-    ):
+    def __init__(self, parts: EngineParts, loaded: LoadedModel, grammars: Grammars | None, ranks: Ranks | None):
         """``grammars``: the structured-output compiler for this tokenizer (``LLM`` builds it
         before measuring the process); without one, the first constrained request builds it.
-        With a budget (``config.memory``/``memory_fraction``) the whole KV cache is committed now.
         ``ranks``: the other ranks of a split model (``build_engine`` starts them); this engine is
-        their driver, and ``loaded`` its shard. ``draft``: speculative decoding's draft model
-        (``speculative_method='draft_model'``), loaded now from ``config.draft_model`` if not given."""
-        model_dtype = dtype_name(next(loaded.model.parameters()).dtype)
-        config = config or EngineConfig.from_options(**{"dtype": model_dtype, **options})
-        if config.dtype != model_dtype:
-            raise ConfigError("dtype", f"{config.dtype} asked for, but the loaded model is {model_dtype}")
-        parts = assemble(loaded, config, plan, grammars, ranks, draft)
+        their driver, and ``loaded`` its shard."""
+        config = parts.memory.config
         self.loaded, self.backend, self.tokenizer, self.ranks = loaded, parts.backend, loaded.tokenizer, ranks
         self.memory, self.elastic, self.threads = parts.memory, parts.elastic, parts.threads
         self.scheduler, self.runner, self.sampler = parts.scheduler, parts.runner, parts.sampler
@@ -113,6 +97,29 @@ class LLMEngine:
         self._ids = itertools.count()
         self._refresh_stats(0)
         log.info("memory plan:\n%s", self.memory_plan.table())
+
+    @classmethod
+    def of(
+        cls,
+        loaded: LoadedModel,
+        config: EngineConfig | None = None,
+        *,
+        plan: MemoryPlan | None = None,
+        grammars: Grammars | None = None,
+        ranks: Ranks | None = None,
+        draft: LoadedModel | None = None,
+        **options,
+    ) -> LLMEngine:
+        """The engine for a model loaded already, under an ``EngineConfig`` (or its fields as
+        keyword arguments) and optionally the ``plan`` made for them; without one it plans now,
+        from what the process holds, before the KV cache is allocated (with a budget, the whole
+        cache is committed now). ``draft``: speculative decoding's draft model
+        (``speculative_method='draft_model'``), loaded now from ``config.draft_model`` if not given."""
+        model_dtype = dtype_name(next(loaded.model.parameters()).dtype)
+        config = config or EngineConfig.from_options(**{"dtype": model_dtype, **options})
+        if config.dtype != model_dtype:
+            raise ConfigError("dtype", f"{config.dtype} asked for, but the loaded model is {model_dtype}")
+        return cls(assemble(loaded, config, plan, grammars, ranks, draft), loaded, grammars, ranks)
 
     # ---- what the engine's memory is made of: EngineMemory's, read here ------------------------
 
