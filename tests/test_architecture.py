@@ -17,15 +17,15 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pagedllm"
 LEVELS = [
     {"env"},  # every environment variable, read in one place
     {"errors", "sizes", "paths", "host"},  # facts every stage shares (host: the CPUs this process may use)
-    {"model specs"},  # models/registry.py, family.py and each family's spec.py: torch-free, what a family is
+    {"model specs"},  # models/registry.py, family.py, layer_kinds.py, each family's spec.py: torch-free
     {"kernels"},  # compiled CPU kernels: built on first use, or absent
     {"config", "engine_config", "sampling_params", "outputs", "prompts"},  # what a model, an engine, a request are
     {"distributed"},  # how a model splits over tensor-parallel ranks: arithmetic on its config
     {"structured", "limits"},  # constraints compiled to grammars that mask logits; what an engine can run
-    {"layers"},  # attention over the paged cache, the cache, the sampler, norm/rotary/mlp
-    {"backends"},  # the device: which kernels compute each layer's ops, the KV layout, threads
-    {"models"},  # decoders built from layers
-    {"memory"},  # the planner (pure arithmetic), the budget, the peak tracker
+    {"layers"},  # the tensor layers: linear, quantized, norm/rotary/mlp/moe, the sampler, the expert cache
+    {"backends"},  # the device: its kernels, attention and KV cache, its workspace terms, threads
+    {"models"},  # decoders stacked from the layer kinds' modules (MIXERS, FEED_FORWARDS)
+    {"memory"},  # the footprint and the planner (pure arithmetic), the budget, the peak tracker
     {"loading"},  # checkpoints and GGUF files into models
     {"processes"},  # what crosses each process boundary (API <-> engine, driver <-> ranks): data only
     {"engine"},  # scheduler, block manager, runner, the step loop
