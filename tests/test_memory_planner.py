@@ -545,3 +545,7 @@ def test_the_plan_sums_each_layer_kinds_cache_and_counts_a_state_per_sequence():
     assert mixed.state_bytes == seqs * state * (cfg.num_layers - attention_layers)
     assert mixed.total_bytes <= 2 * GiB and mixed.total_bytes + per_block > 2 * GiB  # maximal, states counted
     assert "sequence states" in mixed.table() and "sequence states" not in dense.table()
+    from pagedllm.backends.cpu.torch_backend import CPUTorchBackend
+
+    with pytest.raises(NotImplementedError, match="state pool"):  # planned, not built yet (issue 67)
+        CPUTorchBackend().allocate_kv_cache(hybrid, 4, 16, "bfloat16", resident=False)

@@ -77,10 +77,7 @@ class KVCache:
         self.pool_capacity = [max(n, c) for n, c in zip(sizes, capacity)]
         self.pool_blocks = sizes
         # each layer's pool: its kind's, or 0 for all when one shared pool was asked for
-        pools = [cfg.kv_pool_of_layer(i) for i in range(cfg.num_layers)]
-        if None in pools:  # (no family builds one yet: the next round's recurrent kinds)
-            raise NotImplementedError("a layer that keeps a fixed state per sequence needs a state pool: none yet")
-        self.layer_pool = [p if pooled and p is not None else 0 for p in pools]
+        self.layer_pool = [cfg.kv_pool_of_layer(i) or 0 if pooled else 0 for i in range(cfg.num_layers)]
         self.resident = resident
         self.block_size = block_size
         self.quantized = isinstance(dtype, str) and dtype in EIGHT_BIT
