@@ -442,19 +442,6 @@ def _dense_mlp_phases(layer: _Layer) -> dict[str, int]:
     }
 
 
-def _sparse_phases(layer: _Layer) -> dict[str, int]:
-    return _sparse_mlp_phases(layer.cfg, layer.t, layer.e, layer.live, layer.gemms)
-
-
-# Each layer kind's phases, by ``LayerKind.mixer`` and ``LayerKind.feed_forward``
-# (``models.layer_kinds``): a new kind's memory is one function and one line here.
-MIXER_PHASES: dict[str, Callable[[_Layer], dict[str, int]]] = {"attention": _attention_phases}
-FEED_FORWARD_PHASES: dict[str, Callable[[_Layer], dict[str, int]]] = {
-    "dense": _dense_mlp_phases,
-    "sparse": _sparse_phases,
-}
-
-
 def _sampler_phases(shape: StepShape, sv: int, drafted: int) -> dict[str, int]:
     """After the forward pass, the sampled rows' float32 logits (``sv`` wide) and, beside them,
     the sampler's chunks on the full path, the penalties' counts, or the prompt logprobs."""
@@ -470,13 +457,14 @@ def _sampler_phases(shape: StepShape, sv: int, drafted: int) -> dict[str, int]:
     return phases
 
 
-def _sparse_mlp_phases(cfg: ModelConfig, t: int, e: int, live: int, g) -> dict[str, int]:
+def _sparse_mlp_phases(layer: _Layer) -> dict[str, int]:
     """A sparse layer as ``layers.moe.SparseMoE`` runs it, above ``live`` (buffers, residual,
     normed x): the router's float32 input, logits and softmax; then the output accumulator
     and the routing (weights, experts, their order, tokens, sorted weights, the counts) held
     while one expert at a time runs on its gathered rows and its output is added. An expert
     may take from one row to every token: the phases are the worst of every token (the most
     rows) and of the fewest rows that pad to the same GEMM bucket (the most padding)."""
+    cfg, t, e, live, g = layer.cfg, layer.t, layer.e, layer.live, layer.gemms
     moe = cfg.moe
     assert moe is not None
     h, k, experts = cfg.hidden_size, moe.top_k, moe.num_experts
@@ -501,6 +489,15 @@ def _sparse_mlp_phases(cfg: ModelConfig, t: int, e: int, live: int, g) -> dict[s
     if moe.shared_expert_size:
         phases["moe shared expert gated"] = held + 2 * t * e + 64 + 2 * t * h * e  # its output, gate * it
     return phases
+
+
+# Each layer kind's phases, by ``LayerKind.mixer`` and ``LayerKind.feed_forward``
+# (``models.layer_kinds``): a new kind's memory is one function and one line here.
+MIXER_PHASES: dict[str, Callable[[_Layer], dict[str, int]]] = {"attention": _attention_phases}
+FEED_FORWARD_PHASES: dict[str, Callable[[_Layer], dict[str, int]]] = {
+    "dense": _dense_mlp_phases,
+    "sparse": _sparse_mlp_phases,
+}
 
 
 def step_transient_bytes(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> int:

@@ -133,51 +133,42 @@ class MemoryPlan:
         ]
 
     def _kv_rows(self) -> list[tuple[str, str]]:
-        """The KV cache's row, and each sliding window's pool beside it."""
-        return [
+        """The KV cache's row, each sliding window's pool beside it, and the sequences' states."""
+        draft = f"; the draft model's {self.draft_kv_bytes_per_block / 1024:.1f} KiB of each block"
+        rows = [
             (
                 "KV cache",
                 f"{gib(self.kv_cache_bytes, 8)}  ({'full-attention layers: ' if self.window_pools else ''}"
                 f"{self.num_blocks} blocks x {self.block_size} tokens = "
                 f"{self.cache_tokens} tokens, {self.full_length_requests} requests of "
                 f"{self.max_model_len} tokens ({self.max_model_len_source}); {self.kv_dtype}"
-                + (
-                    f"; the draft model's {self.draft_kv_bytes_per_block / 1024:.1f} KiB of each block)"
-                    if self.draft_kv_bytes_per_block
-                    else ")"
-                ),
-            ),
-            *(
+                f"{draft if self.draft_kv_bytes_per_block else ''})",
+            )
+        ]
+        for w, n, b in self.window_pools:
+            rows.append(
                 (
                     f"  window {w}",
                     f"{gib(n * b, 8)}  ({n} blocks x {self.block_size} tokens = {n * self.block_size} tokens: "
                     f"the last {w} tokens of each running sequence, for its {w}-token-window layers)",
                 )
-                for w, n, b in self.window_pools
-            ),
-            *(
-                [
-                    (
-                        "  one shared pool",
-                        f"would hold {self.shared_pool_tokens} tokens in the same memory "
-                        f"({self.cache_tokens / max(1, self.shared_pool_tokens):.1f}x fewer)",
-                    )
-                ]
-                if self.window_pools
-                else []
-            ),
-            *(
-                [
-                    (
-                        "sequence states",
-                        f"{gib(self.state_bytes, 8)}  (a fixed state per running sequence, "
-                        f"{self.max_num_seqs} sequences)",
-                    )
-                ]
-                if self.state_bytes
-                else []
-            ),
-        ]
+            )
+        if self.window_pools:
+            rows.append(
+                (
+                    "  one shared pool",
+                    f"would hold {self.shared_pool_tokens} tokens in the same memory "
+                    f"({self.cache_tokens / max(1, self.shared_pool_tokens):.1f}x fewer)",
+                )
+            )
+        if self.state_bytes:
+            rows.append(
+                (
+                    "sequence states",
+                    f"{gib(self.state_bytes, 8)}  (a fixed state per running sequence, {self.max_num_seqs} sequences)",
+                )
+            )
+        return rows
 
     def table(self) -> str:
         rows = [("model", self.model)]
