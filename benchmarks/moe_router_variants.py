@@ -41,7 +41,7 @@ PROMPTS = [
 def layer_inputs(llm, moes) -> list[torch.Tensor]:
     """Every token's input to each sparse layer's router, over seeded samples of PROMPTS."""
     from pagedllm import SamplingParams
-    from pagedllm.layers.moe import SparseMoE
+    from pagedllm.kinds.sparse_moe.forward import SparseMoE
 
     seen: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(moes))}
     index = {id(m): i for i, m in enumerate(moes)}

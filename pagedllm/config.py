@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from . import kinds
 from .errors import ModelLoadError, UnsupportedModelError
-from .models.layer_kinds import LayerKind, PagedKV, SequenceState
+from .kinds import LayerKind, PagedKV, SequenceState
 from .models.registry import family_of_config
 
 if TYPE_CHECKING:
@@ -114,15 +115,15 @@ class ModelConfig:
 
     @functools.cached_property  # (asked per layer; a frozen dataclass's __dict__ still takes it)
     def layer_kinds(self) -> tuple[LayerKind, ...]:
-        """Each layer's mixer, feed-forward and cache (``models.layer_kinds``)."""
-        windows = self.sliding_windows or (None,) * self.num_layers
+        """Each layer's mixer, feed-forward and cache (``pagedllm.kinds``; the cache is the mixer's)."""
+        mixers = ("attention",) * self.num_layers
         return tuple(
             LayerKind(
-                "attention",
-                "sparse" if self.is_moe_layer(i) else "dense",
-                PagedKV(windows[i], self.num_kv_heads, self.head_dim),
+                mixer,
+                "sparse_moe" if self.is_moe_layer(i) else "dense_mlp",
+                kinds.part(mixer, "cache").cache(self, i),
             )
-            for i in range(self.num_layers)
+            for i, mixer in enumerate(mixers)
         )
 
     @functools.cached_property

@@ -11,21 +11,23 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "pagedllm"
 
 # Lowest first. Components on one level do not import each other.
 LEVELS = [
     {"env"},  # every environment variable, read in one place
     {"errors", "sizes", "paths", "host"},  # facts every stage shares (host: the CPUs this process may use)
-    {"model specs"},  # models/registry.py, family.py, layer_kinds.py, each family's spec.py: torch-free
+    {"model specs"},  # models/registry.py, family.py, each family's spec.py; kinds/ (the registry, caches): torch-free
     {"kernels"},  # compiled CPU kernels: built on first use, or absent
     {"config", "engine_config", "sampling_params", "outputs", "prompts"},  # what a model, an engine, a request are
     {"distributed"},  # how a model splits over tensor-parallel ranks: arithmetic on its config
     {"structured", "limits"},  # constraints compiled to grammars that mask logits; what an engine can run
-    {"layers"},  # the tensor layers: linear, quantized, norm/rotary/mlp/moe, the sampler, the expert cache
+    {"layers"},  # the tensor layers: linear, quantized, norm/rotary, the sampler, the expert cache; kinds' forwards
     {"backends"},  # the device: its kernels, attention and KV cache, its workspace terms, threads
-    {"models"},  # decoders stacked from the layer kinds' modules (MIXERS, FEED_FORWARDS)
-    {"memory"},  # the footprint and the planner (pure arithmetic), the budget, the peak tracker
+    {"models"},  # decoders stacked from the layer kinds' modules
+    {"memory"},  # the footprint and the planner (pure arithmetic), the budget, the peak tracker; kinds' footprints
     {"loading"},  # checkpoints and GGUF files into models
     {"processes"},  # what crosses each process boundary (API <-> engine, driver <-> ranks): data only
     {"engine"},  # scheduler, block manager, runner, the step loop
@@ -37,13 +39,18 @@ LEVELS = [
 LEVEL = {component: i for i, names in enumerate(LEVELS) for component in names}
 
 
-SPEC_MODULES = ("registry", "family", "spec", "layer_kinds")
+SPEC_MODULES = ("registry", "family", "spec")
+# A layer kind's folder (``pagedllm/kinds/<kind>/``) holds one file per stage of the data path,
+# each at its stage's level: the registry and the caches with the specs, the forward with the layers.
+KIND_PARTS = {"cache": "model specs", "forward": "layers", "footprint": "memory"}
 
 
 def component(module: str) -> str:
     parts = module.split(".")
     if parts[1] == "models" and len(parts) > 2 and parts[-1] in SPEC_MODULES:
         return "model specs"  # the families' specs live beside their modules, a level below config
+    if parts[1] == "kinds":
+        return KIND_PARTS.get(parts[-1], "model specs")
     return parts[1]
 
 
@@ -155,14 +162,41 @@ def test_the_footprint_never_branches_on_how_a_device_runs_a_step():
     """The model's arithmetic (memory/footprint.py) asks the device's terms (``backends.workspace``)
     how a phase runs there; it reads no kernel kind, ISA or tile flag of its own, so a device's
     new path changes its own module only."""
-    tree = ast.parse((PACKAGE / "memory" / "footprint.py").read_text())
     device_facts = {"kernels", "gemm_isa", "amx_tiles", "quant_float_max_rows"}
-    read = [
-        f"footprint.py:{n.lineno} reads .{n.attr}"
-        for n in ast.walk(tree)
-        if isinstance(n, ast.Attribute) and n.attr in device_facts and not isinstance(n.ctx, ast.Store)
-    ]
+    read = []
+    for path in [PACKAGE / "memory" / "footprint.py", *PACKAGE.glob("kinds/*/footprint.py")]:
+        read += [
+            f"{path.relative_to(PACKAGE)}:{n.lineno} reads .{n.attr}"
+            for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, ast.Attribute) and n.attr in device_facts and not isinstance(n.ctx, ast.Store)
+        ]
     assert not read, "\n".join(read)
+
+
+def test_a_layer_kind_is_one_folder_and_one_registry_line():
+    """Each kind in the registry is a folder with a file per stage (a mixer's cache, the forward,
+    the footprint), each with the one function its stage calls; a folder not in the registry is
+    one no model can reach. And no module that stacks or plans layers names a kind: they ask the
+    kinds' files, so a new kind changes its folder and the registry only."""
+    from pagedllm import kinds
+
+    folders = {p.name for p in (PACKAGE / "kinds").iterdir() if (p / "__init__.py").is_file()}
+    registered = set(kinds.MIXERS + kinds.FEED_FORWARDS)
+    assert folders == registered and len(registered) >= 3, (folders, registered)
+    for name in registered:
+        assert callable(kinds.part(name, "forward").build) and callable(kinds.part(name, "footprint").phases)
+    for name in kinds.MIXERS:
+        assert callable(kinds.part(name, "cache").cache)
+    with pytest.raises(KeyError, match="no layer kind"):
+        kinds.part("dense_mlp", "cache")  # a feed-forward keeps nothing between steps
+    stacking_and_planning = [PACKAGE / "models" / "decoder.py", *PACKAGE.glob("memory/*.py")]
+    named = [
+        f"{p.relative_to(PACKAGE)}:{n.lineno} names {n.value!r}"
+        for p in stacking_and_planning
+        for n in ast.walk(ast.parse(p.read_text()))
+        if isinstance(n, ast.Constant) and n.value in registered
+    ]
+    assert not named, "\n".join(named)
 
 
 def test_readme_maps_every_family_and_device_folder():
@@ -172,7 +206,8 @@ def test_readme_maps_every_family_and_device_folder():
     layout = readme[readme.index("models/") :]
     folders = [p for p in (PACKAGE / "models").iterdir() if (p / "spec.py").is_file()]
     folders += [p for p in (PACKAGE / "backends").iterdir() if (p / "__init__.py").is_file()]
-    assert len(folders) > 12, folders  # twelve families and the CPU at least: the walk found them
+    folders += [p for p in (PACKAGE / "kinds").iterdir() if (p / "__init__.py").is_file()]
+    assert len(folders) > 15, folders  # twelve families, the CPU, three kinds at least: the walk found them
     missing = [p.name for p in folders if not re.search(rf"\b{p.name}\b", layout)]
     assert not missing, f"README's layout does not name: {missing}"
 

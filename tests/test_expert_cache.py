@@ -14,7 +14,7 @@ from pagedllm import LLM, CacheDoesNotFitError, SamplingParams
 from pagedllm.config import ModelConfig
 from pagedllm.engine_config import ConfigError, EngineConfig
 from pagedllm.errors import ModelLoadError
-from pagedllm.layers.moe import SparseMoE
+from pagedllm.kinds.sparse_moe.forward import SparseMoE
 from pagedllm.loading import resolve_model_dir, routed_experts
 from pagedllm.loading.checkpoint_facts import safetensors_files
 from pagedllm.loading.safetensors_io import iter_tensors, read_header

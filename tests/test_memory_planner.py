@@ -17,7 +17,7 @@ from memory_grid import check_grid
 from pagedllm import LLM, CacheDoesNotFitError, SamplingParams, loading
 from pagedllm.config import ModelConfig
 from pagedllm.engine_config import EngineConfig
-from pagedllm.layers.moe import SparseMoE
+from pagedllm.kinds.sparse_moe.forward import SparseMoE
 from pagedllm.memory.budget import _cgroup_free, parse_memory, resolve_budget
 from pagedllm.memory.footprint import EngineSettings, activation_peak, kv_bytes_per_block, parameter_count
 from pagedllm.memory.planner import OVERHEAD_BYTES, plan
@@ -521,17 +521,17 @@ def test_qwen3_30b_a3b_in_int4_plans_32k_tokens_of_bf16_context_in_24_gib():
 
 
 def test_the_plan_sums_each_layer_kinds_cache_and_counts_a_state_per_sequence():
-    """The planner asks each layer's cache (``models.layer_kinds``), never its kind: a model whose
+    """The planner asks each layer's cache (``kinds``), never its kind: a model whose
     every other layer keeps a fixed state in place of paged K/V (the next round's recurrent
     kinds, built here by hand) pays half the bytes per block and max_num_seqs states, which the
     solve takes from the cache: the arithmetic below is the test's own."""
-    from pagedllm.models.layer_kinds import LayerKind, PagedKV, SequenceState
+    from pagedllm.kinds import LayerKind, PagedKV, SequenceState
     from pagedllm.sizes import ceil_div
 
     cfg, state = small_cfg(), 3 * 1024**2
     attention = PagedKV(None, cfg.num_kv_heads, cfg.head_dim)
     kinds = tuple(
-        LayerKind("attention", "dense", attention if i % 2 == 0 else SequenceState(state))
+        LayerKind("attention", "dense_mlp", attention if i % 2 == 0 else SequenceState(state))
         for i in range(cfg.num_layers)
     )
     hybrid = dataclasses.replace(cfg)

@@ -13,7 +13,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.config import ModelConfig
 from pagedllm.distributed.shards import TensorParallelError, shard_layout
 from pagedllm.errors import UnsupportedModelError
-from pagedllm.layers.moe import SparseMoE
+from pagedllm.kinds.sparse_moe.forward import SparseMoE
 
 
 def hf_chosen_experts(hf, prompt: list[int]) -> list[set[int]]:

@@ -466,7 +466,7 @@ def test_a_worker_that_dies_ends_the_server_with_status_1(tiny_gguf):
 # Run in the worker (a sitecustomize module): its MLP runs out of memory once, in a step of more
 # than 8 tokens, part-way through the forward pass.
 WORKER_OOM = """
-import pagedllm.layers.mlp as mlp
+import pagedllm.kinds.dense_mlp.forward as mlp
 forward, failed = mlp.MLP.forward, []
 def failing_once(self, x):
     if x.shape[0] > 8 and not failed:

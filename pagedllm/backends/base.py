@@ -25,7 +25,7 @@ from .facts import PlanFacts
 if TYPE_CHECKING:
     from ..config import ModelConfig
     from ..engine.step import StepInput
-    from ..layers.moe import SparseMoE
+    from ..kinds.sparse_moe.forward import SparseMoE
     from ..layers.quantized import QuantizedWeight
     from ..models.decoder import DecoderLM
 

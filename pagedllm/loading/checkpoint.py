@@ -24,11 +24,11 @@ from ..config import ModelConfig
 from ..distributed.shards import RankShard, Slice
 from ..engine_config import ConfigError
 from ..errors import ModelLoadError
+from ..kinds.sparse_moe.forward import ROUTER_SUFFIXES, SparseMoE
 from ..layers.codebooks import CODEBOOKS
 from ..layers.expert_cache import FIELDS, PROJECTIONS, ExpertCache, kind_of
 from ..layers.layer_stream import LayerStream
 from ..layers.linear import Linear, StackedRows
-from ..layers.moe import ROUTER_SUFFIXES, SparseMoE
 from ..layers.norm import RMSNorm
 from ..layers.quantized import (
     INT8_COMPUTE,

@@ -48,15 +48,14 @@ limits allow, which is what the planner reserves. Both are checked against measu
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import backends
+from .. import backends, kinds
 from ..backends.facts import ANY_ROWS
 from ..config import ModelConfig
+from ..kinds import PagedKV
 from ..layers.superblocks import int4_bytes
-from ..models.layer_kinds import PagedKV
 from ..sizes import (
     CONVERT_CHUNK_BYTES,
     QUANTIZED,
@@ -72,7 +71,7 @@ SCALAR_SLACK = 256  # one-element temporaries (eps, scale factors) that ops crea
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_dtype, pool: int | None = None) -> int:
     """Bytes one block costs across the layers that keep paged K/V (or those of one pool of
-    ``cfg.kv_pools``): the sum of their caches' bytes per token (``models.layer_kinds.PagedKV``).
+    ``cfg.kv_pools``): the sum of their caches' bytes per token (``kinds.PagedKV``).
     The only place this is computed."""
     paged = [k.cache for k in cfg.layer_kinds if isinstance(k.cache, PagedKV)]
     if pool is not None:
@@ -170,7 +169,7 @@ def largest_mlp_width(cfg: ModelConfig) -> int:
 
 
 def router_count(cfg: ModelConfig) -> int:
-    """The routers' weights: float32 whatever the dtype (``layers.moe``)."""
+    """The routers' weights: float32 whatever the dtype (``kinds.sparse_moe.forward``)."""
     moe = cfg.moe
     return 0 if moe is None else sum(moe.layers) * moe.num_experts * (cfg.hidden_size + moe.router_bias)
 
@@ -336,10 +335,10 @@ def step_buffers(shape: StepShape, block_size: int, pools: int = 1) -> int:
 
 
 @dataclass(frozen=True)
-class _Layer:
+class LayerTerms:
     """What every phase of a decoder layer holds beside its own tensors (``live``: the step's
     buffers, the residual stream, the rotary tables and the normed input x), and the step's sizes
-    its parts' terms read."""
+    and the device's terms its parts' phases read (each kind's ``footprint.phases``)."""
 
     cfg: ModelConfig
     s: EngineSettings
@@ -357,13 +356,18 @@ class _Layer:
     def e(self) -> int:
         return dtype_bytes(self.s.dtype)
 
+    @property
+    def dev(self) -> Any:
+        """The device's workspace terms (``backends.workspace``)."""
+        return device(self.s)
+
 
 def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[str, int]:
     """Peak live bytes of each phase of one step, above the weights and the cache.
 
     The step as ``DecoderLM.forward`` runs it: the embedding and the rotary tables, then each
-    layer's input norm, its mixer and its feed-forward (each kind's phases: ``MIXER_PHASES``,
-    ``FEED_FORWARD_PHASES``, for the kinds the model's layers are), the residual add fused with the
+    layer's input norm, its mixer and its feed-forward (the phases of each kind the model's layers
+    are: its folder's ``footprint.phases``, ``pagedllm.kinds``), the residual add fused with the
     next norm; then the lm head, the logits and the sampler. What a phase holds beyond its inputs
     and outputs (a norm's, rotary's and attention's temporaries, a GEMM's padding and scratch, the
     attention layout's indices) depends on how the device runs it: its terms
@@ -384,7 +388,7 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
     xn = th = t * h * e
     g = dev.Gemms(s)
     allreduce = t * h * e if s.tensor_parallel > 1 else 0
-    layer = _Layer(cfg, s, shape, base + xn, g, dev.norm_transient(s, t, h), allreduce)
+    layer = LayerTerms(cfg, s, shape, base + xn, g, dev.norm_transient(s, t, h), allreduce)
     head_packed = s.packed and not cfg.tie_word_embeddings  # a tied lm_head stays plain (DecoderLM.pack)
     phases = {
         "embedding": x + th + INDEX * t,
@@ -392,10 +396,8 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
         "attention norm": base + xn + layer.norm,
         "lm head": base + n * h * e + g.bytes(n, h, v, head_packed),
     }
-    for kind in {k.mixer for k in cfg.layer_kinds}:
-        phases |= MIXER_PHASES[kind](layer)
-    for kind in {k.feed_forward for k in cfg.layer_kinds}:
-        phases |= FEED_FORWARD_PHASES[kind](layer)
+    for kind in {part for k in cfg.layer_kinds for part in (k.mixer, k.feed_forward)}:
+        phases |= kinds.part(kind, "footprint").phases(layer)
     head_out = g.rows_of(n, h, v, head_packed) * v * e
     sv = s.gathered_vocab or v  # the logits the sampler sees
     if s.gathered_vocab:  # every rank's logits, side by side, on the driver
@@ -404,42 +406,6 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
     if e != 4:
         phases["logits to float32"] = base + n * h * e + head_out + n * sv * 4
     return phases | _sampler_phases(shape, sv, drafted)
-
-
-def _attention_phases(layer: _Layer) -> dict[str, int]:
-    """Attention as ``models.decoder.Attention`` runs it: q/k/v from one stacked GEMM, q and k
-    normed (Qwen3, OLMoE) and rotated, attention over the paged cache, the output projection,
-    then the residual add and the next norm."""
-    cfg, s, t, e, live, g = layer.cfg, layer.s, layer.t, layer.e, layer.live, layer.gemms
-    dev, d = device(s), cfg.head_dim
-    dq, dk = cfg.num_heads * d, cfg.num_kv_heads * d
-    windowed = any(w is not None for w in cfg.sliding_windows)
-    qkv_out = g.rows_of(t, cfg.hidden_size, dq + 2 * dk) * (dq + 2 * dk) * e
-    qkv = qkv_out + (t * (dq + dk) * e if cfg.qk_norm else 0)  # normed q and k: new tensors
-    phases = {
-        "q/k/v projections": live + g.bytes(t, cfg.hidden_size, dq + 2 * dk),
-        "rotary": live + qkv + dev.rotary_transient(s, t, dq),
-        "attention": live + qkv + t * dq * e + dev.attention_transient(cfg, s, layer.shape, windowed),
-        "output projection": live + t * dq * e + g.bytes(t, dq, cfg.hidden_size) + layer.allreduce,
-        "residual add + norm": live
-        + g.rows_of(t, dq, cfg.hidden_size) * cfg.hidden_size * e
-        + t * cfg.hidden_size * e
-        + layer.norm,
-    }
-    if cfg.qk_norm:
-        phases["q/k norm"] = live + qkv_out + dev.qk_norm_transient(cfg, s, t)
-    return phases
-
-
-def _dense_mlp_phases(layer: _Layer) -> dict[str, int]:
-    """A dense SwiGLU (or GeGLU) MLP: gate and up from one stacked GEMM, their product, down."""
-    t, e, live, g, h = layer.t, layer.e, layer.live, layer.gemms, layer.cfg.hidden_size
-    i = layer.cfg.intermediate_size
-    return {
-        "mlp gate/up": live + g.bytes(t, h, 2 * i),
-        "silu * up": live + g.rows_of(t, h, 2 * i) * 2 * i * e + t * i * e,
-        "mlp down": live + t * i * e + g.bytes(t, i, h) + layer.allreduce,
-    }
 
 
 def _sampler_phases(shape: StepShape, sv: int, drafted: int) -> dict[str, int]:
@@ -455,49 +421,6 @@ def _sampler_phases(shape: StepShape, sv: int, drafted: int) -> dict[str, int]:
         prompt = max(r * sv * 4 + r * 20 * (4 + INDEX) + sv for r in shape.prompt_logprob_rows)
         phases["prompt logprobs"] = logits + prompt + INDEX * n + SCALAR_SLACK + drafted
     return phases
-
-
-def _sparse_mlp_phases(layer: _Layer) -> dict[str, int]:
-    """A sparse layer as ``layers.moe.SparseMoE`` runs it, above ``live`` (buffers, residual,
-    normed x): the router's float32 input, logits and softmax; then the output accumulator
-    and the routing (weights, experts, their order, tokens, sorted weights, the counts) held
-    while one expert at a time runs on its gathered rows and its output is added. An expert
-    may take from one row to every token: the phases are the worst of every token (the most
-    rows) and of the fewest rows that pad to the same GEMM bucket (the most padding)."""
-    cfg, t, e, live, g = layer.cfg, layer.t, layer.e, layer.live, layer.gemms
-    moe = cfg.moe
-    assert moe is not None
-    h, k, experts = cfg.hidden_size, moe.top_k, moe.num_experts
-    logits = t * h * 4 * (e != 4) + t * experts * (4 + 4)  # x in float32 unless it is
-    routing = t * k * (e + INDEX) + 3 * t * k * INDEX + t * k * e + experts * INDEX
-    held = live + t * h * e + routing  # the accumulator and the routing
-    phases = {"moe router": live + logits + t * k * (4 + INDEX)}
-    # each routed expert on c of the tokens' rows (gathered); the shared one on every row, as is
-    mlps = [(c, moe.expert_size, c * h * e) for c in {t, g.fewest_rows_alike(t)}]
-    if moe.shared_expert_size:  # its sigmoid gate [t, 1] and that gate's product with its output
-        mlps.append((t, moe.shared_expert_size, 2 * t * e + 64))
-    for c, width, rows in mlps:
-        base = held + rows
-        up = g.rows_of(c, h, 2 * width) * 2 * width * e
-        candidates = {
-            "moe expert gate/up": base + g.bytes(c, h, 2 * width),
-            "moe expert silu * up": base + up + c * width * e,
-            "moe expert down": base + c * width * e + g.bytes(c, width, h),
-        }
-        for name, value in candidates.items():
-            phases[name] = max(phases.get(name, 0), value)
-    if moe.shared_expert_size:
-        phases["moe shared expert gated"] = held + 2 * t * e + 64 + 2 * t * h * e  # its output, gate * it
-    return phases
-
-
-# Each layer kind's phases, by ``LayerKind.mixer`` and ``LayerKind.feed_forward``
-# (``models.layer_kinds``): a new kind's memory is one function and one line here.
-MIXER_PHASES: dict[str, Callable[[_Layer], dict[str, int]]] = {"attention": _attention_phases}
-FEED_FORWARD_PHASES: dict[str, Callable[[_Layer], dict[str, int]]] = {
-    "dense": _dense_mlp_phases,
-    "sparse": _sparse_mlp_phases,
-}
 
 
 def step_transient_bytes(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> int:

@@ -57,7 +57,7 @@ class MemoryPlan:
     layer_slots: int = 0
     layer_slot_bytes: int = 0
     layer_reads_per_step: int = 0
-    # layers that keep a fixed state per running sequence (``models.layer_kinds.SequenceState``):
+    # layers that keep a fixed state per running sequence (``kinds.SequenceState``):
     # every sequence that may run at once, max_num_seqs of them
     state_bytes: int = 0
 

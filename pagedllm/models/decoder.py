@@ -1,8 +1,9 @@
-"""One decoder for every family in ``models/registry.py`` whose layers are attention and a
-SwiGLU MLP, dense or sparse (Llama, SmolLM, Mistral, Qwen2, Qwen3, and the mixtures of experts).
+"""The decoder every family in ``models/registry.py`` is: embeddings, a stack of layers, a norm
+and the lm head. Each layer is a mixer and a feed-forward, each after its norm, built from its
+kinds' folders (``pagedllm.kinds``; ``ModelConfig.layer_kinds`` says which), never here.
 
-They differ only in switches that ``ModelConfig`` carries: q/k/v bias (Qwen2), q/k RMSNorm
-(Qwen3, OLMoE), sliding-window layers (Mistral), experts (``layers/moe.py``), tied embeddings,
+The families differ only in switches that ``ModelConfig`` carries: q/k/v bias (Qwen2), q/k RMSNorm
+(Qwen3, OLMoE), sliding-window layers (Mistral), experts (``kinds/sparse_moe/``), tied embeddings,
 rope scaling. q/k/v and gate/up are stacked into one ``Linear`` each (one GEMM instead of three
 or two); ``checkpoint_slots`` says where each checkpoint tensor goes, by the names the family's
 spec gives its roles, so weights load by HF name.
@@ -22,17 +23,17 @@ outputs and the vocab-parallel embedding over the ranks and gathers the logits o
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
+from .. import kinds
 from ..config import ModelConfig
 from ..distributed.shards import RankShard
+from ..kinds.dense_mlp.forward import MLP
+from ..kinds.sparse_moe.forward import SparseMoE
 from ..layers.linear import Linear
-from ..layers.mlp import MLP
-from ..layers.moe import SparseMoE
 from ..layers.norm import RMSNorm, add_rms_norm
 from ..layers.quantized import INT8_COMPUTE, QuantizedEmbedding, QuantizedLinear
 from ..layers.rotary import Rotary
@@ -40,52 +41,9 @@ from ..layers.rotary import Rotary
 if TYPE_CHECKING:
     from ..backends.base import Backend, DecodeProgram
     from ..distributed.group import RankGroup
+    from ..kinds.attention.forward import Attention
     from ..layers.expert_cache import ExpertCache
     from ..layers.layer_stream import LayerStream
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, backend: Backend):
-        super().__init__()
-        self.layer = layer
-        self.backend = backend
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.scale = cfg.attention_scale or cfg.head_dim**-0.5
-        self.rope = cfg.rope_of_layer(layer)  # which of the step's rotary tables; None: no positions
-        self.window = cfg.sliding_windows[layer] if cfg.sliding_windows else None
-        h, d = cfg.hidden_size, cfg.head_dim
-        self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
-        self.qkv_proj = Linear(h, [self.q_size, self.kv_size, self.kv_size], bias=cfg.qkv_bias, backend=backend)
-        self.o_proj = Linear(self.q_size, [h], bias=cfg.o_bias, backend=backend)
-        # per head (Qwen3), or over the whole projection (OLMoE)
-        q_width, k_width = (self.q_size, self.kv_size) if cfg.qk_norm_scope == "all" else (d, d)
-        self.q_norm: RMSNorm | None = RMSNorm(q_width, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
-        self.k_norm: RMSNorm | None = RMSNorm(k_width, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
-        self.norm_whole, self.clip = cfg.qk_norm_scope == "all", cfg.qkv_clip
-        # gpt-oss: a logit per head that joins every softmax's denominator (float32 when attending)
-        self.sinks = nn.Parameter(torch.empty(cfg.num_heads), requires_grad=False) if cfg.attention_sinks else None
-
-    def forward(self, x, ropes: dict[str, tuple[torch.Tensor, torch.Tensor]], attn):
-        """``ropes``: the step's rotary tables (cos, sin) by kind (``ModelConfig.rope_of_layer``)."""
-        t, dq, dk = x.shape[0], self.q_size, self.kv_size
-        qkv = self.qkv_proj(x)
-        q = qkv[:, :dq].view(t, self.num_heads, self.head_dim)
-        k = qkv[:, dq : dq + dk].view(t, self.num_kv_heads, self.head_dim)
-        v = qkv[:, dq + dk :].view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            if self.norm_whole:
-                q = self.q_norm(q.reshape(t, dq)).view(t, self.num_heads, self.head_dim)
-                k = self.k_norm(k.reshape(t, dk)).view(t, self.num_kv_heads, self.head_dim)
-            else:
-                q, k = self.q_norm(q), self.k_norm(k)
-        if self.clip is not None:
-            q, k, v = (y.clamp(-self.clip, self.clip) for y in (q, k, v))
-        if self.rope is not None:
-            self.backend.rotary_(q, k, *ropes[self.rope])
-        sinks = self.sinks.float() if self.sinks is not None else None
-        out = attn.attend(self.layer, q, k, v, self.scale, self.window, sinks)
-        del q, k, v, qkv
-        return self.o_proj(out.view(t, dq))
 
 
 class DecoderLayer(nn.Module):
@@ -96,9 +54,9 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int, backend: Backend):
         super().__init__()
-        kind = cfg.layer_kinds[layer]  # (models.layer_kinds)
-        self.self_attn = MIXERS[kind.mixer](cfg, layer, backend)
-        self.mlp: MLP | SparseMoE = FEED_FORWARDS[kind.feed_forward](cfg, backend)
+        kind = cfg.layer_kinds[layer]  # each part's module from its kind's folder (``pagedllm.kinds``)
+        self.self_attn: Attention = kinds.part(kind.mixer, "forward").build(cfg, layer, backend)
+        self.mlp: MLP | SparseMoE = kinds.part(kind.feed_forward, "forward").build(cfg, layer, backend)
 
         def norm() -> RMSNorm:
             return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
@@ -115,12 +73,6 @@ class DecoderLayer(nn.Module):
     @property
     def attn_out_norm(self) -> RMSNorm | None:
         return self.post_attention_layernorm if self.pre_feedforward_layernorm is not None else None
-
-
-# The modules of each layer kind's parts, by ``LayerKind.mixer`` and ``LayerKind.feed_forward``:
-# a new kind's module is one line here (and its cache, ``models.layer_kinds``).
-MIXERS: dict[str, Callable[[ModelConfig, int, Backend], Attention]] = {"attention": Attention}
-FEED_FORWARDS: dict[str, Callable[[ModelConfig, Backend], MLP | SparseMoE]] = {"dense": MLP, "sparse": SparseMoE}
 
 
 class DecoderBody(nn.Module):

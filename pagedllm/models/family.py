@@ -7,9 +7,9 @@ The config reader (``config.py``), the loader (``decoder.checkpoint_slots``), th
 and the tensor-parallel split ask the family; the planner reads the ``ModelConfig`` it produced,
 whose fields (MoE layers, sliding windows, q/k norms) are what its phases are made of.
 
-A family whose layers are the shared decoder's (``models/decoder.py``: attention, a SwiGLU MLP or
-``layers/moe.py``'s sparse one) has only a ``spec.py``; one with modules of its own keeps them in
-a ``model.py`` beside it.
+A family whose layers are kinds that exist (``pagedllm/kinds/``: attention, a SwiGLU MLP, a
+mixture of experts) has only a ``spec.py``: the shared decoder (``models/decoder.py``) stacks
+them. A new mechanism is a new kind, not a family's module.
 """
 
 from __future__ import annotations

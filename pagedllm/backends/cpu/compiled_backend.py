@@ -19,7 +19,7 @@ from .torch_backend import CPUTorchBackend, cpu_step
 from .workspace import QUANT_KERNEL_MAX_ROWS, tile_packable
 
 if TYPE_CHECKING:
-    from ...layers.moe import SparseMoE
+    from ...kinds.sparse_moe.forward import SparseMoE
     from ...models.decoder import DecoderLM
     from ..base import DecodeProgram
 

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ... import env
+from ...kinds.sparse_moe.forward import SparseMoE
 from ...layers.linear import Linear
-from ...layers.moe import SparseMoE
 from ...layers.quantized import QuantizedLinear
 from .expert_kernel import quantized_expert_arguments
 
@@ -43,8 +43,8 @@ PLAIN, ONEDNN, TILES, QUANT, INT8 = range(5)
 ROPE_KINDS = {None: 0, "global": 1, "local": 2}
 
 
-# (mixer, feed-forward) of the layer kinds the compiled step runs (``models.layer_kinds``)
-PROGRAMMED_KINDS = (("attention", "dense"), ("attention", "sparse"))
+# (mixer, feed-forward) of the layer kinds the compiled step runs (``kinds``)
+PROGRAMMED_KINDS = (("attention", "dense_mlp"), ("attention", "sparse_moe"))
 
 
 class NotProgrammable(Exception):

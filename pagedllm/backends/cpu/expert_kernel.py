@@ -12,7 +12,7 @@ import torch
 from ...layers import quantized as quant
 
 if TYPE_CHECKING:
-    from ...layers.moe import SparseMoE
+    from ...kinds.sparse_moe.forward import SparseMoE
 
 
 def quantized_expert_arguments(moe: SparseMoE) -> tuple | None:

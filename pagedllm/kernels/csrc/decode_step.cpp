@@ -43,7 +43,7 @@ struct LinearW {
   c10::optional<Tensor> bias;
 };
 
-// A sparse MLP (layers/moe.py) whose experts moe_quant_experts runs: a float32 router, its
+// A sparse MLP (kinds/sparse_moe/forward.py) whose experts moe_quant_experts runs: a float32 router, its
 // top_k experts renormalised or not, every expert's gate/up and down one quantized matrix each,
 // in one format per projection. gpt-oss: the router biased and its top_k logits softmaxed among
 // themselves, each projection biased, the SwiGLU clamped.

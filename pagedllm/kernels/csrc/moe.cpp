@@ -1,11 +1,11 @@
-// A mixture of experts' sparse MLP on experts kept quantized, in one call per layer (layers/moe.py
+// A mixture of experts' sparse MLP on experts kept quantized, in one call per layer (kinds/sparse_moe/forward.py
 // is the reference). The step's (token, expert) pairs are grouped by expert, so each chosen
 // expert's weights are read once for all its tokens and an expert no token chose is never read;
 // each runs gate/up, SwiGLU and down through quant_linear, and its rows, weighted by the router,
 // are added into the output. What it saves over the Python loop is the dispatch of some ten ops
 // per chosen expert, which at one decode token costs more than reading the expert's weights.
 // gpt-oss's experts: each projection's bias added to its output, and the SwiGLU clamped
-// (swiglu_limit > 0; layers/mlp.py's clamped_swiglu, op for op).
+// (swiglu_limit > 0; kinds/dense_mlp/forward.py's clamped_swiglu, op for op).
 
 #include <ATen/ATen.h>
 
@@ -16,7 +16,7 @@
 
 namespace pagedllm {
 
-// layers/mlp.py's clamped_swiglu: gate clamped below limit, up within +-limit, then
+// kinds/dense_mlp/forward.py's clamped_swiglu: gate clamped below limit, up within +-limit, then
 // (up + 1) * gate * sigmoid(alpha * gate), clamping in place in gate_up (the step's own output).
 Tensor clamped_swiglu(const Tensor& gate_up, double alpha, double limit) {
   const int64_t width = gate_up.size(1) / 2;

@@ -35,7 +35,7 @@ Tensor dequantize(const Tensor& qweight, const Tensor& scale, const c10::optiona
                   int64_t group, const c10::optional<Tensor>& rows, at::ScalarType dtype);
 
 // moe.cpp: a sparse MLP's chosen experts (quantized, one format a layer) on their tokens, weighted
-// by the router and summed: layers/moe.py's loop in one call.
+// by the router and summed: kinds/sparse_moe/forward.py's loop in one call.
 Tensor moe_quant_experts(const Tensor& x, const Tensor& experts, const Tensor& weights, at::TensorList gate_up_q,
                          at::TensorList gate_up_scale, const c10::List<c10::optional<Tensor>>& gate_up_zero,
                          int64_t gate_up_bits, int64_t gate_up_group, at::TensorList down_q,

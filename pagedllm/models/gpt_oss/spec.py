@@ -1,7 +1,7 @@
 """gpt-oss (gpt-oss-20b, -120b): Llama-like attention with biases and a learned sink logit per
 head, sliding (128 tokens) and full layers alternating (``layer_types``), YaRN rope; every layer
 sparse, the router biased and its top-k logits softmaxed among themselves, each expert a biased
-SwiGLU clamped to ``swiglu_limit`` (``layers/mlp.py``).
+SwiGLU clamped to ``swiglu_limit`` (``kinds/dense_mlp/forward.py``).
 
 Its checkpoints fuse a layer's experts in four tensors: ``mlp.experts.gate_up_proj`` [experts,
 hidden, 2 x width] with gate and up in alternate columns, its bias [experts, 2 x width],

@@ -8,11 +8,15 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..config import ModelConfig
-from .linear import Linear
+from ...config import ModelConfig
+from ...layers.linear import Linear
 
 if TYPE_CHECKING:
-    from ..backends.base import Backend
+    from ...backends.base import Backend
+
+
+def build(cfg: ModelConfig, layer: int, backend: Backend) -> MLP:
+    return MLP(cfg, backend)
 
 
 class MLP(nn.Module):

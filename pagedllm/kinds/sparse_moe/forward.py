@@ -19,18 +19,22 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from ..config import ModelConfig
-from .linear import Linear
-from .mlp import MLP
-from .quantized import STORED_FIELDS, QuantizedLinear, stored_weight
+from ...config import ModelConfig
+from ...layers.linear import Linear
+from ...layers.quantized import STORED_FIELDS, QuantizedLinear, stored_weight
+from ..dense_mlp.forward import MLP
 
 if TYPE_CHECKING:
-    from ..backends.base import Backend
-    from .expert_cache import ExpertCache
+    from ...backends.base import Backend
+    from ...layers.expert_cache import ExpertCache
 
 
 # Checkpoint names of the routers (Mixtral's, gpt-oss's, the others'), whose weights load as float32.
 ROUTER_SUFFIXES = ("block_sparse_moe.gate.weight", ".mlp.gate.weight", ".mlp.router.weight", ".mlp.router.bias")
+
+
+def build(cfg: ModelConfig, layer: int, backend: Backend) -> SparseMoE:
+    return SparseMoE(cfg, backend)
 
 
 class SparseMoE(nn.Module):

@@ -1,0 +1,1 @@
+"""A dense SwiGLU (or GeGLU) MLP: gate and up from one stacked GEMM, their product, down."""

@@ -1,0 +1,44 @@
+"""The memory of a mixture of experts' phases in a step (``forward.SparseMoE`` as it runs)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ...sizes import INDEX_BYTES as INDEX
+
+if TYPE_CHECKING:
+    from ...memory.footprint import LayerTerms
+
+
+def phases(layer: LayerTerms) -> dict[str, int]:
+    """A sparse layer as ``forward.SparseMoE`` runs it, above ``live`` (buffers, residual,
+    normed x): the router's float32 input, logits and softmax; then the output accumulator
+    and the routing (weights, experts, their order, tokens, sorted weights, the counts) held
+    while one expert at a time runs on its gathered rows and its output is added. An expert
+    may take from one row to every token: the phases are the worst of every token (the most
+    rows) and of the fewest rows that pad to the same GEMM bucket (the most padding)."""
+    cfg, t, e, live, g = layer.cfg, layer.t, layer.e, layer.live, layer.gemms
+    moe = cfg.moe
+    assert moe is not None
+    h, k, experts = cfg.hidden_size, moe.top_k, moe.num_experts
+    logits = t * h * 4 * (e != 4) + t * experts * (4 + 4)  # x in float32 unless it is
+    routing = t * k * (e + INDEX) + 3 * t * k * INDEX + t * k * e + experts * INDEX
+    held = live + t * h * e + routing  # the accumulator and the routing
+    phases = {"moe router": live + logits + t * k * (4 + INDEX)}
+    # each routed expert on c of the tokens' rows (gathered); the shared one on every row, as is
+    mlps = [(c, moe.expert_size, c * h * e) for c in {t, g.fewest_rows_alike(t)}]
+    if moe.shared_expert_size:  # its sigmoid gate [t, 1] and that gate's product with its output
+        mlps.append((t, moe.shared_expert_size, 2 * t * e + 64))
+    for c, width, rows in mlps:
+        base = held + rows
+        up = g.rows_of(c, h, 2 * width) * 2 * width * e
+        candidates = {
+            "moe expert gate/up": base + g.bytes(c, h, 2 * width),
+            "moe expert silu * up": base + up + c * width * e,
+            "moe expert down": base + c * width * e + g.bytes(c, width, h),
+        }
+        for name, value in candidates.items():
+            phases[name] = max(phases.get(name, 0), value)
+    if moe.shared_expert_size:
+        phases["moe shared expert gated"] = held + 2 * t * e + 64 + 2 * t * h * e  # its output, gate * it
+    return phases
