@@ -184,7 +184,9 @@ def test_a_layer_kind_is_one_folder_and_one_registry_line():
     registered = set(kinds.MIXERS + kinds.FEED_FORWARDS)
     assert folders == registered and len(registered) >= 3, (folders, registered)
     for name in registered:
-        assert callable(kinds.part(name, "forward").build) and callable(kinds.part(name, "footprint").phases)
+        forward = kinds.part(name, "forward")
+        assert callable(forward.build) and isinstance(forward.CHECKPOINT_NAME, str)
+        assert callable(kinds.part(name, "footprint").phases)
     for name in kinds.MIXERS:
         assert callable(kinds.part(name, "cache").cache)
     with pytest.raises(KeyError, match="no layer kind"):

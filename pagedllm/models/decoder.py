@@ -23,7 +23,7 @@ outputs and the vocab-parallel embedding over the ranks and gathers the logits o
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -31,8 +31,6 @@ from torch import nn
 from .. import kinds
 from ..config import ModelConfig
 from ..distributed.shards import RankShard
-from ..kinds.dense_mlp.forward import MLP
-from ..kinds.sparse_moe.forward import SparseMoE
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm, add_rms_norm
 from ..layers.quantized import INT8_COMPUTE, QuantizedEmbedding, QuantizedLinear
@@ -41,7 +39,8 @@ from ..layers.rotary import Rotary
 if TYPE_CHECKING:
     from ..backends.base import Backend, DecodeProgram
     from ..distributed.group import RankGroup
-    from ..kinds.attention.forward import Attention
+    from ..kinds.dense_mlp.forward import MLP
+    from ..kinds.sparse_moe.forward import SparseMoE
     from ..layers.expert_cache import ExpertCache
     from ..layers.layer_stream import LayerStream
 
@@ -55,7 +54,11 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, backend: Backend):
         super().__init__()
         kind = cfg.layer_kinds[layer]  # each part's module from its kind's folder (``pagedllm.kinds``)
-        self.self_attn: Attention = kinds.part(kind.mixer, "forward").build(cfg, layer, backend)
+        mixer = kinds.part(kind.mixer, "forward")
+        # registered under the checkpoint's name of the part ("self_attn"; a delta-rule layer's
+        # "linear_attn"), so that its own parameters load by their HF names
+        self.mixer_name: str = mixer.CHECKPOINT_NAME
+        self.add_module(self.mixer_name, mixer.build(cfg, layer, backend))
         self.mlp: MLP | SparseMoE = kinds.part(kind.feed_forward, "forward").build(cfg, layer, backend)
 
         def norm() -> RMSNorm:
@@ -65,6 +68,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = norm()
         self.pre_feedforward_layernorm = norm() if cfg.sandwich_norms else None
         self.post_feedforward_layernorm = norm() if cfg.sandwich_norms else None
+
+    @property
+    def mixer(self) -> Any:
+        """The layer's mixer module (its kind's ``forward.build``: attention, a recurrent mixer)."""
+        return getattr(self, self.mixer_name)
 
     @property
     def mlp_norm(self) -> RMSNorm:
@@ -198,12 +206,8 @@ class DecoderLM(nn.Module):
                 slots[f"{name}.{leaf}"] = (module, leaf, None)
         family = self.config.family
         for i, layer in enumerate(self.model.decoder_layers()):
-            attn = layer.self_attn
-            stacked = {attn.qkv_proj: ("q", "k", "v"), attn.o_proj: ("o",)}
-            if isinstance(layer.mlp, SparseMoE):
-                stacked.update(_expert_roles(layer.mlp))
-            else:
-                stacked.update({layer.mlp.gate_up_proj: ("gate", "up"), layer.mlp.down_proj: ("down",)})
+            # each part's stacked linear layers -> the roles of their parts (its kind's module says)
+            stacked = layer.mixer.checkpoint_roles() | layer.mlp.checkpoint_roles()
             for linear, roles in stacked.items():
                 for part, role in enumerate(roles):
                     role, _, expert = role.partition("#")
@@ -272,7 +276,7 @@ class DecoderLM(nn.Module):
             if stream is not None:  # a layer read from the file: its weights in its slot first
                 stream.before(i)
             # each sub-layer's residual add is fused with the norm that follows it
-            x = summed(layer.self_attn(x, ropes, attn))
+            x = summed(layer.mixer(x, ropes, attn))
             if layer.attn_out_norm is not None:
                 x = layer.attn_out_norm(x)
             x = add_rms_norm(h, x, layer.mlp_norm)
@@ -325,21 +329,6 @@ class DecoderLM(nn.Module):
         if self.config.embedding_multiplier != 1.0:
             h.mul_(torch.tensor(self.config.embedding_multiplier, dtype=h.dtype))
         return h
-
-
-def _expert_roles(moe: SparseMoE) -> dict[Linear, tuple[str, ...]]:
-    """A sparse layer's linear layers -> the roles of their parts (``family.Family.name_of``),
-    ``#E`` naming expert E: the router, each expert's gate and up (stacked) and down, and
-    Qwen2-MoE's shared expert with its gate."""
-    roles: dict[Linear, tuple[str, ...]] = {moe.router: ("router",)}
-    for e, expert in enumerate(moe.expert_mlps()):
-        roles[expert.gate_up_proj] = (f"expert_gate#{e}", f"expert_up#{e}")
-        roles[expert.down_proj] = (f"expert_down#{e}",)
-    if moe.shared_expert is not None and moe.shared_expert_gate is not None:
-        roles[moe.shared_expert_gate] = ("shared_gate",)
-        roles[moe.shared_expert.gate_up_proj] = ("shared_expert_gate", "shared_expert_up")
-        roles[moe.shared_expert.down_proj] = ("shared_expert_down",)
-    return roles
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

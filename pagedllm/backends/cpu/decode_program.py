@@ -114,7 +114,7 @@ class DecodeProgram:
         if kinds:  # a kind is in the program once its entry is (kernels/csrc/decode_step.cpp)
             raise NotProgrammable(f"layers of kinds {sorted(kinds)}")
         layers = model.model.decoder_layers()
-        attn0 = layers[0].self_attn
+        attn0 = layers[0].mixer
         self.step = step_class(
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, attn0.scale, cfg.activation == "gelu_tanh"
         )
@@ -122,7 +122,7 @@ class DecodeProgram:
         self.packed_quantized = False  # any layer on quant_linear, whose row rule the backend keeps
         none = torch.empty(0)
         for layer in layers:
-            a = layer.self_attn
+            a = layer.mixer
             norms = [layer.input_layernorm.weight.data, layer.mlp_norm.weight.data]
             optional = (a.q_norm, a.k_norm, layer.attn_out_norm, layer.post_feedforward_layernorm)
             norms += [n.weight.data if n is not None else none for n in optional]

@@ -16,6 +16,10 @@ if TYPE_CHECKING:
     from ...backends.base import Backend
 
 
+# the checkpoint's name of the part under ``model.layers.N.``
+CHECKPOINT_NAME = "self_attn"
+
+
 def build(cfg: ModelConfig, layer: int, backend: Backend) -> Attention:
     return Attention(cfg, layer, backend)
 
@@ -40,6 +44,10 @@ class Attention(nn.Module):
         self.norm_whole, self.clip = cfg.qk_norm_scope == "all", cfg.qkv_clip
         # gpt-oss: a logit per head that joins every softmax's denominator (float32 when attending)
         self.sinks = nn.Parameter(torch.empty(cfg.num_heads), requires_grad=False) if cfg.attention_sinks else None
+
+    def checkpoint_roles(self) -> dict[Linear, tuple[str, ...]]:
+        """Its linear layers -> the roles of their parts (``family.Family.name_of``)."""
+        return {self.qkv_proj: ("q", "k", "v"), self.o_proj: ("o",)}
 
     def forward(self, x, ropes: dict[str, tuple[torch.Tensor, torch.Tensor]], attn):
         """``ropes``: the step's rotary tables (cos, sin) by kind (``ModelConfig.rope_of_layer``)."""

@@ -15,6 +15,10 @@ if TYPE_CHECKING:
     from ...backends.base import Backend
 
 
+# the checkpoint's name of the part under ``model.layers.N.``
+CHECKPOINT_NAME = "mlp"
+
+
 def build(cfg: ModelConfig, layer: int, backend: Backend) -> MLP:
     return MLP(cfg, backend)
 
@@ -38,6 +42,10 @@ class MLP(nn.Module):
         self.backend = backend
         self.limit, self.alpha = swiglu_limit, swiglu_alpha
         self.activation = backend.gelu_tanh_mul if cfg.activation == "gelu_tanh" else backend.silu_mul
+
+    def checkpoint_roles(self) -> dict[Linear, tuple[str, ...]]:
+        """Its linear layers -> the roles of their parts (``family.Family.name_of``)."""
+        return {self.gate_up_proj: ("gate", "up"), self.down_proj: ("down",)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # gate/up's output is a temporary of the activation's call, gone before down runs

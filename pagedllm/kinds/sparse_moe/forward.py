@@ -33,6 +33,10 @@ if TYPE_CHECKING:
 ROUTER_SUFFIXES = ("block_sparse_moe.gate.weight", ".mlp.gate.weight", ".mlp.router.weight", ".mlp.router.bias")
 
 
+# the checkpoint's name of the part under ``model.layers.N.``
+CHECKPOINT_NAME = "mlp"
+
+
 def build(cfg: ModelConfig, layer: int, backend: Backend) -> SparseMoE:
     return SparseMoE(cfg, backend)
 
@@ -59,6 +63,20 @@ class SparseMoE(nn.Module):
             self.shared_expert = MLP(cfg, backend, moe.shared_expert_size)
             self.shared_expert_gate = Linear(cfg.hidden_size, [1], bias=False, backend=backend)
             self.shared_expert_gate.keep_float = True
+
+    def checkpoint_roles(self) -> dict[Linear, tuple[str, ...]]:
+        """Its linear layers -> the roles of their parts (``family.Family.name_of``), ``#E``
+        naming expert E: the router, each expert's gate and up (stacked) and down, and
+        Qwen2-MoE's shared expert with its gate."""
+        roles: dict[Linear, tuple[str, ...]] = {self.router: ("router",)}
+        for e, expert in enumerate(self.expert_mlps()):
+            roles[expert.gate_up_proj] = (f"expert_gate#{e}", f"expert_up#{e}")
+            roles[expert.down_proj] = (f"expert_down#{e}",)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            roles[self.shared_expert_gate] = ("shared_gate",)
+            roles[self.shared_expert.gate_up_proj] = ("shared_expert_gate", "shared_expert_up")
+            roles[self.shared_expert.down_proj] = ("shared_expert_down",)
+        return roles
 
     def expert_mlps(self) -> list[MLP]:
         return cast(list[MLP], list(self.experts))
