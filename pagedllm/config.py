@@ -45,6 +45,8 @@ class RopeConfig:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     max_position_embeddings: int = 0  # the config's, whose ratio to the original sets LongRoPE's scale
+    # the share of each head's dimensions rotated (the first ones; Qwen3.5: a quarter), the rest left as they are
+    partial_rotary_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,24 @@ class MoeConfig:
     softmax_after_topk: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.0
+
+
+@dataclass(frozen=True)
+class DeltaRuleConfig:
+    """A Gated DeltaNet layer's sizes (Qwen3.5/3.6's ``linear_attention`` layers, ``kinds/gated_deltanet``):
+    q and k in ``key_heads`` heads of ``key_head_dim``, v in ``value_heads`` heads of
+    ``value_head_dim`` (each key head serves value_heads / key_heads of them), and the causal
+    convolution over q/k/v of ``conv_kernel`` taps."""
+
+    key_heads: int
+    value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.key_heads * self.key_head_dim + self.value_heads * self.value_head_dim
 
 
 @dataclass(frozen=True)
@@ -98,6 +118,12 @@ class ModelConfig:
     activation: str = "silu"  # the MLP's gate activation: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
     # q.k's multiplier; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
     attention_scale: float | None = None
+    # per layer: its mixer's kind (a key of ``kinds.MIXERS``); () every layer is attention
+    layer_mixers: tuple[str, ...] = ()
+    delta_rule: DeltaRuleConfig | None = None  # the Gated DeltaNet layers' sizes (Qwen3.5)
+    # Qwen3.5: q_proj gives each head's q and a gate beside it; the attention's output is
+    # multiplied by the gate's sigmoid before o_proj
+    attention_output_gate: bool = False
     embedding_multiplier: float = 1.0  # Gemma: sqrt(hidden_size), applied in the activation dtype
     sandwich_norms: bool = False  # Gemma: attention and MLP outputs normed before their residual adds
     # the rope of the sliding-window layers where it is not the full layers' (Gemma 3's local base)
@@ -116,7 +142,7 @@ class ModelConfig:
     @functools.cached_property  # (asked per layer; a frozen dataclass's __dict__ still takes it)
     def layer_kinds(self) -> tuple[LayerKind, ...]:
         """Each layer's mixer, feed-forward and cache (``pagedllm.kinds``; the cache is the mixer's)."""
-        mixers = ("attention",) * self.num_layers
+        mixers = self.layer_mixers or ("attention",) * self.num_layers
         return tuple(
             LayerKind(
                 mixer,
@@ -143,6 +169,11 @@ class ModelConfig:
     def state_bytes_per_sequence(self) -> int:
         """What the layers that keep a fixed state hold for one running sequence (``SequenceState``)."""
         return sum(k.cache.bytes for k in self.layer_kinds if isinstance(k.cache, SequenceState))
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions of each head that rotary rotates (the first ones)."""
+        return int(self.head_dim * self.rope.partial_rotary_factor)
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and self.moe.layers[layer]
@@ -178,7 +209,7 @@ class ModelConfig:
                 head_dim=int(d.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
                 max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-                rope=_rope_from_hf(d, source, "full_attention"),
+                rope=_rope_from_hf(d, source, "full_attention", fam.partial_rotary),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 qkv_bias=fam.qkv_bias == "always" or bool(d.get("attention_bias")),
                 o_bias=fam.qkv_bias != "always" and bool(d.get("attention_bias")),
@@ -197,6 +228,9 @@ class ModelConfig:
                 sandwich_norms=fam.sandwich_norms,
                 local_rope=_local_rope_from_hf(d, source),
                 rope_layers=tuple(bool(x) for x in d["no_rope_layers"]) if d.get("no_rope_layers") else (),
+                layer_mixers=_layer_mixers_from_hf(d, fam, layers, source),
+                delta_rule=_delta_rule_from_hf(d) if "gated_deltanet" in fam.layer_type_mixers.values() else None,
+                attention_output_gate=fam.attention_output_gate,
             )
         except KeyError as e:
             raise ModelLoadError(f"{source}: required field {e.args[0]!r} is missing") from None
@@ -281,8 +315,9 @@ def _local_rope_from_hf(d: dict, source: str) -> RopeConfig | None:
     return None
 
 
-def _rope_from_hf(d: dict, source: str, layer_type: str) -> RopeConfig:
-    """``layer_type``: which entry of a per-layer-type ``rope_parameters`` (Gemma 3's) to read."""
+def _rope_from_hf(d: dict, source: str, layer_type: str, partial_rotary: bool = False) -> RopeConfig:
+    """``layer_type``: which entry of a per-layer-type ``rope_parameters`` (Gemma 3's) to read.
+    ``partial_rotary``: the family rotates part of each head (``Family.partial_rotary``)."""
     # transformers >= 5 writes rope_parameters; older checkpoints rope_theta + rope_scaling.
     params = dict(d.get("rope_parameters") or {})
     if isinstance(params.get(layer_type), dict):
@@ -291,7 +326,8 @@ def _rope_from_hf(d: dict, source: str, layer_type: str) -> RopeConfig:
     merged = {**scaling, **params}
     theta = merged.get("rope_theta", d.get("rope_theta", 10000.0))
     rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
-    if float(merged.get("partial_rotary_factor", d.get("partial_rotary_factor")) or 1.0) != 1.0:
+    partial = float(merged.get("partial_rotary_factor", d.get("partial_rotary_factor")) or 1.0)
+    if partial != 1.0 and not partial_rotary:
         raise UnsupportedModelError(
             f"{source}: rotary positions on part of each head (partial_rotary_factor, Phi-4-mini) are not supported yet"
         )
@@ -315,6 +351,31 @@ def _rope_from_hf(d: dict, source: str, layer_type: str) -> RopeConfig:
         short_factor=tuple(float(f) for f in merged.get("short_factor") or ()),
         long_factor=tuple(float(f) for f in merged.get("long_factor") or ()),
         max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+        partial_rotary_factor=partial,
+    )
+
+
+def _layer_mixers_from_hf(d: dict, fam: Family, layers: int, source: str) -> tuple[str, ...]:
+    """Each layer's mixer kind, where the family's layers differ (``Family.layer_type_mixers``
+    maps each ``layer_types`` entry to its kind); () where every layer is attention."""
+    if not fam.layer_type_mixers:
+        return ()
+    types = d.get("layer_types") or []
+    if len(types) != layers:
+        raise ModelLoadError(f"{source}: layer_types names {len(types)} layers, num_hidden_layers is {layers}")
+    unknown = sorted(set(types) - set(fam.layer_type_mixers))
+    if unknown:
+        raise UnsupportedModelError(f"{source}: layer types {unknown} are not supported")
+    return tuple(fam.layer_type_mixers[t] for t in types)
+
+
+def _delta_rule_from_hf(d: dict) -> DeltaRuleConfig:
+    return DeltaRuleConfig(
+        key_heads=int(d["linear_num_key_heads"]),
+        value_heads=int(d["linear_num_value_heads"]),
+        key_head_dim=int(d["linear_key_head_dim"]),
+        value_head_dim=int(d["linear_value_head_dim"]),
+        conv_kernel=int(d["linear_conv_kernel_dim"]),
     )
 
 

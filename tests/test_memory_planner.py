@@ -531,7 +531,7 @@ def test_the_plan_sums_each_layer_kinds_cache_and_counts_a_state_per_sequence():
     cfg, state = small_cfg(), 3 * 1024**2
     attention = PagedKV(None, cfg.num_kv_heads, cfg.head_dim)
     kinds = tuple(
-        LayerKind("attention", "dense_mlp", attention if i % 2 == 0 else SequenceState(state))
+        LayerKind("attention", "dense_mlp", attention if i % 2 == 0 else SequenceState((("s", (state // 4,)),)))
         for i in range(cfg.num_layers)
     )
     hybrid = dataclasses.replace(cfg)
@@ -547,5 +547,7 @@ def test_the_plan_sums_each_layer_kinds_cache_and_counts_a_state_per_sequence():
     assert "sequence states" in mixed.table() and "sequence states" not in dense.table()
     from pagedllm.backends.cpu.torch_backend import CPUTorchBackend
 
-    with pytest.raises(NotImplementedError, match="state pool"):  # planned, not built yet (issue 67)
+    with pytest.raises(ValueError, match="state_slots"):  # a state per running sequence, or no cache
         CPUTorchBackend().allocate_kv_cache(hybrid, 4, 16, "bfloat16", resident=False)
+    cache = CPUTorchBackend().allocate_kv_cache(hybrid, 4, 16, "bfloat16", resident=False, state_slots=seqs)
+    assert sum(t.numel() * 4 for layer in cache.states.values() for t in layer.values()) == mixed.state_bytes

@@ -142,13 +142,32 @@ MOE_ARCHS = {
     ),
 }
 ARCHS.update(MOE_ARCHS)
+# Layers that keep a state per sequence beside attention layers (``kinds/gated_deltanet``): built
+# like the others, tested on their own (test_hybrid_models.py), since a step of theirs needs
+# state slots the other architectures' tests do not give. Qwen3.5: three Gated DeltaNet layers to
+# one gated full-attention layer with a quarter of each head rotated; two value heads per key head.
+HYBRID_ARCHS = {
+    "qwen3_5": (
+        "Qwen3_5TextConfig",
+        dict(
+            head_dim=32,
+            num_hidden_layers=4,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+            tie_word_embeddings=False,
+        ),
+    ),
+}
 
 
 def build_hf_model(name: str, seed: int = 0, **overrides):
     """``overrides``: config fields over the architecture's (another vocabulary, KV heads...)."""
     import transformers
 
-    class_name, extra = ARCHS[name]
+    class_name, extra = {**ARCHS, **HYBRID_ARCHS}[name]
     config = getattr(transformers, class_name)(**{**COMMON, **extra, **overrides})
     config._attn_implementation = "eager"  # the plainest formulation as the oracle
     torch.manual_seed(seed)
@@ -165,7 +184,9 @@ def build_hf_model(name: str, seed: int = 0, **overrides):
                 p.normal_(0.0, 0.15)
             elif "bias" in p_name:
                 p.normal_(0.0, 0.1)
-            elif model.config.model_type.startswith("gemma"):  # its norms multiply by (1 + weight)
+            elif p_name.endswith(("A_log", "dt_bias", "linear_attn.norm.weight")):
+                continue  # a delta rule's decay rates and its gated norm's scale: transformers' own init
+            elif model.config.model_type.startswith(("gemma", "qwen3_5")):  # norms multiply by (1 + weight)
                 p.uniform_(-0.2, 0.2)
             else:  # norm weights
                 p.uniform_(0.8, 1.2)

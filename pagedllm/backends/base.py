@@ -54,6 +54,9 @@ class KVCache(Protocol):
 
     def release_pages(self, pool: int, first: int) -> None: ...  # blocks from ``first`` on unused
 
+    # the state pool beside the blocks (layers that keep a state per sequence, ``kinds.SequenceState``)
+    def copy_states(self, copies: list[tuple[int, int]]) -> None: ...  # (source, destination) slots
+
 
 class DecodeGroupShape(Protocol):
     blocks: torch.Tensor  # [rows, blocks gathered]
@@ -116,6 +119,11 @@ class Attention(Protocol):
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
+    def sequence_states(self, layer: int) -> dict[str, torch.Tensor]:
+        """A state-keeping layer's tensors by name, each [state slots, ...] (its kind's
+        ``SequenceState``): the step's sequences read and write theirs at ``layout.state_slots``."""
+        ...
+
 
 class DecodeProgram(Protocol):
     """A decode step's layers in one compiled call (``backends.cpu.decode_program``)."""
@@ -155,9 +163,11 @@ class Backend:
         dtype: torch.dtype | str,
         resident: bool,
         capacity_blocks: int | list[int] | None = None,
+        state_slots: int = 0,
     ) -> KVCache:
         """``num_blocks`` in use, room for ``capacity_blocks`` (``KVCache.resize``); one number
-        for every layer, or one per pool of ``cfg.kv_pools``."""
+        for every layer, or one per pool of ``cfg.kv_pools``. ``state_slots``: sequences whose
+        states the state-keeping layers hold (one per sequence that may run at once)."""
         raise NotImplementedError
 
     def attention_metadata(self, step: StepInput, group_size: int) -> AttentionLayout:

@@ -14,6 +14,14 @@ cached prefix is adopted only as far as every pool still holds what its layers r
 pool: every block; a window's pool: the blocks the first recomputed token's window reaches).
 
 Block copies and zeros name their pool: (pool, source, destination) and (pool, block).
+
+State slots: a model whose layers keep a fixed state per sequence (``kinds.SequenceState``: a
+Gated DeltaNet's) has ``state_slots`` of them, one per sequence that may run at once
+(``max_num_seqs``). A sequence takes one with its first write and gives it back with its blocks
+(finished, aborted, preempted: a preempted sequence recomputes from its first token, which starts
+a fresh state); a forked sample takes its own and its parent's state is copied into it before the
+next step (``take_state_copies``). Such a model's prefix is not reused (no state checkpoints
+yet): a cached block holds K/V, not the state after it.
 """
 
 from __future__ import annotations
@@ -28,12 +36,18 @@ class BlockPools:
         block_size: int,
         windows: tuple[int | None, ...],
         enable_prefix_caching: bool = True,
+        state_slots: int = 0,
     ):
         if len(num_blocks) != len(windows):
             raise ValueError(f"{len(num_blocks)} pool sizes for {len(windows)} kinds of layer")
+        enable_prefix_caching = enable_prefix_caching and not state_slots
         self.pools = [BlockManager(n, block_size, enable_prefix_caching, w) for n, w in zip(num_blocks, windows)]
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.state_slots = state_slots
+        self.free_states = list(range(state_slots - 1, -1, -1))  # popped from the end: slot 0 first
+        self.state_of: dict[int, int] = {}  # seq id -> its state slot
+        self.state_copies: list[tuple[int, int]] = []  # (source, destination), for the next step
 
     # ---- pool 0 speaks for the rest where one number is asked for ---------------------------
 
@@ -95,19 +109,43 @@ class BlockPools:
     def prepare_write(self, seq_id: int, start: int, end: int) -> list[tuple[int, int, int]]:
         if not self.can_write(seq_id, start, end):
             raise RuntimeError(f"prepare_write({seq_id}): a pool has too few free blocks")
+        if self.state_slots and seq_id not in self.state_of:
+            self._take_state(seq_id)
         return [(i, *c) for i, p in enumerate(self.pools) for c in p.prepare_write(seq_id, start, end)]
 
+    def state_slot(self, seq_id: int) -> int:
+        """The sequence's state slot; -1 for a model without states."""
+        return self.state_of.get(seq_id, -1)
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        """The state copies the forks since the last call owe, for the next step to make."""
+        copies, self.state_copies = self.state_copies, []
+        return copies
+
+    def _take_state(self, seq_id: int) -> None:
+        if not self.free_states:  # the scheduler runs at most max_num_seqs: a slot is always free
+            raise RuntimeError(f"no free state slot for sequence {seq_id} ({self.state_slots} slots)")
+        self.state_of[seq_id] = self.free_states.pop()
+
     def trim(self, seq_id: int, num_tokens: int) -> None:
+        if self.state_slots:  # a state cannot be rolled back to a shorter sequence
+            raise RuntimeError("a model that keeps states per sequence cannot take back tokens")
         for p in self.pools:
             p.trim(seq_id, num_tokens)
 
     def fork(self, parent_id: int, child_id: int) -> None:
         for p in self.pools:
             p.fork(parent_id, child_id)
+        if self.state_slots:
+            self._take_state(child_id)
+            self.state_copies.append((self.state_of[parent_id], self.state_of[child_id]))
 
     def free(self, seq_id: int) -> None:
         for p in self.pools:
             p.free(seq_id)
+        slot = self.state_of.pop(seq_id, None)
+        if slot is not None:
+            self.free_states.append(slot)
 
     def drop_out_of_window(self, seq_id: int, next_position: int) -> None:
         for p in self.pools:
@@ -166,3 +204,8 @@ class BlockPools:
             p.check_invariants()
         if len({frozenset(p.tables) for p in self.pools}) > 1:
             raise AssertionError("the pools' tables are for different sequences")
+        held = list(self.state_of.values())
+        if len(set(held)) != len(held) or set(held) & set(self.free_states):
+            raise AssertionError(f"a state slot is held twice or held and free: {self.state_of}, {self.free_states}")
+        if len(held) + len(self.free_states) != self.state_slots:
+            raise AssertionError("state slots lost")

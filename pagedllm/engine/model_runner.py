@@ -117,6 +117,8 @@ class ModelRunner:
             zeros=longs(out.zeros).view(-1, 2),
             block_size=self.kv_cache.block_size,
             pool_ranges=longs(pool_ranges).view(-1, 2),
+            state_slots=longs([r.state_slot for r in out.rows]),
+            state_copies=longs(out.state_copies).view(-1, 2),
         )
 
     def execute(self, step: StepInput) -> torch.Tensor:
@@ -143,6 +145,7 @@ class ModelRunner:
         # Before anything computes: a source block may be rewritten by its new owner this step.
         self.kv_cache.zero_blocks(step.zeros.tolist())
         self.kv_cache.copy_blocks(step.copies.tolist())  # (pool, source, destination)
+        self.kv_cache.copy_states(step.state_copies.tolist())  # (source, destination) slots
         layout = self.backend.attention_metadata(step, self.group_size)
         attention = self.backend.attention(self.kv_cache, layout)
         if not step.pool_ranges.numel():

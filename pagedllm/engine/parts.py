@@ -7,12 +7,14 @@ the limits, with the policy that moves them (``ElasticMemory``). ``LLMEngine`` d
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import structured
 from ..backends.base import Backend, ThreadPolicy
 from ..engine_config import EngineConfig
+from ..errors import UnsupportedModelError
 from ..layers.sampler import Sampler
 from ..limits import RequestLimits
 from ..loading import LoadedModel
@@ -30,6 +32,8 @@ from .ranks import Ranks
 from .resources import EngineMemory
 from .scheduler import Scheduler
 from .speculative import Speculation
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -63,7 +67,8 @@ def assemble(
     eos = stop_token_ids(cfg, loaded.tokenizer)
     detokenizer = Detokenizer(loaded.tokenizer, eos, plan.max_model_len)
     pools = loaded.model.config.kv_pools
-    blocks = BlockPools(plan.pool_blocks, plan.block_size, pools, config.enable_prefix_caching)
+    state_slots = _state_slots(cfg, config, plan)
+    blocks = BlockPools(plan.pool_blocks, plan.block_size, pools, config.enable_prefix_caching, state_slots)
     limits = RequestLimits(cfg.vocab_size, plan.max_num_seqs, plan.max_model_len, plan.num_blocks, plan.block_size)
     drafter = drafter_of(loaded, backend, draft, plan, config) if draft is not None else None
     scheduler = Scheduler(
@@ -84,6 +89,7 @@ def assemble(
         plan.kv_dtype,
         resident=config.budgeted,
         capacity_blocks=pool_capacity(plan),  # set_memory's room
+        state_slots=state_slots,
     )
     memory = EngineMemory(
         plan, config, kv_cache, blocks, limits, scheduler, replanner(loaded, backend), loaded.model.expert_cache
@@ -164,6 +170,23 @@ def drafter_of(
         loaded.config.vocab_size,
         stop_token_ids(loaded.config, loaded.tokenizer),
     )
+
+
+def _state_slots(cfg, config: EngineConfig, plan: MemoryPlan) -> int:
+    """One state slot per sequence that may run at once, for a model whose layers keep a state
+    per sequence (the plan counted them: ``MemoryPlan.state_bytes``); 0 for any other. Such a
+    model takes no speculative guesses (a rejected guess cannot be taken back out of a state)
+    and reuses no prefix yet (no state checkpoints: a cached block is K/V, not the state after it)."""
+    if not cfg.state_bytes_per_sequence():
+        return 0
+    if config.speculative_method is not None:
+        raise UnsupportedModelError(
+            f"{cfg.architecture}: speculative decoding is not supported for layers that keep a state per "
+            "sequence (a rejected guess cannot be taken back out of the state)"
+        )
+    if config.enable_prefix_caching:
+        log.info("%s: prefix caching is off (its recurrent layers' states are not checkpointed yet)", cfg.architecture)
+    return plan.max_num_seqs
 
 
 def speculation_of(config: EngineConfig) -> Speculation | None:

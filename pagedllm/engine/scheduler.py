@@ -193,6 +193,7 @@ class Scheduler:
         if batch:
             batch.zeros, self._to_zero = self._to_zero, []
             batch.copies, self._to_copy = self._to_copy + batch.copies, []
+            batch.state_copies = self.blocks.take_state_copies()
         self.counters.preemptions += len(batch.preempted)
         return batch
 
@@ -319,10 +320,16 @@ class Scheduler:
         Nothing was committed: sequences keep their state and blocks, and the next schedule
         splits their tokens under the lower budget. The batch's cache maintenance is carried
         again by the next batch (copies and zeroing are idempotent). A one-token step that
-        still fails re-raises.
+        still fails re-raises. A model with states per sequence: the batch's sequences are
+        preempted instead (they recompute from their first token), as a failed step may have
+        moved some layers' states and not others.
         """
         if batch.total_tokens <= 1:
             raise error
+        if self.blocks.state_slots:  # a failed step may have moved some layers' states: start them again
+            for seq in [self.live[r.seq_id] for r in batch.rows if r.seq_id in self.live]:
+                if seq.status is Status.RUNNING:
+                    self._preempt(seq)
         self._to_copy = batch.copies + self._to_copy
         self._to_zero = batch.zeros + self._to_zero
         old = self.max_batch_tokens
@@ -359,6 +366,7 @@ class Scheduler:
                 len(guesses),
                 prompt_logits,
                 seq.pooled_positions(start, start + n),
+                self.blocks.state_slot(seq.seq_id),
             )
         )
 

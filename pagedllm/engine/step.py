@@ -43,6 +43,7 @@ class ScheduledRow:
     # the last ones of token_ids before the sampled one (``Sequence.prompt_logits_wanted``)
     prompt_logits: int = 0
     pooled: int = 0  # an embedding request's: its last positions whose hidden states are pooled
+    state_slot: int = -1  # its slot in the state pool (layers that keep a state per sequence); -1: none
 
     @property
     def block_table(self) -> list[int]:
@@ -76,6 +77,8 @@ class SchedulerOutput:
     preempted: list[int] = field(default_factory=list)  # seq ids sent back to the queue this step
     copies: list[tuple[int, int, int]] = field(default_factory=list)  # (pool, source, destination) blocks
     zeros: list[tuple[int, int]] = field(default_factory=list)  # (pool, block)s whose K/V may be non-finite
+    # (source, destination) state slots: a forked sample's state, copied from its parent's
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:
@@ -117,3 +120,7 @@ class StepInput:
     # [P, 2] int64: (first, end) rows of the flat batch whose final hidden states are summed
     # (an embedding request's pooled positions; ``ModelRunner.pooled``)
     pool_ranges: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 2, dtype=torch.long))
+    # [S] int64: each sequence's state slot (``ScheduledRow.state_slot``); [C, 2] int64: the
+    # (source, destination) slots copied before the step
+    state_slots: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    state_copies: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 2, dtype=torch.long))

@@ -31,13 +31,14 @@ footprints and never loads a forward. Each file sits at its stage's level of the
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass
 from types import ModuleType
 
 from ..sizes import KV_SCALE_BYTES, kv_element_bytes, kv_is_quantized
 
 # The kinds, each a folder of this package: a new kind is one line here.
-MIXERS = ("attention",)  # full or sliding attention (its cache says which)
+MIXERS = ("attention", "gated_deltanet")  # full or sliding attention (its cache says which); a delta rule
 FEED_FORWARDS = ("dense_mlp", "sparse_moe")  # a SwiGLU MLP; a mixture of such experts
 PARTS = {"cache": MIXERS, "forward": MIXERS + FEED_FORWARDS, "footprint": MIXERS + FEED_FORWARDS}
 
@@ -65,9 +66,15 @@ class PagedKV:
 
 @dataclass(frozen=True)
 class SequenceState:
-    """A fixed state per running sequence, ``bytes`` of it, whatever the sequence's length."""
+    """A fixed state per running sequence whatever its length: float32 tensors by name and shape
+    (a Gated DeltaNet's: its convolution's last inputs and its delta rule's matrices), one of
+    each per state slot (``engine.block_pools``)."""
 
-    bytes: int
+    tensors: tuple[tuple[str, tuple[int, ...]], ...]
+
+    @property
+    def bytes(self) -> int:
+        return sum(4 * math.prod(shape) for _, shape in self.tensors)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ and multiplies in integers (``layers/quantized.py``); "none" dequantizes everyth
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import cast
 
@@ -52,6 +53,8 @@ from .streamed_layers import stored_layers, stored_tensors, streamed_names
 
 # Buffers some checkpoints carry that we recompute.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+log = logging.getLogger(__name__)
 
 
 def stored_experts(cfg: ModelConfig, headers) -> tuple[dict[tuple[int, int], dict[str, list[StoredTensor]]], str]:
@@ -264,9 +267,15 @@ def _placer(
     its name in ``loaded``."""
 
     offset = cfg.family.norm_weight_offset
+    skipped, skipped_seen = cfg.family.skipped_prefixes, list[str]()
 
     def place(path: Path, name: str, value: torch.Tensor | QuantizedWeight) -> None:
         """One checkpoint tensor into its slot, converted as the slot holds it."""
+        if name not in slots and skipped and name.startswith(skipped):
+            if not skipped_seen:
+                log.info("%s: tensors under %s skipped (a head pagedllm does not run yet)", path, ", ".join(skipped))
+            skipped_seen.append(name)
+            return
         if name not in slots:
             raise ModelLoadError(f"{path}: unexpected tensor {name!r} for {cfg.architecture}")
         module, leaf, part = slots[name]

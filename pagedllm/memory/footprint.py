@@ -88,18 +88,18 @@ def window_pool_blocks(window: int, block_size: int, max_batch_tokens: int, max_
 
 
 def parameter_count(cfg: ModelConfig) -> int:
-    h, d = cfg.hidden_size, cfg.head_dim
-    dq, dk = cfg.num_heads * d, cfg.num_kv_heads * d
-    attention = h * dq + 2 * h * dk + dq * h + 2 * h
-    attention += (dq + 2 * dk) * cfg.qkv_bias + h * cfg.o_bias
-    attention += ((dq + dk) if cfg.qk_norm_scope == "all" else 2 * d) * cfg.qk_norm
-    attention += cfg.num_heads * cfg.attention_sinks
-    mlps = sum(
-        _mlp_weights(cfg, layer) + _mlp_biases(cfg, layer) + _router_weights(cfg, layer)
-        for layer in range(cfg.num_layers)
-    )
+    """Every parameter: the embeddings (and an untied lm_head), each layer's parts (their kinds'
+    ``footprint.parameters``) and its two norms, the final norm."""
+    h = cfg.hidden_size
     embeddings = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
-    return embeddings + cfg.num_layers * attention + mlps + h
+    layers = sum(_part(kind, "parameters", cfg, layer) + 2 * h for layer, kind in enumerate(cfg.layer_kinds))
+    return embeddings + layers + h
+
+
+def _part(kind, term: str, cfg: ModelConfig, layer: int):
+    """A layer's mixer's and feed-forward's ``term`` (``parameters``: a sum; ``matrices``: a list)."""
+    mixer = getattr(kinds.part(kind.mixer, "footprint"), term)(cfg, layer)
+    return mixer + getattr(kinds.part(kind.feed_forward, "footprint"), term)(cfg, layer)
 
 
 def _mlp_widths(cfg: ModelConfig, layer: int) -> list[int]:
@@ -111,47 +111,18 @@ def _mlp_widths(cfg: ModelConfig, layer: int) -> list[int]:
     return [moe.expert_size] * moe.num_experts + ([moe.shared_expert_size] if moe.shared_expert_size else [])
 
 
-def _mlp_weights(cfg: ModelConfig, layer: int) -> int:
-    return sum(3 * cfg.hidden_size * i for i in _mlp_widths(cfg, layer))
-
-
-def _mlp_biases(cfg: ModelConfig, layer: int) -> int:
-    return sum(2 * i + cfg.hidden_size for i in _mlp_widths(cfg, layer)) * cfg.mlp_bias
-
-
-def _router_weights(cfg: ModelConfig, layer: int) -> int:
-    """A sparse layer's router (and shared expert's gate): float whatever the experts' format."""
-    moe = cfg.moe
-    if moe is None or not moe.layers[layer]:
-        return 0
-    return (cfg.hidden_size + moe.router_bias) * moe.num_experts + cfg.hidden_size * bool(moe.shared_expert_size)
-
-
 def linear_shapes(cfg: ModelConfig) -> tuple[int, int]:
     """(weights, rows) of every decoder layer's linear layers together that quantization
     touches (embeddings, lm_head and routers aside)."""
-    h, d = cfg.hidden_size, cfg.head_dim
-    dq, dk = cfg.num_heads * d, cfg.num_kv_heads * d
-    weights = cfg.num_layers * (h * (dq + 2 * dk) + dq * h)
-    rows = cfg.num_layers * ((dq + 2 * dk) + h)
-    for layer in range(cfg.num_layers):
-        widths = _mlp_widths(cfg, layer)
-        weights += _mlp_weights(cfg, layer)
-        rows += sum(2 * i + h for i in widths)
-    return weights, rows
+    matrices = list(_linear_matrices(cfg))
+    return sum(r * c for r, c in matrices), sum(r for r, _ in matrices)
 
 
 def _linear_matrices(cfg: ModelConfig):
-    """(rows, columns) of each stacked linear layer of ``linear_shapes``: q/k/v, o, each MLP's
-    gate/up and down."""
-    h, d = cfg.hidden_size, cfg.head_dim
-    dq, dk = cfg.num_heads * d, cfg.num_kv_heads * d
-    for layer in range(cfg.num_layers):
-        yield dq + 2 * dk, h
-        yield h, dq
-        for i in _mlp_widths(cfg, layer):
-            yield 2 * i, h
-            yield h, i
+    """(rows, columns) of each stacked linear layer of ``linear_shapes``, layer by layer: its
+    kinds' ``footprint.matrices`` (attention's q/k/v and o, each MLP's gate/up and down...)."""
+    for layer, kind in enumerate(cfg.layer_kinds):
+        yield from _part(kind, "matrices", cfg, layer)
 
 
 def active_linear_weights(cfg: ModelConfig) -> int:
@@ -397,7 +368,8 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
         "lm head": base + n * h * e + g.bytes(n, h, v, head_packed),
     }
     for kind in {part for k in cfg.layer_kinds for part in (k.mixer, k.feed_forward)}:
-        phases |= kinds.part(kind, "footprint").phases(layer)
+        for name, value in kinds.part(kind, "footprint").phases(layer).items():  # two kinds' alike: the larger
+            phases[name] = max(phases.get(name, 0), value)
     head_out = g.rows_of(n, h, v, head_packed) * v * e
     sv = s.gathered_vocab or v  # the logits the sampler sees
     if s.gathered_vocab:  # every rank's logits, side by side, on the driver

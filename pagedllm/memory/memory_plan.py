@@ -165,7 +165,8 @@ class MemoryPlan:
             rows.append(
                 (
                     "sequence states",
-                    f"{gib(self.state_bytes, 8)}  (a fixed state per running sequence, {self.max_num_seqs} sequences)",
+                    f"{gib(self.state_bytes, 8)}  ({self.state_bytes // self.max_num_seqs} bytes per running "
+                    f"sequence x {self.max_num_seqs} sequences)",
                 )
             )
         return rows

@@ -93,8 +93,8 @@ class DecoderBody(nn.Module):
         )
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
-        self.rotary = Rotary(cfg.rope, cfg.head_dim)
-        self.local_rotary = Rotary(cfg.local_rope, cfg.head_dim) if cfg.local_rope is not None else None
+        self.rotary = Rotary(cfg.rope, cfg.rotary_dim)
+        self.local_rotary = Rotary(cfg.local_rope, cfg.rotary_dim) if cfg.local_rope is not None else None
 
     def rope_tables(
         self, positions: torch.Tensor, dtype: torch.dtype, layout

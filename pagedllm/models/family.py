@@ -116,6 +116,13 @@ class Family:
     # llama.cpp's names of a layer's tensors whose role differs for this family from the common
     # reading (``gguf_convert._GGUF_ROLES``): gpt-oss's ``post_attention_norm`` is the MLP's input norm
     gguf_roles: dict[str, str] = field(default_factory=dict)
+    # a family whose layers' mixers differ: each ``layer_types`` entry -> its mixer's kind
+    # (``kinds.MIXERS``; Qwen3.5's "linear_attention" -> "gated_deltanet"); {}: every layer attention
+    layer_type_mixers: dict[str, str] = field(default_factory=dict)
+    partial_rotary: bool = False  # rotary on part of each head (``partial_rotary_factor``) is read, not refused
+    attention_output_gate: bool = False  # Qwen3.5: q_proj gives a gate per head beside q (``ModelConfig``)
+    # checkpoint tensors read past, logged once (Qwen3.5's multi-token-prediction head: ``mtp.``)
+    skipped_prefixes: tuple[str, ...] = ()
 
     @property
     def not_split_because(self) -> str | None:
@@ -127,6 +134,8 @@ class Family:
             return "checkpoints fuse several weights in one tensor (q/k/v)"
         if self.qk_norm == "all":
             return "q and k are normed over all heads at once"
+        if self.layer_type_mixers:
+            return "layers that keep a state per sequence do not split yet"
         return None
 
     def name_of(self, role: str, layer: int, expert: int | None = None) -> str:

@@ -18,6 +18,7 @@ from .phi3.spec import FAMILY as PHI3
 from .qwen2.spec import FAMILY as QWEN2
 from .qwen2_moe.spec import FAMILY as QWEN2_MOE
 from .qwen3.spec import FAMILY as QWEN3
+from .qwen3_5.spec import FAMILY as QWEN3_5
 from .qwen3_moe.spec import FAMILY as QWEN3_MOE
 from .smollm3.spec import FAMILY as SMOLLM3
 
@@ -34,6 +35,7 @@ FAMILIES: tuple[Family, ...] = (
     QWEN2_MOE,
     QWEN3_MOE,
     GPT_OSS,
+    QWEN3_5,
 )
 
 _BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES}

@@ -103,8 +103,11 @@ class StepLayout:
         group_size: int,
         pairs_budget: int = PAIRS_BUDGET,
         gather_budget: int = GATHER_BUDGET,
+        state_slots: torch.Tensor | None = None,
     ):
         self.query_start = query_start
+        # [S] each sequence's state slot (the state-keeping layers', ``KVCache.states``); empty: none
+        self.state_slots = state_slots if state_slots is not None else torch.zeros(0, dtype=torch.long)
         self.context_lens = context_lens
         # one [S, max blocks] table per pool; given [S, max blocks], one pool
         self.pool_tables = list(block_tables) if block_tables.dim() == 3 else [block_tables]
@@ -120,7 +123,15 @@ class StepLayout:
     def from_step(cls, step, group_size: int, **budgets) -> StepLayout:
         """The layout of a ``StepInput``; ``budgets``: the backend's ``pairs_budget`` and
         ``gather_budget`` (the same on every rank and every replay of a step)."""
-        return cls(step.query_start, step.context_lens, step.block_tables, step.block_size, group_size, **budgets)
+        return cls(
+            step.query_start,
+            step.context_lens,
+            step.block_tables,
+            step.block_size,
+            group_size,
+            state_slots=step.state_slots,
+            **budgets,
+        )
 
     @classmethod
     def from_slices(cls, seqs: list[SequenceSlice], block_size: int, group_size: int, **budgets) -> StepLayout:
@@ -230,6 +241,9 @@ class CompiledPagedAttention:
         self.cache = kv_cache
         self.layout = layout
 
+    def sequence_states(self, layer: int) -> dict[str, torch.Tensor]:
+        return self.cache.states[layer]
+
     def attend(
         self,
         layer: int,
@@ -273,6 +287,9 @@ class TorchPagedAttention:
     def __init__(self, kv_cache, layout: StepLayout):
         self.cache = kv_cache
         self.layout = layout
+
+    def sequence_states(self, layer: int) -> dict[str, torch.Tensor]:
+        return self.cache.states[layer]
 
     def attend(
         self,

@@ -110,6 +110,8 @@ class DecodeProgram:
         cfg = model.config
         if cfg.qkv_clip is not None:
             raise NotProgrammable("q/k/v clipped (clip_qkv)")
+        if cfg.attention_output_gate or cfg.rotary_dim != cfg.head_dim:
+            raise NotProgrammable("attention output gated, or rotary on part of each head")
         kinds = {(k.mixer, k.feed_forward) for k in cfg.layer_kinds} - set(PROGRAMMED_KINDS)
         if kinds:  # a kind is in the program once its entry is (kernels/csrc/decode_step.cpp)
             raise NotProgrammable(f"layers of kinds {sorted(kinds)}")

@@ -35,6 +35,7 @@ import mmap
 import torch
 
 from ...config import ModelConfig
+from ...kinds import SequenceState
 
 # 8-bit cache dtypes: the torch dtype they are stored in, and the largest value a scale maps to.
 EIGHT_BIT = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
@@ -58,13 +59,15 @@ class KVCache:
         resident: bool = False,
         shape=None,
         capacity_blocks: int | list[int] | None = None,
+        state_slots: int = 0,
     ):
         """``num_blocks``: one number (every layer in one pool), or one per pool of
         ``cfg.kv_pools``. ``resident``: commit every page of the blocks in use now (the engine does
         when a budget is given, so the process's memory is what the plan says from the start and
         load cannot grow it); else pages are committed as blocks are first written.
         ``capacity_blocks``: the most blocks a later ``resize`` may grow each pool to (default:
-        ``num_blocks``); ``shape(blocks)`` is the layout of a tensor of that many (default: the CPU's)."""
+        ``num_blocks``); ``shape(blocks)`` is the layout of a tensor of that many (default: the CPU's).
+        ``state_slots``: the sequences whose states each state-keeping layer holds (``states``)."""
         pooled = not isinstance(num_blocks, int)
         sizes: list[int] = [num_blocks] if isinstance(num_blocks, int) else list(num_blocks)
         capacity: list[int] = sizes
@@ -76,8 +79,12 @@ class KVCache:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be >= 1")
         self.pool_capacity = [max(n, c) for n, c in zip(sizes, capacity)]
         self.pool_blocks = sizes
-        # each layer's pool: its kind's, or 0 for all when one shared pool was asked for
-        self.layer_pool = [cfg.kv_pool_of_layer(i) or 0 if pooled else 0 for i in range(cfg.num_layers)]
+        # each layer's pool: its kind's, or 0 for all when one shared pool was asked for; None for
+        # a layer that keeps a state per sequence instead (no K/V of its own: ``states``)
+        self.layer_pool: list[int | None] = [
+            None if cfg.kv_pool_of_layer(i) is None else (cfg.kv_pool_of_layer(i) or 0) if pooled else 0
+            for i in range(cfg.num_layers)
+        ]
         self.resident = resident
         self.block_size = block_size
         self.quantized = isinstance(dtype, str) and dtype in EIGHT_BIT
@@ -87,12 +94,14 @@ class KVCache:
         self.top = EIGHT_BIT[dtype][1] if isinstance(dtype, str) else 0.0
         shape = shape or (lambda blocks: (cfg.num_kv_heads, blocks * block_size, cfg.head_dim))
         self._maps: dict[int, mmap.mmap] = {}  # data_ptr of a tensor -> its mapping (CPU only)
-        shapes = [shape(self.pool_capacity[p]) for p in self.layer_pool]
+        # (a state-keeping layer's K/V: an empty tensor, so that layer indices stay the model's)
+        shapes = [shape(self.pool_capacity[p]) if p is not None else (0, 0, 0) for p in self.layer_pool]
         self.k = [self._zeros(sh, self.dtype, device) for sh in shapes]
         self.v = [self._zeros(sh, self.dtype, device) for sh in shapes]
         scaled = shapes if self.quantized else []
         self.k_scale = [self._zeros(sh[:2], torch.float32, device) for sh in scaled]
         self.v_scale = [self._zeros(sh[:2], torch.float32, device) for sh in scaled]
+        self.states = _state_pool(cfg, state_slots, device)
         if resident:
             for p, n in enumerate(sizes):
                 self._commit(p, 0, n)
@@ -144,6 +153,13 @@ class KVCache:
         for pool, src, dst in moves:
             for cache in self._tensors(pool):
                 cache[:, dst * bs : (dst + 1) * bs].copy_(cache[:, src * bs : (src + 1) * bs])
+
+    def copy_states(self, copies: list[tuple[int, int]]) -> None:
+        """Every state-keeping layer's state of slot ``src`` into slot ``dst`` (a forked sample's)."""
+        for src, dst in copies:
+            for tensors in self.states.values():
+                for t in tensors.values():
+                    t[dst].copy_(t[src])
 
     def zero_blocks(self, blocks: list[tuple[int, int]]) -> None:
         """Zeroes the K/V of each (pool, block): stale values are read (masked) by a block's
@@ -207,15 +223,24 @@ class KVCache:
         touch (only the blocks in use are, see ``_commit``); its address space is reserved, not
         its memory (MAP_NORESERVE). Masked keys past a context's end are read (gathers are whole
         blocks), so what they hold must be finite; zeros are, and so is any stale K/V."""
-        if torch.device(device).type != "cpu":
-            return torch.zeros(shape, dtype=dtype, device=device)
         nbytes = dtype.itemsize
         for d in shape:
             nbytes *= d
+        if torch.device(device).type != "cpu" or not nbytes:  # (a state-keeping layer's empty K/V)
+            return torch.zeros(shape, dtype=dtype, device=device)
         buffer = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
         tensor = torch.frombuffer(buffer, dtype=dtype, count=nbytes // dtype.itemsize).view(shape)
         self._maps[tensor.data_ptr()] = buffer
         return tensor
+
+
+def _state_pool(cfg: ModelConfig, slots: int, device) -> dict[int, dict[str, torch.Tensor]]:
+    """Each state-keeping layer's tensors by name, [slots, ...] each, float32 (``kinds.SequenceState``)."""
+    return {
+        i: {name: torch.zeros((slots, *dims), device=device) for name, dims in kind.cache.tensors}
+        for i, kind in enumerate(cfg.layer_kinds)
+        if isinstance(kind.cache, SequenceState) and slots
+    }
 
 
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux's value; Python 3.11's mmap lacks the name

@@ -46,9 +46,10 @@ class CPUTorchBackend(Backend):
         dtype: torch.dtype | str,
         resident: bool,
         capacity_blocks: int | list[int] | None = None,
+        state_slots: int = 0,
     ) -> KVCache:
-        if cfg.state_bytes_per_sequence():  # (no family builds one yet: the next round's recurrent kinds)
-            raise NotImplementedError("a layer that keeps a fixed state per sequence needs a state pool: none yet")
+        if cfg.state_bytes_per_sequence() and state_slots < 1:
+            raise ValueError("a model whose layers keep a state per sequence needs state_slots (max_num_seqs)")
 
         def shape(blocks: int) -> tuple[int, ...]:
             return self.kv_cache_shape(blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -62,6 +63,7 @@ class CPUTorchBackend(Backend):
             resident=resident,
             shape=shape,
             capacity_blocks=capacity_blocks,
+            state_slots=state_slots,
         )
 
     def attention_metadata(self, step: StepInput, group_size: int) -> attention.StepLayout:

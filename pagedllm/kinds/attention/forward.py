@@ -35,7 +35,11 @@ class Attention(nn.Module):
         self.window = cfg.sliding_windows[layer] if cfg.sliding_windows else None
         h, d = cfg.hidden_size, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
-        self.qkv_proj = Linear(h, [self.q_size, self.kv_size, self.kv_size], bias=cfg.qkv_bias, backend=backend)
+        # Qwen3.5: each head's q rows are followed by as many rows of its output gate
+        self.gated = cfg.attention_output_gate
+        q_rows = 2 * self.q_size if self.gated else self.q_size
+        self.rotary_dim = cfg.rotary_dim  # the first dims of each head that rotate (Qwen3.5: a quarter)
+        self.qkv_proj = Linear(h, [q_rows, self.kv_size, self.kv_size], bias=cfg.qkv_bias, backend=backend)
         self.o_proj = Linear(self.q_size, [h], bias=cfg.o_bias, backend=backend)
         # per head (Qwen3), or over the whole projection (OLMoE)
         q_width, k_width = (self.q_size, self.kv_size) if cfg.qk_norm_scope == "all" else (d, d)
@@ -51,11 +55,18 @@ class Attention(nn.Module):
 
     def forward(self, x, ropes: dict[str, tuple[torch.Tensor, torch.Tensor]], attn):
         """``ropes``: the step's rotary tables (cos, sin) by kind (``ModelConfig.rope_of_layer``)."""
-        t, dq, dk = x.shape[0], self.q_size, self.kv_size
+        t, dk = x.shape[0], self.kv_size
+        dq = 2 * self.q_size if self.gated else self.q_size
         qkv = self.qkv_proj(x)
-        q = qkv[:, :dq].view(t, self.num_heads, self.head_dim)
+        gate = None
+        if self.gated:  # [q of head 0, gate of head 0, q of head 1, ...]
+            q_and_gate = qkv[:, :dq].view(t, self.num_heads, 2, self.head_dim)
+            q, gate = q_and_gate[:, :, 0].contiguous(), q_and_gate[:, :, 1].reshape(t, self.q_size)
+        else:
+            q = qkv[:, :dq].view(t, self.num_heads, self.head_dim)
         k = qkv[:, dq : dq + dk].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, dq + dk :].view(t, self.num_kv_heads, self.head_dim)
+        dq = self.q_size
         if self.q_norm is not None and self.k_norm is not None:
             if self.norm_whole:
                 q = self.q_norm(q.reshape(t, dq)).view(t, self.num_heads, self.head_dim)
@@ -64,9 +75,15 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
         if self.clip is not None:
             q, k, v = (y.clamp(-self.clip, self.clip) for y in (q, k, v))
-        if self.rope is not None:
+        if self.rope is not None and self.rotary_dim < self.head_dim:  # rotate the first dims only
+            q_part, k_part = q[..., : self.rotary_dim].contiguous(), k[..., : self.rotary_dim].contiguous()
+            self.backend.rotary_(q_part, k_part, *ropes[self.rope])
+            q[..., : self.rotary_dim], k[..., : self.rotary_dim] = q_part, k_part  # (this step's own tensors)
+        elif self.rope is not None:
             self.backend.rotary_(q, k, *ropes[self.rope])
         sinks = self.sinks.float() if self.sinks is not None else None
         out = attn.attend(self.layer, q, k, v, self.scale, self.window, sinks)
         del q, k, v, qkv
+        if gate is not None:
+            out = out.view(t, dq) * torch.sigmoid(gate)
         return self.o_proj(out.view(t, dq))

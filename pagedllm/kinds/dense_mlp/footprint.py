@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from ...config import ModelConfig
     from ...memory.footprint import LayerTerms
 
 
@@ -17,3 +18,12 @@ def phases(layer: LayerTerms) -> dict[str, int]:
         "silu * up": live + g.rows_of(t, h, 2 * i) * 2 * i * e + t * i * e,
         "mlp down": live + t * i * e + g.bytes(t, i, h) + layer.allreduce,
     }
+
+
+def matrices(cfg: ModelConfig, layer: int) -> list[tuple[int, int]]:
+    """(rows, columns) of gate/up (stacked) and down."""
+    return [(2 * cfg.intermediate_size, cfg.hidden_size), (cfg.hidden_size, cfg.intermediate_size)]
+
+
+def parameters(cfg: ModelConfig, layer: int) -> int:
+    return sum(r * c for r, c in matrices(cfg, layer)) + (2 * cfg.intermediate_size + cfg.hidden_size) * cfg.mlp_bias

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from ...sizes import INDEX_BYTES as INDEX
 
 if TYPE_CHECKING:
+    from ...config import ModelConfig
     from ...memory.footprint import LayerTerms
 
 
@@ -42,3 +43,24 @@ def phases(layer: LayerTerms) -> dict[str, int]:
     if moe.shared_expert_size:
         phases["moe shared expert gated"] = held + 2 * t * e + 64 + 2 * t * h * e  # its output, gate * it
     return phases
+
+
+def _widths(cfg: ModelConfig) -> list[int]:
+    """Every expert's intermediate width, and the shared expert's."""
+    moe = cfg.moe
+    assert moe is not None
+    return [moe.expert_size] * moe.num_experts + ([moe.shared_expert_size] if moe.shared_expert_size else [])
+
+
+def matrices(cfg: ModelConfig, layer: int) -> list[tuple[int, int]]:
+    """(rows, columns) of each expert's gate/up (stacked) and down (the router aside: it stays float)."""
+    return [m for i in _widths(cfg) for m in ((2 * i, cfg.hidden_size), (cfg.hidden_size, i))]
+
+
+def parameters(cfg: ModelConfig, layer: int) -> int:
+    """The experts, their biases, the router (and a shared expert's gate)."""
+    moe, h = cfg.moe, cfg.hidden_size
+    assert moe is not None
+    experts = sum(r * c for r, c in matrices(cfg, layer))
+    biases = sum(2 * i + h for i in _widths(cfg)) * cfg.mlp_bias
+    return experts + biases + (h + moe.router_bias) * moe.num_experts + h * bool(moe.shared_expert_size)

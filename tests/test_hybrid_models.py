@@ -1,0 +1,146 @@
+"""Layers that keep a state per sequence (Qwen3.5's Gated DeltaNet) beside attention layers: the
+same outputs as transformers through every way the engine cuts, mixes, forks and restarts
+sequences, and the states planned as the config's arithmetic says."""
+
+import pytest
+import torch
+from greedy import assert_greedy_matches, hf_greedy
+from tiny_models import HYBRID_ARCHS, save_tiny_model
+from transformers.models.qwen3_5 import modeling_qwen3_5 as reference
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.backends.cpu.attention import SequenceSlice, StepLayout
+from pagedllm.backends.cpu.kv_cache import KVCache
+from pagedllm.config import ModelConfig
+from pagedllm.errors import UnsupportedModelError
+from pagedllm.kinds.gated_deltanet import delta_rule
+from pagedllm.loading import load
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """{arch: (directory, transformers model)}."""
+    out = {}
+    for name in HYBRID_ARCHS:
+        d = tmp_path_factory.mktemp(f"tiny-{name}")
+        out[name] = (d, save_tiny_model(name, d))
+    return out
+
+
+def prompts(vocab: int, lengths=(1, 5, 17, 40, 70, 3, 29), seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_the_chunked_delta_rule_equals_the_token_by_token_reference():
+    """Across chunk boundaries (150 tokens: 64 + 64 + 22) and from a state already there: the
+    outputs and the last state of transformers' one-token-at-a-time loop."""
+    torch.manual_seed(0)
+    t, heads, dk, dv = 150, 4, 16, 24
+    q, k = torch.randn(1, t, heads, dk), torch.randn(1, t, heads, dk)
+    v, g, beta = torch.randn(1, t, heads, dv), -torch.rand(1, t, heads) * 2, torch.rand(1, t, heads)
+    start = torch.randn(1, heads, dk, dv)
+    want, want_state = reference.torch_recurrent_gated_delta_rule(
+        q, k, v, g, beta, initial_state=start.clone(), output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+    qn, kn = delta_rule.normalised(q[0], k[0])
+    state = start[0].clone()
+    out = delta_rule.chunked(qn, kn, v[0], g[0], beta[0], state)
+    torch.testing.assert_close(out, want[0], atol=2e-5, rtol=0)
+    torch.testing.assert_close(state, want_state[0], atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_logits_of_a_mixed_step_equal_transformers_in_fp32(hybrid, arch, kernels):
+    """Every prompt in one flat step, each from a fresh state in a slot a previous sequence left
+    dirty: every position's logits."""
+    directory, hf = hybrid[arch]
+    loaded = load(directory, "float32")
+    batch = prompts(loaded.config.vocab_size)
+    cache = KVCache(loaded.config, num_blocks=64, block_size=8, dtype="float32", state_slots=len(batch) + 2)
+    for tensors in cache.states.values():
+        for t in tensors.values():
+            t.normal_()  # what the slots' last owners left: a fresh sequence must not read it
+    slices, ids, positions, block = [], [], [], 0
+    for p in batch:
+        n_blocks = -(-len(p) // 8)
+        slices.append(SequenceSlice(len(ids), len(p), len(p), list(range(block, block + n_blocks))))
+        block += n_blocks
+        ids += p
+        positions += range(len(p))
+    layout = StepLayout.from_slices(slices, 8, loaded.config.num_heads // loaded.config.num_kv_heads)
+    layout.state_slots = torch.arange(len(batch)) + 2  # not the first slots
+    attn = loaded.model.backend.attention(cache, layout)
+    logits = loaded.model(torch.tensor(ids), torch.tensor(positions), attn, torch.arange(len(ids)))
+    with torch.no_grad():
+        want = torch.cat([hf(torch.tensor([p])).logits[0].float() for p in batch])
+    torch.testing.assert_close(logits.float(), want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_greedy_batched_chunked_and_preempted_equals_transformers(hybrid, arch, kernels):
+    """A step budget below the longest prompt (its state carried chunk to chunk), decode rows
+    batched, and too few blocks for all at once (preempted sequences restart from a fresh
+    state); then the same prompts again, in slots the first run left dirty."""
+    directory, hf = hybrid[arch]
+    llm = LLM(directory, dtype="float32", block_size=4, num_blocks=48, max_batch_tokens=16, max_num_seqs=6)
+    batch = prompts(llm.engine.loaded.config.vocab_size)
+    engine = llm.engine
+    outs = llm.generate(batch, GREEDY)
+    assert engine.stats.preemptions > 0, "the test must exercise preemption"
+    assert max(len(p) for p in batch) > engine.scheduler.max_batch_tokens, "and chunked prefill"
+    refs = [hf_greedy(hf, p, GREEDY.max_tokens) for p in batch]
+    assert_greedy_matches([o.token_ids for o in outs], refs)
+    again = llm.generate(batch[::-1], GREEDY)
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs][::-1]
+    engine.blocks.check_invariants()
+    assert not engine.blocks.state_of and len(engine.blocks.free_states) == engine.blocks.state_slots
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_forked_samples_continue_their_parents_state(hybrid, arch):
+    """n = 3 greedy samples: each fork starts from a copy of the prompt's state (a fork from a
+    zero or stale state would part from the reference at once)."""
+    directory, hf = hybrid[arch]
+    llm = LLM(directory, dtype="float32", max_num_seqs=8)
+    batch = prompts(llm.engine.loaded.config.vocab_size, lengths=(9, 33))
+    llm.generate(prompts(llm.engine.loaded.config.vocab_size, lengths=(20, 20, 20, 20), seed=7), GREEDY)  # dirty slots
+    outs = llm.generate(batch, SamplingParams(n=3, max_tokens=16, temperature=0, ignore_eos=True))
+    for p, out in zip(batch, outs):
+        want = hf_greedy(hf, p, 16).tokens
+        assert [s.token_ids for s in out.outputs] == [want] * 3
+
+
+def test_the_planned_weights_are_transformers_parameters(hybrid):
+    """The planner counts a delta-rule layer's tensors from config.json alone (its kind's
+    ``footprint.parameters``): the same number as the checkpoint transformers wrote."""
+    from pagedllm.memory.footprint import parameter_count
+
+    directory, hf = hybrid["qwen3_5"]
+    assert parameter_count(ModelConfig.from_file(directory)) == sum(p.numel() for p in hf.parameters())
+
+
+def test_state_bytes_per_sequence_are_the_configs_arithmetic(hybrid):
+    """Per Gated DeltaNet layer: the convolution's last kernel - 1 inputs of its q/k/v channels and a
+    key_dim x value_dim matrix per value head, float32; the attention layers' K/V stay paged."""
+    directory, _ = hybrid["qwen3_5"]
+    cfg = ModelConfig.from_file(directory)
+    c = HYBRID_ARCHS["qwen3_5"][1]
+    channels = 2 * c["linear_num_key_heads"] * c["linear_key_head_dim"] + 4 * c["linear_value_head_dim"]
+    per_layer = 4 * (channels * (c["linear_conv_kernel_dim"] - 1) + 4 * 16 * 16)
+    assert cfg.state_bytes_per_sequence() == 3 * per_layer  # three delta-rule layers of four
+    assert [cfg.kv_pool_of_layer(i) for i in range(4)] == [None, None, None, 0]
+    llm = LLM(directory, dtype="float32", max_num_seqs=5, memory="1GiB")
+    plan = llm.engine.memory.plan
+    assert plan.state_bytes == 5 * 3 * per_layer and "sequence states" in plan.table()
+    cache = llm.engine.memory.kv_cache
+    assert all(cache.k[i].numel() == 0 for i in range(3)) and cache.k[3].numel() > 0  # no K/V for a state layer
+
+
+def test_what_a_state_cannot_do_yet_is_refused_clearly(hybrid):
+    directory, _ = hybrid["qwen3_5"]
+    with pytest.raises(UnsupportedModelError, match="speculative decoding"):
+        LLM(directory, dtype="float32", speculative_method="ngram", num_speculative_tokens=2)
+    assert "state" in ModelConfig.from_file(directory).family.not_split_because
