@@ -134,9 +134,74 @@ def test_state_bytes_per_sequence_are_the_configs_arithmetic(hybrid):
     assert [cfg.kv_pool_of_layer(i) for i in range(4)] == [None, None, None, 0]
     llm = LLM(directory, dtype="float32", max_num_seqs=5, memory="1GiB")
     plan = llm.engine.memory.plan
-    assert plan.state_bytes == 5 * 3 * per_layer and "sequence states" in plan.table()
+    # five running sequences and five prefix checkpoints
+    assert plan.checkpoint_slots == 5 and plan.state_bytes == (5 + 5) * 3 * per_layer
+    assert f"{3 * per_layer} bytes per sequence x 5 running + 5 prefix checkpoints" in plan.table()
     cache = llm.engine.memory.kv_cache
     assert all(cache.k[i].numel() == 0 for i in range(3)) and cache.k[3].numel() > 0  # no K/V for a state layer
+    held = [t for pool in (cache.states, cache.checkpoints) for layer in pool.values() for t in layer.values()]
+    assert sum(t.numel() * 4 for t in held) == plan.state_bytes  # what is allocated is what was planned
+
+
+def cold(directory, prompt, params=GREEDY):
+    """A new engine's tokens and its time to the first token of ``prompt`` (nothing cached)."""
+    llm = LLM(directory, dtype="float32", block_size=4, max_batch_tokens=16)
+    return llm.generate([prompt], params)[0].token_ids
+
+
+@pytest.mark.parametrize("interval", [8, 256])
+def test_a_prefix_hit_starts_from_a_checkpoint_with_exact_outputs(hybrid, monkeypatch, interval):
+    """Two requests that share a 37-token prefix, then a third that repeats the second and goes
+    on (a conversation's next turn). With a checkpoint every 8 tokens the second starts at 32
+    (the last one within the shared part); with one every 256 only the prompt's last boundary is
+    kept, so the second starts cold and the third at the second's prompt end. Every answer is
+    transformers' and a cold engine's; the hits are counted where /metrics reads them."""
+    from pagedllm.engine import state_checkpoints
+
+    monkeypatch.setattr(state_checkpoints, "INTERVAL_TOKENS", interval)
+    directory, hf = hybrid["qwen3_5"]
+    llm = LLM(directory, dtype="float32", block_size=4, max_batch_tokens=16)
+    shared = prompts(320, lengths=(37,), seed=11)[0]
+    first, second = shared + [5, 6, 7, 8, 9, 10, 11, 12, 13, 14], shared + [21, 22, 23, 24, 25, 26, 27]
+    runs = [llm.generate([first], GREEDY)[0].token_ids]
+    hits = llm.engine.blocks.prefix_stats.hit_tokens
+    runs.append(llm.generate([second], GREEDY)[0].token_ids)
+    assert llm.engine.blocks.prefix_stats.hit_tokens - hits == (32 if interval == 8 else 0)
+    third = second + runs[1] + [40, 41, 42]
+    hits = llm.engine.blocks.prefix_stats.hit_tokens
+    runs.append(llm.generate([third], GREEDY)[0].token_ids)
+    assert llm.engine.blocks.prefix_stats.hit_tokens - hits == 44  # the second's prompt, 44 tokens, ends a block
+    stats = llm.engine.stats
+    assert stats.state_checkpoint_hits == (2 if interval == 8 else 1) and stats.state_checkpoints_taken > 0
+    for prompt, ours in zip((first, second, third), runs):
+        assert ours == hf_greedy(hf, prompt, GREEDY.max_tokens).tokens == cold(directory, prompt)
+    llm.engine.blocks.check_invariants()
+
+
+def test_a_checkpoint_equals_the_state_recomputed_bit_for_bit(hybrid, monkeypatch):
+    """The state kept at token 32 of a 47-token prompt computed in chunks of 16 is, in every
+    layer and to the bit, the state a 32-token prompt leaves in its slot."""
+    from pagedllm.engine import state_checkpoints
+
+    monkeypatch.setattr(state_checkpoints, "INTERVAL_TOKENS", 32)
+    directory, _ = hybrid["qwen3_5"]
+    prompt = prompts(320, lengths=(47,), seed=12)[0]
+    llm = LLM(directory, dtype="float32", block_size=4, max_batch_tokens=16, enable_prefix_caching=True)
+    llm.generate([prompt], SamplingParams(max_tokens=1))
+    checkpoints = llm.engine.blocks.checkpoints
+    key = list(checkpoints.by_key)[0]
+    assert key[2] == tuple(prompt[28:32])  # the first kept: the block that ends at 32
+    slot = checkpoints.by_key[key]
+    kept = {
+        (layer, name): t[slot].clone()
+        for layer, d in llm.engine.memory.kv_cache.checkpoints.items()
+        for name, t in d.items()
+    }
+    fresh = LLM(directory, dtype="float32", block_size=4, max_batch_tokens=16, enable_prefix_caching=False)
+    fresh.generate([prompt[:32]], SamplingParams(max_tokens=1))
+    states = fresh.engine.memory.kv_cache.states  # slot 0: the only sequence's, its state after 32 tokens
+    for (layer, name), value in kept.items():
+        assert torch.equal(value, states[layer][name][0]), (layer, name)
 
 
 def test_what_a_state_cannot_do_yet_is_refused_clearly(hybrid):
@@ -144,3 +209,24 @@ def test_what_a_state_cannot_do_yet_is_refused_clearly(hybrid):
     with pytest.raises(UnsupportedModelError, match="speculative decoding"):
         LLM(directory, dtype="float32", speculative_method="ngram", num_speculative_tokens=2)
     assert "state" in ModelConfig.from_file(directory).family.not_split_because
+
+
+def test_the_checkpoint_pool_evicts_the_least_recently_used_and_hides_what_is_unwritten():
+    """Hand-built: two slots, three prefixes. A pending checkpoint is not found (its step has not
+    written it yet), a failed step's go back, and the one used last survives an eviction."""
+    from pagedllm.engine.state_checkpoints import StateCheckpoints
+
+    pool = StateCheckpoints(2, block_size=4)
+    a, b, c = ("a",), ("b",), ("c",)
+    slot_a, slot_b = pool.take(a), pool.take(b)
+    assert pool.find(a) is None and pool.take(a) is None  # written by the step in flight
+    pool.commit()
+    assert pool.find(a) == slot_a and pool.find(b) == slot_b
+    pool.find(a)  # a used last: b is the one to go
+    assert pool.take(c) == slot_b and pool.stats.evicted == 1
+    pool.drop_pending()  # c's step failed
+    assert pool.find(c) is None and pool.find(b) is None and pool.find(a) == slot_a
+    pool.check_invariants()
+    assert pool.boundaries(0, 40, 37) == [36] and pool.boundaries(0, 44, 44) == [40, 44]
+    pool.interval = 8
+    assert pool.boundaries(10, 40, 37) == [16, 24, 32, 36] and pool.boundaries(36, 37, 37) == []

@@ -542,12 +542,17 @@ def test_the_plan_sums_each_layer_kinds_cache_and_counts_a_state_per_sequence():
     s = EngineSettings(dtype="bfloat16", max_model_len=2048)
     dense, mixed = plan(cfg, 2 * GiB, settings=s, **sizes), plan(hybrid, 2 * GiB, settings=s, **sizes)
     assert mixed.kv_bytes_per_block == per_block and dense.kv_bytes_per_block == 2 * per_block
-    assert mixed.state_bytes == seqs * state * (cfg.num_layers - attention_layers)
+    # a state for each sequence that may run, and as many prefix checkpoints (one per sequence)
+    assert mixed.checkpoint_slots == seqs and dense.checkpoint_slots == 0
+    assert mixed.state_bytes == 2 * seqs * state * (cfg.num_layers - attention_layers)
     assert mixed.total_bytes <= 2 * GiB and mixed.total_bytes + per_block > 2 * GiB  # maximal, states counted
     assert "sequence states" in mixed.table() and "sequence states" not in dense.table()
     from pagedllm.backends.cpu.torch_backend import CPUTorchBackend
 
     with pytest.raises(ValueError, match="state_slots"):  # a state per running sequence, or no cache
         CPUTorchBackend().allocate_kv_cache(hybrid, 4, 16, "bfloat16", resident=False)
-    cache = CPUTorchBackend().allocate_kv_cache(hybrid, 4, 16, "bfloat16", resident=False, state_slots=seqs)
-    assert sum(t.numel() * 4 for layer in cache.states.values() for t in layer.values()) == mixed.state_bytes
+    cache = CPUTorchBackend().allocate_kv_cache(
+        hybrid, 4, 16, "bfloat16", resident=False, state_slots=seqs, checkpoint_slots=mixed.checkpoint_slots
+    )
+    held = [t for pool in (cache.states, cache.checkpoints) for layer in pool.values() for t in layer.values()]
+    assert sum(t.numel() * 4 for t in held) == mixed.state_bytes

@@ -57,6 +57,8 @@ class KVCache(Protocol):
     # the state pool beside the blocks (layers that keep a state per sequence, ``kinds.SequenceState``)
     def copy_states(self, copies: list[tuple[int, int]]) -> None: ...  # (source, destination) slots
 
+    def restore_states(self, restores: list[tuple[int, int]]) -> None: ...  # (checkpoint, state) slots
+
 
 class DecodeGroupShape(Protocol):
     blocks: torch.Tensor  # [rows, blocks gathered]
@@ -124,6 +126,11 @@ class Attention(Protocol):
         ``SequenceState``): the step's sequences read and write theirs at ``layout.state_slots``."""
         ...
 
+    def state_checkpoints(self, layer: int) -> dict[str, torch.Tensor]:
+        """The same tensors' checkpoint slots, [checkpoint slots, ...] each: where the states at
+        ``layout.checkpoints``' positions are copied during the step."""
+        ...
+
 
 class DecodeProgram(Protocol):
     """A decode step's layers in one compiled call (``backends.cpu.decode_program``)."""
@@ -164,10 +171,12 @@ class Backend:
         resident: bool,
         capacity_blocks: int | list[int] | None = None,
         state_slots: int = 0,
+        checkpoint_slots: int = 0,
     ) -> KVCache:
         """``num_blocks`` in use, room for ``capacity_blocks`` (``KVCache.resize``); one number
         for every layer, or one per pool of ``cfg.kv_pools``. ``state_slots``: sequences whose
-        states the state-keeping layers hold (one per sequence that may run at once)."""
+        states the state-keeping layers hold (one per sequence that may run at once); ``checkpoint_slots``:
+        the states kept for prefixes (``engine.state_checkpoints``)."""
         raise NotImplementedError
 
     def attention_metadata(self, step: StepInput, group_size: int) -> AttentionLayout:

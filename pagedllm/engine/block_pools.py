@@ -20,13 +20,17 @@ Gated DeltaNet's) has ``state_slots`` of them, one per sequence that may run at 
 (``max_num_seqs``). A sequence takes one with its first write and gives it back with its blocks
 (finished, aborted, preempted: a preempted sequence recomputes from its first token, which starts
 a fresh state); a forked sample takes its own and its parent's state is copied into it before the
-next step (``take_state_copies``). Such a model's prefix is not reused (no state checkpoints
-yet): a cached block holds K/V, not the state after it.
+next step (``take_state_copies``). Such a model reuses a prefix only as far as a checkpoint of
+the state after it exists (``state_checkpoints``): a cached block holds K/V, not the state; the
+sequence then starts from a copy of the checkpoint (``take_state_restores``).
 """
 
 from __future__ import annotations
 
-from .block_manager import BlockManager, PrefixCacheStats
+from collections.abc import Callable
+
+from .block_manager import BlockManager, PrefixCacheStats, prefix_keys
+from .state_checkpoints import StateCheckpoints
 
 
 class BlockPools:
@@ -37,10 +41,15 @@ class BlockPools:
         windows: tuple[int | None, ...],
         enable_prefix_caching: bool = True,
         state_slots: int = 0,
+        checkpoint_slots: int = 0,
     ):
         if len(num_blocks) != len(windows):
             raise ValueError(f"{len(num_blocks)} pool sizes for {len(windows)} kinds of layer")
-        enable_prefix_caching = enable_prefix_caching and not state_slots
+        enable_prefix_caching = enable_prefix_caching and (not state_slots or checkpoint_slots > 0)
+        self.checkpoints = (
+            StateCheckpoints(checkpoint_slots, block_size) if state_slots and enable_prefix_caching else None
+        )
+        self.state_restores: list[tuple[int, int]] = []  # (checkpoint, state) slots, for the next step
         self.pools = [BlockManager(n, block_size, enable_prefix_caching, w) for n, w in zip(num_blocks, windows)]
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -117,6 +126,28 @@ class BlockPools:
         """The sequence's state slot; -1 for a model without states."""
         return self.state_of.get(seq_id, -1)
 
+    def take_state_restores(self) -> list[tuple[int, int]]:
+        """The (checkpoint, state) slot copies the sequences that adopted a prefix since the last
+        call owe, for the next step to make before it computes."""
+        restores, self.state_restores = self.state_restores, []
+        return restores
+
+    def checkpoints_between(self, start: int, end: int, prompt: Callable[[int], list[int]], prompt_len: int):
+        """The (boundary, checkpoint slot) pairs a sequence computing tokens [start, end) of a
+        prompt of ``prompt_len`` tokens writes its state at (pending until the step commits);
+        ``prompt(n)`` gives its first n tokens."""
+        if self.checkpoints is None:
+            return []
+        out = []
+        for b in self.checkpoints.boundaries(start, end, prompt_len):
+            # the key of the block that ends at b: prefix_keys hashes every full block but the
+            # last token's, so one token (never hashed) is put after the b tokens
+            *_, key = prefix_keys(prompt(b) + [0], self.block_size)
+            slot = self.checkpoints.take(key)
+            if slot is not None:
+                out.append((b, slot))
+        return out
+
     def take_state_copies(self) -> list[tuple[int, int]]:
         """The state copies the forks since the last call owe, for the next step to make."""
         copies, self.state_copies = self.state_copies, []
@@ -146,6 +177,7 @@ class BlockPools:
         slot = self.state_of.pop(seq_id, None)
         if slot is not None:
             self.free_states.append(slot)
+            self.state_restores = [r for r in self.state_restores if r[1] != slot]  # not owed any more
 
     def drop_out_of_window(self, seq_id: int, next_position: int) -> None:
         for p in self.pools:
@@ -159,14 +191,22 @@ class BlockPools:
             return 0
         keys = self.main.lookup_keys(tokens)  # pool 0's chain bounds every pool's prefix
         found = [p.cached_blocks(keys) for p in self.pools]
-        n = len(keys)
+        n, checkpoint = len(keys), None
         while True:  # a shorter prefix may need window blocks another pool lacks: to a fixed point
             shorter = min(p.longest_prefix(f, n) for p, f in zip(self.pools, found))
+            if self.checkpoints is not None:  # and a state after it
+                while shorter and (checkpoint := self.checkpoints.find(keys[shorter - 1])) is None:
+                    shorter -= 1
             if shorter == n:
                 break
             n = shorter
         for p, f in zip(self.pools, found):
             p.adopt(seq_id, keys, f, n)
+        if n and checkpoint is not None and self.checkpoints is not None:
+            self._take_state(seq_id)
+            self.state_restores.append((checkpoint, self.state_of[seq_id]))
+            self.checkpoints.stats.hits += 1
+            self.checkpoints.stats.hit_tokens += n * self.block_size
         return n * self.block_size
 
     def count_admission(self, num_tokens: int, reused: int) -> None:
@@ -204,6 +244,8 @@ class BlockPools:
             p.check_invariants()
         if len({frozenset(p.tables) for p in self.pools}) > 1:
             raise AssertionError("the pools' tables are for different sequences")
+        if self.checkpoints is not None:
+            self.checkpoints.check_invariants()
         held = list(self.state_of.values())
         if len(set(held)) != len(held) or set(held) & set(self.free_states):
             raise AssertionError(f"a state slot is held twice or held and free: {self.state_of}, {self.free_states}")

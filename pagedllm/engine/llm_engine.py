@@ -53,6 +53,10 @@ class EngineStats(SchedulerCounters):
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0  # prompt tokens served from cached blocks, not recomputed
     prefix_cache_evictions: int = 0
+    # a model with states per sequence: its prefix checkpoints (``engine.state_checkpoints``)
+    state_checkpoints_taken: int = 0
+    state_checkpoint_hits: int = 0  # requests that started from one (their hit tokens are prefix_cache_hit_tokens)
+    state_checkpoint_evictions: int = 0
     last_step_tokens: int = 0
     max_batch_tokens: int = 0  # the effective step budget (lowered by out-of-memory recoveries)
     memory_resizes: int = 0  # budgets changed at run time (set_memory, memory="follow")
@@ -347,6 +351,7 @@ class LLMEngine:
             prefix_cache_queried_tokens=prefix.queried_tokens,
             prefix_cache_hit_tokens=prefix.hit_tokens,
             prefix_cache_evictions=prefix.evictions,
+            **self._checkpoint_stats(),
             last_step_tokens=step_tokens,
             max_batch_tokens=s.max_batch_tokens,
             memory_resizes=self.elastic.resizes,
@@ -354,6 +359,13 @@ class LLMEngine:
             **self._expert_stats(),
             **self._layer_stream_stats(),
         )
+
+    def _checkpoint_stats(self) -> dict:
+        checkpoints = self.blocks.checkpoints
+        if checkpoints is None:
+            return {}
+        c = checkpoints.stats
+        return dict(state_checkpoints_taken=c.taken, state_checkpoint_hits=c.hits, state_checkpoint_evictions=c.evicted)
 
     def _layer_stream_stats(self) -> dict:
         stream = self.loaded.model.layer_stream

@@ -119,6 +119,10 @@ class ModelRunner:
             pool_ranges=longs(pool_ranges).view(-1, 2),
             state_slots=longs([r.state_slot for r in out.rows]),
             state_copies=longs(out.state_copies).view(-1, 2),
+            state_restores=longs(out.state_restores).view(-1, 2),
+            checkpoints=longs([(i, at, slot) for i, r in enumerate(out.rows) for at, slot in r.checkpoints]).view(
+                -1, 3
+            ),
         )
 
     def execute(self, step: StepInput) -> torch.Tensor:
@@ -146,6 +150,7 @@ class ModelRunner:
         self.kv_cache.zero_blocks(step.zeros.tolist())
         self.kv_cache.copy_blocks(step.copies.tolist())  # (pool, source, destination)
         self.kv_cache.copy_states(step.state_copies.tolist())  # (source, destination) slots
+        self.kv_cache.restore_states(step.state_restores.tolist())  # (checkpoint, state) slots
         layout = self.backend.attention_metadata(step, self.group_size)
         attention = self.backend.attention(self.kv_cache, layout)
         if not step.pool_ranges.numel():

@@ -7,7 +7,6 @@ the limits, with the policy that moves them (``ElasticMemory``). ``LLMEngine`` d
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,8 +31,6 @@ from .ranks import Ranks
 from .resources import EngineMemory
 from .scheduler import Scheduler
 from .speculative import Speculation
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -66,9 +63,7 @@ def assemble(
     plan = plan or plan_loaded(loaded, backend, config, draft)
     eos = stop_token_ids(cfg, loaded.tokenizer)
     detokenizer = Detokenizer(loaded.tokenizer, eos, plan.max_model_len)
-    pools = loaded.model.config.kv_pools
-    state_slots = _state_slots(cfg, config, plan)
-    blocks = BlockPools(plan.pool_blocks, plan.block_size, pools, config.enable_prefix_caching, state_slots)
+    blocks = _block_pools(cfg, config, plan)
     limits = RequestLimits(cfg.vocab_size, plan.max_num_seqs, plan.max_model_len, plan.num_blocks, plan.block_size)
     drafter = drafter_of(loaded, backend, draft, plan, config) if draft is not None else None
     scheduler = Scheduler(
@@ -89,7 +84,8 @@ def assemble(
         plan.kv_dtype,
         resident=config.budgeted,
         capacity_blocks=pool_capacity(plan),  # set_memory's room
-        state_slots=state_slots,
+        state_slots=blocks.state_slots,
+        checkpoint_slots=blocks.checkpoints.slots if blocks.checkpoints is not None else 0,
     )
     memory = EngineMemory(
         plan, config, kv_cache, blocks, limits, scheduler, replanner(loaded, backend), loaded.model.expert_cache
@@ -172,11 +168,20 @@ def drafter_of(
     )
 
 
+def _block_pools(cfg, config: EngineConfig, plan: MemoryPlan) -> BlockPools:
+    """The blocks of every KV pool, and the state and checkpoint slots of a model that keeps states."""
+    states = _state_slots(cfg, config, plan)
+    checkpoints = plan.checkpoint_slots if states and config.enable_prefix_caching else 0
+    return BlockPools(
+        plan.pool_blocks, plan.block_size, cfg.kv_pools, config.enable_prefix_caching, states, checkpoints
+    )
+
+
 def _state_slots(cfg, config: EngineConfig, plan: MemoryPlan) -> int:
     """One state slot per sequence that may run at once, for a model whose layers keep a state
-    per sequence (the plan counted them: ``MemoryPlan.state_bytes``); 0 for any other. Such a
-    model takes no speculative guesses (a rejected guess cannot be taken back out of a state)
-    and reuses no prefix yet (no state checkpoints: a cached block is K/V, not the state after it)."""
+    per sequence (the plan counted them, and its prefix checkpoints: ``MemoryPlan.state_bytes``);
+    0 for any other. Such a model takes no speculative guesses (a rejected guess cannot be taken
+    back out of a state)."""
     if not cfg.state_bytes_per_sequence():
         return 0
     if config.speculative_method is not None:
@@ -184,8 +189,6 @@ def _state_slots(cfg, config: EngineConfig, plan: MemoryPlan) -> int:
             f"{cfg.architecture}: speculative decoding is not supported for layers that keep a state per "
             "sequence (a rejected guess cannot be taken back out of the state)"
         )
-    if config.enable_prefix_caching:
-        log.info("%s: prefix caching is off (its recurrent layers' states are not checkpointed yet)", cfg.architecture)
     return plan.max_num_seqs
 
 

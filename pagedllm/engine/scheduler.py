@@ -194,6 +194,7 @@ class Scheduler:
             batch.zeros, self._to_zero = self._to_zero, []
             batch.copies, self._to_copy = self._to_copy + batch.copies, []
             batch.state_copies = self.blocks.take_state_copies()
+            batch.state_restores = self.blocks.take_state_restores()
         self.counters.preemptions += len(batch.preempted)
         return batch
 
@@ -251,6 +252,8 @@ class Scheduler:
         not finite fails alone; its blocks are zeroed before anyone reuses them. Returns the
         sequences that got a token or finished, in batch order."""
         c = self.counters
+        if self.blocks.checkpoints is not None:
+            self.blocks.checkpoints.commit()  # the states this step copied out can be found
         c.steps += 1
         c.tokens_computed += batch.total_tokens
         c.blocks_copied += len(batch.copies)
@@ -326,6 +329,8 @@ class Scheduler:
         """
         if batch.total_tokens <= 1:
             raise error
+        if self.blocks.checkpoints is not None:
+            self.blocks.checkpoints.drop_pending()  # perhaps half written
         if self.blocks.state_slots:  # a failed step may have moved some layers' states: start them again
             for seq in [self.live[r.seq_id] for r in batch.rows if r.seq_id in self.live]:
                 if seq.status is Status.RUNNING:
@@ -367,6 +372,12 @@ class Scheduler:
                 prompt_logits,
                 seq.pooled_positions(start, start + n),
                 self.blocks.state_slot(seq.seq_id),
+                tuple(
+                    (b - start, slot)
+                    for b, slot in self.blocks.checkpoints_between(
+                        start, start + n, lambda k: seq.tokens(0, k), seq.num_prompt_tokens
+                    )
+                ),
             )
         )
 

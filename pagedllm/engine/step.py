@@ -44,6 +44,8 @@ class ScheduledRow:
     prompt_logits: int = 0
     pooled: int = 0  # an embedding request's: its last positions whose hidden states are pooled
     state_slot: int = -1  # its slot in the state pool (layers that keep a state per sequence); -1: none
+    # (position, checkpoint slot): where in [start, end) its state is copied out for later requests
+    checkpoints: tuple[tuple[int, int], ...] = ()
 
     @property
     def block_table(self) -> list[int]:
@@ -79,6 +81,8 @@ class SchedulerOutput:
     zeros: list[tuple[int, int]] = field(default_factory=list)  # (pool, block)s whose K/V may be non-finite
     # (source, destination) state slots: a forked sample's state, copied from its parent's
     state_copies: list[tuple[int, int]] = field(default_factory=list)
+    # (checkpoint, state) slots: a sequence that adopted a cached prefix starts from its checkpoint
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:
@@ -124,3 +128,7 @@ class StepInput:
     # (source, destination) slots copied before the step
     state_slots: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     state_copies: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 2, dtype=torch.long))
+    # [R, 2] int64: (checkpoint, state) slots restored before the step; [C, 3] int64: (sequence,
+    # tokens of it computed, checkpoint slot) states copied out during the step
+    state_restores: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 2, dtype=torch.long))
+    checkpoints: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 3, dtype=torch.long))

@@ -26,6 +26,9 @@ AUTO_MAX_BATCH_TOKENS = 512
 # rest of the budget goes to the expert cache, and the solve gives the KV cache what is left.
 EXPERT_CACHE_CONTEXT = 4096
 
+# checkpoints of states kept for prefixes, per sequence that may run (a planned, evictable pool)
+STATE_CHECKPOINTS_PER_SEQUENCE = 1
+
 
 def overhead(s: EngineSettings) -> int:
     """OVERHEAD_BYTES, plus structured output's grammar caches at their bound when it is on."""
@@ -77,8 +80,9 @@ class Costs:
 
     @property
     def states(self) -> int:
-        """The fixed state of every sequence that may run at once (``SequenceState`` layers)."""
-        return self.seqs * self.cfg.state_bytes_per_sequence()
+        """The fixed state of every sequence that may run at once (``SequenceState`` layers), and
+        as many checkpoints of states kept for prefixes (``engine.state_checkpoints``)."""
+        return self.seqs * self.cfg.state_bytes_per_sequence() * (1 + STATE_CHECKPOINTS_PER_SEQUENCE)
 
     def fixed(self, m: int, max_len: int) -> int:
         """Everything but the paged cache, at step budget ``m`` and context ``max_len``."""

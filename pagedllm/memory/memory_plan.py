@@ -57,9 +57,16 @@ class MemoryPlan:
     layer_slots: int = 0
     layer_slot_bytes: int = 0
     layer_reads_per_step: int = 0
-    # layers that keep a fixed state per running sequence (``kinds.SequenceState``):
-    # every sequence that may run at once, max_num_seqs of them
+    # layers that keep a fixed state per running sequence (``kinds.SequenceState``): every
+    # sequence that may run at once, max_num_seqs of them, and the checkpoints kept for prefixes
+    # (``costs.STATE_CHECKPOINTS_PER_SEQUENCE`` per sequence: ``checkpoint_slots``)
     state_bytes: int = 0
+    checkpoint_slots: int = 0
+
+    @property
+    def state_count(self) -> int:
+        """States the plan holds: one per running sequence, and the prefix checkpoints."""
+        return self.max_num_seqs + self.checkpoint_slots
 
     @property
     def pool_blocks(self) -> list[int]:
@@ -165,8 +172,8 @@ class MemoryPlan:
             rows.append(
                 (
                     "sequence states",
-                    f"{gib(self.state_bytes, 8)}  ({self.state_bytes // self.max_num_seqs} bytes per running "
-                    f"sequence x {self.max_num_seqs} sequences)",
+                    f"{gib(self.state_bytes, 8)}  ({self.state_bytes // self.state_count} bytes per sequence x "
+                    f"{self.max_num_seqs} running + {self.checkpoint_slots} prefix checkpoints)",
                 )
             )
         return rows

@@ -28,6 +28,7 @@ from .costs import (
     AUTO_MAX_NUM_SEQS,
     ESTIMATED_BASELINE_BYTES,
     OVERHEAD_BYTES,
+    STATE_CHECKPOINTS_PER_SEQUENCE,
     Costs,
     overhead,
 )
@@ -149,6 +150,7 @@ def _result(costs: Costs, solved: tuple[int, int, int], names: tuple[str, int, s
         window_pools=tuple((w, n_w, b) for (w, b), n_w in zip(costs.windows, costs.window_blocks(n, m))),
         shared_pool_tokens=costs.shared_pool_tokens(budget_bytes, m, max_len),
         state_bytes=costs.states,
+        checkpoint_slots=costs.seqs * STATE_CHECKPOINTS_PER_SEQUENCE if costs.states else 0,
         **residency,
     )
 

@@ -140,6 +140,15 @@ class _EngineCollector:
                 s.prefix_cache_hit_tokens,
             ),
             "pagedllm_prefix_cache_evictions": ("Cached blocks evicted for new ones", s.prefix_cache_evictions),
+            "pagedllm_state_checkpoints_taken": (
+                "States kept at prompt block boundaries for later prefixes (recurrent layers)",
+                s.state_checkpoints_taken,
+            ),
+            "pagedllm_state_checkpoint_hits": (
+                "Requests that started from a kept state (its blocks and checkpoint both cached)",
+                s.state_checkpoint_hits,
+            ),
+            "pagedllm_state_checkpoint_evictions": ("Kept states evicted for new ones", s.state_checkpoint_evictions),
             "pagedllm_kv_blocks_copied": (
                 "Shared blocks copied on first write (samples of one request)",
                 s.blocks_copied,

@@ -104,10 +104,13 @@ class StepLayout:
         pairs_budget: int = PAIRS_BUDGET,
         gather_budget: int = GATHER_BUDGET,
         state_slots: torch.Tensor | None = None,
+        checkpoints: torch.Tensor | None = None,
     ):
         self.query_start = query_start
         # [S] each sequence's state slot (the state-keeping layers', ``KVCache.states``); empty: none
         self.state_slots = state_slots if state_slots is not None else torch.zeros(0, dtype=torch.long)
+        # [C, 3] (sequence, tokens of it computed, checkpoint slot): states copied out during the step
+        self.checkpoints = checkpoints if checkpoints is not None else torch.zeros(0, 3, dtype=torch.long)
         self.context_lens = context_lens
         # one [S, max blocks] table per pool; given [S, max blocks], one pool
         self.pool_tables = list(block_tables) if block_tables.dim() == 3 else [block_tables]
@@ -130,6 +133,7 @@ class StepLayout:
             step.block_size,
             group_size,
             state_slots=step.state_slots,
+            checkpoints=step.checkpoints,
             **budgets,
         )
 
@@ -244,6 +248,9 @@ class CompiledPagedAttention:
     def sequence_states(self, layer: int) -> dict[str, torch.Tensor]:
         return self.cache.states[layer]
 
+    def state_checkpoints(self, layer: int) -> dict[str, torch.Tensor]:
+        return self.cache.checkpoints[layer]
+
     def attend(
         self,
         layer: int,
@@ -290,6 +297,9 @@ class TorchPagedAttention:
 
     def sequence_states(self, layer: int) -> dict[str, torch.Tensor]:
         return self.cache.states[layer]
+
+    def state_checkpoints(self, layer: int) -> dict[str, torch.Tensor]:
+        return self.cache.checkpoints[layer]
 
     def attend(
         self,

@@ -60,6 +60,7 @@ class KVCache:
         shape=None,
         capacity_blocks: int | list[int] | None = None,
         state_slots: int = 0,
+        checkpoint_slots: int = 0,
     ):
         """``num_blocks``: one number (every layer in one pool), or one per pool of
         ``cfg.kv_pools``. ``resident``: commit every page of the blocks in use now (the engine does
@@ -67,7 +68,8 @@ class KVCache:
         load cannot grow it); else pages are committed as blocks are first written.
         ``capacity_blocks``: the most blocks a later ``resize`` may grow each pool to (default:
         ``num_blocks``); ``shape(blocks)`` is the layout of a tensor of that many (default: the CPU's).
-        ``state_slots``: the sequences whose states each state-keeping layer holds (``states``)."""
+        ``state_slots``: the sequences whose states each state-keeping layer holds (``states``);
+        ``checkpoint_slots``: the states it keeps for prefixes (``checkpoints``)."""
         pooled = not isinstance(num_blocks, int)
         sizes: list[int] = [num_blocks] if isinstance(num_blocks, int) else list(num_blocks)
         capacity: list[int] = sizes
@@ -102,6 +104,7 @@ class KVCache:
         self.k_scale = [self._zeros(sh[:2], torch.float32, device) for sh in scaled]
         self.v_scale = [self._zeros(sh[:2], torch.float32, device) for sh in scaled]
         self.states = _state_pool(cfg, state_slots, device)
+        self.checkpoints = _state_pool(cfg, checkpoint_slots, device)
         if resident:
             for p, n in enumerate(sizes):
                 self._commit(p, 0, n)
@@ -160,6 +163,13 @@ class KVCache:
             for tensors in self.states.values():
                 for t in tensors.values():
                     t[dst].copy_(t[src])
+
+    def restore_states(self, restores: list[tuple[int, int]]) -> None:
+        """Every state-keeping layer's checkpoint ``src`` into state slot ``dst`` (a prefix adopted)."""
+        for src, dst in restores:
+            for layer, tensors in self.states.items():
+                for name, t in tensors.items():
+                    t[dst].copy_(self.checkpoints[layer][name][src])
 
     def zero_blocks(self, blocks: list[tuple[int, int]]) -> None:
         """Zeroes the K/V of each (pool, block): stale values are read (masked) by a block's

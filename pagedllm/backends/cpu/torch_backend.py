@@ -47,6 +47,7 @@ class CPUTorchBackend(Backend):
         resident: bool,
         capacity_blocks: int | list[int] | None = None,
         state_slots: int = 0,
+        checkpoint_slots: int = 0,
     ) -> KVCache:
         if cfg.state_bytes_per_sequence() and state_slots < 1:
             raise ValueError("a model whose layers keep a state per sequence needs state_slots (max_num_seqs)")
@@ -64,6 +65,7 @@ class CPUTorchBackend(Backend):
             shape=shape,
             capacity_blocks=capacity_blocks,
             state_slots=state_slots,
+            checkpoint_slots=checkpoint_slots,
         )
 
     def attention_metadata(self, step: StepInput, group_size: int) -> attention.StepLayout:

@@ -69,34 +69,49 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self.in_proj(x).split(self.widths, dim=-1)
         beta = b.float().sigmoid()
         decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # g <= 0
-        states = attn.sequence_states(self.layer)
-        layout = attn.layout
+        states, layout = attn.sequence_states(self.layer), attn.layout
         starts, ends = layout.query_start.tolist(), layout.context_lens.tolist()
         slots = layout.state_slots.tolist()
+        copied: dict[int, list[tuple[int, int]]] = {}  # sequence -> (tokens in, checkpoint slot)
+        for s, at, slot in layout.checkpoints.tolist():
+            copied.setdefault(s, []).append((at, slot))
         out = torch.empty(x.shape[0], self.value_heads, self.value_dim, dtype=torch.float32)
-        decodes = [s for s in range(len(slots)) if starts[s + 1] - starts[s] == 1 and ends[s] > 1]
+        decodes = [s for s in range(len(slots)) if starts[s + 1] - starts[s] == 1 and ends[s] > 1 and s not in copied]
         if decodes:
-            rows = torch.tensor([starts[s] for s in decodes])
-            index = torch.tensor([slots[s] for s in decodes])
-            conv, recurrent = states["conv"][index], states["recurrent"][index]
-            window = torch.cat([conv, mixed[rows].float()[:, :, None]], dim=2)  # [n, channels, kernel]
-            states["conv"][index] = window[:, :, 1:]
-            qkv = F.silu((window * self.conv1d.weight.float()[:, 0]).sum(-1))
-            q, k, v = self._heads(qkv)
-            out[rows] = delta_rule.recurrent_step(q, k, v, decay[rows], beta[rows], recurrent)
-            states["recurrent"][index] = recurrent
+            self._decode(decodes, starts, slots, mixed, decay, beta, states, out)
         for s in sorted(set(range(len(slots))) - set(decodes)):
             lo, hi = starts[s], starts[s + 1]
             conv, recurrent = states["conv"][slots[s]], states["recurrent"][slots[s]]
             if ends[s] == hi - lo:  # its first tokens: a fresh state (a slot's last owner left its own)
                 conv.zero_()
                 recurrent.zero_()
+            stops = sorted(copied.get(s, [])) + [(hi - lo, -1)]
             window = torch.cat([conv, mixed[lo:hi].float().T], dim=1)  # [channels, kernel - 1 + n]
-            qkv = F.silu(F.conv1d(window[None], self.conv1d.weight.float(), groups=window.shape[0])[0].T)
+            q, k, v = self._heads(
+                F.silu(F.conv1d(window[None], self.conv1d.weight.float(), groups=window.shape[0])[0].T)
+            )
+            done = 0
+            for at, slot in stops:  # the rule up to each checkpoint, the state copied out there
+                rows = slice(lo + done, lo + at)
+                out[rows] = delta_rule.chunked(q[done:at], k[done:at], v[done:at], decay[rows], beta[rows], recurrent)
+                if slot >= 0:
+                    kept = attn.state_checkpoints(self.layer)
+                    kept["conv"][slot] = window[:, at : at + conv.shape[1]]  # the inputs before position at
+                    kept["recurrent"][slot] = recurrent
+                done = at
             conv.copy_(window[:, window.shape[1] - conv.shape[1] :])
-            q, k, v = self._heads(qkv)
-            out[lo:hi] = delta_rule.chunked(q, k, v, decay[lo:hi], beta[lo:hi], recurrent)
         return self.out_proj(self._gated_norm(out, z).to(x.dtype).view(x.shape[0], -1))
+
+    def _decode(self, decodes, starts, slots, mixed, decay, beta, states, out) -> None:
+        """One token each of several sequences, their states gathered, updated and put back."""
+        rows = torch.tensor([starts[s] for s in decodes])
+        index = torch.tensor([slots[s] for s in decodes])
+        conv, recurrent = states["conv"][index], states["recurrent"][index]
+        window = torch.cat([conv, mixed[rows].float()[:, :, None]], dim=2)  # [n, channels, kernel]
+        states["conv"][index] = window[:, :, 1:]
+        q, k, v = self._heads(F.silu((window * self.conv1d.weight.float()[:, 0]).sum(-1)))
+        out[rows] = delta_rule.recurrent_step(q, k, v, decay[rows], beta[rows], recurrent)
+        states["recurrent"][index] = recurrent
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The convolved channels [n, channels] as q and k per value head (each key head serves
