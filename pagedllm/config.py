@@ -202,7 +202,8 @@ class ModelConfig:
                 architecture=fam.architecture,
                 vocab_size=int(d["vocab_size"]),
                 hidden_size=hidden,
-                intermediate_size=int(d["intermediate_size"]),
+                # (a mixture whose every layer is sparse may name no dense width: Qwen3.5-MoE)
+                intermediate_size=int(d["intermediate_size"]) if "intermediate_size" in d or not fam.experts else 0,
                 num_layers=layers,
                 num_heads=heads,
                 num_kv_heads=int(d.get("num_key_value_heads") or heads),

@@ -17,6 +17,12 @@ from pagedllm.kinds.gated_deltanet import delta_rule
 from pagedllm.loading import load
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+# The mixture's logits on the compiled kernels: its float32 GEMMs sum in another order than
+# transformers' (the first layer's mixer output 7e-6 from transformers' on a spread of 3.5, 2e-6
+# relative; the PyTorch path's 5e-7), and four sparse layers after delta-rule layers carry that to
+# 1.2e-4 (a 40-token prompt) and 3.4e-4 (the 70-token one) of logits up to 4.5 (PyTorch path:
+# 1.7e-5; each MoE layer alone is exact on both paths; a wrong gate or weight moves them by 0.1+).
+EXPERTS_COMPILED_ATOL = 5e-4
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +82,7 @@ def test_logits_of_a_mixed_step_equal_transformers_in_fp32(hybrid, arch, kernels
     logits = loaded.model(torch.tensor(ids), torch.tensor(positions), attn, torch.arange(len(ids)))
     with torch.no_grad():
         want = torch.cat([hf(torch.tensor([p])).logits[0].float() for p in batch])
-    torch.testing.assert_close(logits.float(), want, atol=1e-4, rtol=0)
+    torch.testing.assert_close(logits.float(), want, atol=EXPERTS_COMPILED_ATOL if "moe" in arch else 1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("arch", HYBRID_ARCHS)
@@ -113,12 +119,13 @@ def test_forked_samples_continue_their_parents_state(hybrid, arch):
         assert [s.token_ids for s in out.outputs] == [want] * 3
 
 
-def test_the_planned_weights_are_transformers_parameters(hybrid):
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_the_planned_weights_are_transformers_parameters(hybrid, arch):
     """The planner counts a delta-rule layer's tensors from config.json alone (its kind's
     ``footprint.parameters``): the same number as the checkpoint transformers wrote."""
     from pagedllm.memory.footprint import parameter_count
 
-    directory, hf = hybrid["qwen3_5"]
+    directory, hf = hybrid[arch]
     assert parameter_count(ModelConfig.from_file(directory)) == sum(p.numel() for p in hf.parameters())
 
 

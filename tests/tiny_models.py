@@ -160,6 +160,24 @@ HYBRID_ARCHS = {
             tie_word_embeddings=False,
         ),
     ),
+    # and its mixture: every layer sparse, the top-k renormalised, a sigmoid-gated shared expert
+    "qwen3_5-moe": (
+        "Qwen3_5MoeTextConfig",
+        dict(
+            head_dim=32,
+            num_hidden_layers=4,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=96,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 

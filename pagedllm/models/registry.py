@@ -19,6 +19,7 @@ from .qwen2.spec import FAMILY as QWEN2
 from .qwen2_moe.spec import FAMILY as QWEN2_MOE
 from .qwen3.spec import FAMILY as QWEN3
 from .qwen3_5.spec import FAMILY as QWEN3_5
+from .qwen3_5_moe.spec import FAMILY as QWEN3_5_MOE
 from .qwen3_moe.spec import FAMILY as QWEN3_MOE
 from .smollm3.spec import FAMILY as SMOLLM3
 
@@ -36,6 +37,7 @@ FAMILIES: tuple[Family, ...] = (
     QWEN3_MOE,
     GPT_OSS,
     QWEN3_5,
+    QWEN3_5_MOE,
 )
 
 _BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES}

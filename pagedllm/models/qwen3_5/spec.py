@@ -4,8 +4,8 @@ carries an output gate per head and whose rotary turns a quarter of each head; q
 per head. Every RMSNorm but the delta rule's gated one scales by (1 + weight) (zero-centred): the
 loader adds the 1 once, as for Gemma. The multi-token-prediction head (``mtp.*``) is skipped.
 
-Not yet: GGUF files (``qwen35``), the MoE variant, a split over ranks, speculative decoding and
-prefix reuse (no state checkpoints), compiled kernels for the delta rule (the PyTorch path runs)."""
+Not yet: GGUF files (``qwen35``), a split over ranks, speculative decoding, and
+compiled kernels for the delta rule (the PyTorch path runs)."""
 
 from ..family import DENSE_LAYER_NAMES, Family
 
