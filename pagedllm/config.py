@@ -89,6 +89,14 @@ class DeltaRuleConfig:
 
 
 @dataclass(frozen=True)
+class ShortConvConfig:
+    """A gated short convolution's (LFM2's ``conv`` layers, ``kinds/short_conv``): its taps, biases."""
+
+    kernel: int
+    bias: bool
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -121,6 +129,7 @@ class ModelConfig:
     # per layer: its mixer's kind (a key of ``kinds.MIXERS``); () every layer is attention
     layer_mixers: tuple[str, ...] = ()
     delta_rule: DeltaRuleConfig | None = None  # the Gated DeltaNet layers' sizes (Qwen3.5)
+    short_conv: ShortConvConfig | None = None  # the short-convolution layers' (LFM2)
     # Qwen3.5: q_proj gives each head's q and a gate beside it; the attention's output is
     # multiplied by the gate's sigmoid before o_proj
     attention_output_gate: bool = False
@@ -188,6 +197,8 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict, source: str = "config") -> ModelConfig:
         fam = family_of_config(d, source)
+        if fam.normalise_config is not None:  # a family whose config.json names common fields its own way
+            d = fam.normalise_config(d)
         for key in ("attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention"):
             if d.get(key):
                 raise UnsupportedModelError(
@@ -230,7 +241,7 @@ class ModelConfig:
                 local_rope=_local_rope_from_hf(d, source),
                 rope_layers=tuple(bool(x) for x in d["no_rope_layers"]) if d.get("no_rope_layers") else (),
                 layer_mixers=_layer_mixers_from_hf(d, fam, layers, source),
-                delta_rule=_delta_rule_from_hf(d) if "gated_deltanet" in fam.layer_type_mixers.values() else None,
+                **_mixer_sizes(d, fam),
                 attention_output_gate=fam.attention_output_gate,
             )
         except KeyError as e:
@@ -368,6 +379,15 @@ def _layer_mixers_from_hf(d: dict, fam: Family, layers: int, source: str) -> tup
     if unknown:
         raise UnsupportedModelError(f"{source}: layer types {unknown} are not supported")
     return tuple(fam.layer_type_mixers[t] for t in types)
+
+
+def _mixer_sizes(d: dict, fam: Family) -> dict:
+    """The sizes of the mixers other than attention that the family's layers have."""
+    kinds = set(fam.layer_type_mixers.values())
+    return dict(
+        delta_rule=_delta_rule_from_hf(d) if "gated_deltanet" in kinds else None,
+        short_conv=ShortConvConfig(int(d["conv_L_cache"]), bool(d.get("conv_bias"))) if "short_conv" in kinds else None,
+    )
 
 
 def _delta_rule_from_hf(d: dict) -> DeltaRuleConfig:

@@ -156,8 +156,9 @@ def cold(directory, prompt, params=GREEDY):
     return llm.generate([prompt], params)[0].token_ids
 
 
+@pytest.mark.parametrize("arch", ["qwen3_5", "lfm2"])
 @pytest.mark.parametrize("interval", [8, 256])
-def test_a_prefix_hit_starts_from_a_checkpoint_with_exact_outputs(hybrid, monkeypatch, interval):
+def test_a_prefix_hit_starts_from_a_checkpoint_with_exact_outputs(hybrid, monkeypatch, interval, arch):
     """Two requests that share a 37-token prefix, then a third that repeats the second and goes
     on (a conversation's next turn). With a checkpoint every 8 tokens the second starts at 32
     (the last one within the shared part); with one every 256 only the prompt's last boundary is
@@ -166,7 +167,7 @@ def test_a_prefix_hit_starts_from_a_checkpoint_with_exact_outputs(hybrid, monkey
     from pagedllm.engine import state_checkpoints
 
     monkeypatch.setattr(state_checkpoints, "INTERVAL_TOKENS", interval)
-    directory, hf = hybrid["qwen3_5"]
+    directory, hf = hybrid[arch]
     llm = LLM(directory, dtype="float32", block_size=4, max_batch_tokens=16)
     shared = prompts(320, lengths=(37,), seed=11)[0]
     first, second = shared + [5, 6, 7, 8, 9, 10, 11, 12, 13, 14], shared + [21, 22, 23, 24, 25, 26, 27]
@@ -185,13 +186,14 @@ def test_a_prefix_hit_starts_from_a_checkpoint_with_exact_outputs(hybrid, monkey
     llm.engine.blocks.check_invariants()
 
 
-def test_a_checkpoint_equals_the_state_recomputed_bit_for_bit(hybrid, monkeypatch):
+@pytest.mark.parametrize("arch", ["qwen3_5", "lfm2"])
+def test_a_checkpoint_equals_the_state_recomputed_bit_for_bit(hybrid, monkeypatch, arch):
     """The state kept at token 32 of a 47-token prompt computed in chunks of 16 is, in every
     layer and to the bit, the state a 32-token prompt leaves in its slot."""
     from pagedllm.engine import state_checkpoints
 
     monkeypatch.setattr(state_checkpoints, "INTERVAL_TOKENS", 32)
-    directory, _ = hybrid["qwen3_5"]
+    directory, _ = hybrid[arch]
     prompt = prompts(320, lengths=(47,), seed=12)[0]
     llm = LLM(directory, dtype="float32", block_size=4, max_batch_tokens=16, enable_prefix_caching=True)
     llm.generate([prompt], SamplingParams(max_tokens=1))

@@ -160,7 +160,23 @@ HYBRID_ARCHS = {
             tie_word_embeddings=False,
         ),
     ),
-    # and its mixture: every layer sparse, the top-k renormalised, a sigmoid-gated shared expert
+    # LFM2: short convolutions (3 taps, biased here) and attention layers; its MLP width derived
+    "lfm2": (
+        "Lfm2Config",
+        dict(
+            num_hidden_layers=4,
+            layer_types=["conv", "full_attention", "conv", "conv"],
+            conv_L_cache=3,
+            conv_bias=True,
+            intermediate_size=240,
+            block_multiple_of=32,
+            block_ffn_dim_multiplier=1.0,
+            block_auto_adjust_ff_dim=True,
+            norm_eps=1e-5,
+            tie_word_embeddings=True,
+        ),
+    ),
+    # and Qwen3.5's mixture: every layer sparse, the top-k renormalised, a sigmoid-gated shared expert
     "qwen3_5-moe": (
         "Qwen3_5MoeTextConfig",
         dict(

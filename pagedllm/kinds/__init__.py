@@ -38,7 +38,8 @@ from types import ModuleType
 from ..sizes import KV_SCALE_BYTES, kv_element_bytes, kv_is_quantized
 
 # The kinds, each a folder of this package: a new kind is one line here.
-MIXERS = ("attention", "gated_deltanet")  # full or sliding attention (its cache says which); a delta rule
+# full or sliding attention (its cache says which); a gated delta rule (Qwen3.5); a gated short convolution (LFM2)
+MIXERS = ("attention", "gated_deltanet", "short_conv")
 FEED_FORWARDS = ("dense_mlp", "sparse_moe")  # a SwiGLU MLP; a mixture of such experts
 PARTS = {"cache": MIXERS, "forward": MIXERS + FEED_FORWARDS, "footprint": MIXERS + FEED_FORWARDS}
 

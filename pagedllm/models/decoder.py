@@ -199,12 +199,12 @@ class DecoderLM(nn.Module):
         """HF checkpoint name -> (module, parameter, part): ``part`` is the index of the rows a
         stacked ``Linear`` keeps for that tensor, None for a parameter of its own."""
         slots: dict[str, tuple[nn.Module, str, int | None]] = {}
+        family = self.config.family
         for name, module in self.named_modules():
             if isinstance(module, (Linear, QuantizedLinear)):
                 continue
             for leaf, _ in module.named_parameters(recurse=False):
-                slots[f"{name}.{leaf}"] = (module, leaf, None)
-        family = self.config.family
+                slots[family.checkpoint_name(f"{name}.{leaf}")] = (module, leaf, None)
         for i, layer in enumerate(self.model.decoder_layers()):
             # each part's stacked linear layers -> the roles of their parts (its kind's module says)
             stacked = layer.mixer.checkpoint_roles() | layer.mlp.checkpoint_roles()

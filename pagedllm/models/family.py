@@ -123,6 +123,12 @@ class Family:
     attention_output_gate: bool = False  # Qwen3.5: q_proj gives a gate per head beside q (``ModelConfig``)
     # checkpoint tensors read past, logged once (Qwen3.5's multi-token-prediction head: ``mtp.``)
     skipped_prefixes: tuple[str, ...] = ()
+    # config.json -> the same with the common fields under their usual names and values (LFM2's
+    # ``norm_eps``, its MLP width as its blocks compute it); None: read as it is
+    normalise_config: Callable[[dict], dict] | None = None
+    # module names (a path's dotted part) the checkpoint spells its own way: ours -> its
+    # (LFM2's ``input_layernorm`` is its ``operator_norm``); the loader asks ``checkpoint_name``
+    module_names: dict[str, str] = field(default_factory=dict)
 
     @property
     def not_split_because(self) -> str | None:
@@ -137,6 +143,12 @@ class Family:
         if self.layer_type_mixers:
             return "layers that keep a state per sequence do not split yet"
         return None
+
+    def checkpoint_name(self, name: str) -> str:
+        """Our parameter's name as the checkpoint spells it (``module_names``)."""
+        if not self.module_names:
+            return name
+        return ".".join(self.module_names.get(part, part) for part in name.split("."))
 
     def name_of(self, role: str, layer: int, expert: int | None = None) -> str:
         """The checkpoint name (without ``.weight``) of a layer's tensor by its role."""

@@ -10,6 +10,7 @@ from ..errors import UnsupportedModelError
 from .family import Family
 from .gemma3.spec import FAMILY as GEMMA3
 from .gpt_oss.spec import FAMILY as GPT_OSS
+from .lfm2.spec import FAMILY as LFM2
 from .llama.spec import FAMILY as LLAMA
 from .mistral.spec import FAMILY as MISTRAL
 from .mixtral.spec import FAMILY as MIXTRAL
@@ -38,6 +39,7 @@ FAMILIES: tuple[Family, ...] = (
     GPT_OSS,
     QWEN3_5,
     QWEN3_5_MOE,
+    LFM2,
 )
 
 _BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES}

@@ -1,0 +1,1 @@
+"""LFM2: gated short convolutions beside attention layers."""
