@@ -4,12 +4,12 @@ sequences, and the states planned as the config's arithmetic says."""
 
 import pytest
 import torch
+from flat_steps import flat_step
 from greedy import assert_greedy_matches, hf_greedy
 from tiny_models import HYBRID_ARCHS, save_tiny_model
 from transformers.models.qwen3_5 import modeling_qwen3_5 as reference
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.backends.cpu.attention import SequenceSlice, StepLayout
 from pagedllm.backends.cpu.kv_cache import KVCache
 from pagedllm.config import ModelConfig
 from pagedllm.errors import UnsupportedModelError
@@ -69,14 +69,7 @@ def test_logits_of_a_mixed_step_equal_transformers_in_fp32(hybrid, arch, kernels
     for tensors in cache.states.values():
         for t in tensors.values():
             t.normal_()  # what the slots' last owners left: a fresh sequence must not read it
-    slices, ids, positions, block = [], [], [], 0
-    for p in batch:
-        n_blocks = -(-len(p) // 8)
-        slices.append(SequenceSlice(len(ids), len(p), len(p), list(range(block, block + n_blocks))))
-        block += n_blocks
-        ids += p
-        positions += range(len(p))
-    layout = StepLayout.from_slices(slices, 8, loaded.config.num_heads // loaded.config.num_kv_heads)
+    ids, positions, layout = flat_step(batch, 8, loaded.config.num_heads // loaded.config.num_kv_heads)
     layout.state_slots = torch.arange(len(batch)) + 2  # not the first slots
     attn = loaded.model.backend.attention(cache, layout)
     logits = loaded.model(torch.tensor(ids), torch.tensor(positions), attn, torch.arange(len(ids)))
@@ -139,7 +132,7 @@ def test_state_bytes_per_sequence_are_the_configs_arithmetic(hybrid):
     per_layer = 4 * (channels * (c["linear_conv_kernel_dim"] - 1) + 4 * 16 * 16)
     assert cfg.state_bytes_per_sequence() == 3 * per_layer  # three delta-rule layers of four
     assert [cfg.kv_pool_of_layer(i) for i in range(4)] == [None, None, None, 0]
-    llm = LLM(directory, dtype="float32", max_num_seqs=5, memory="1GiB")
+    llm = LLM(directory, dtype="float32", max_num_seqs=5, num_blocks=64)  # (no budget: a worker's baseline varies)
     plan = llm.engine.memory.plan
     # five running sequences and five prefix checkpoints
     assert plan.checkpoint_slots == 5 and plan.state_bytes == (5 + 5) * 3 * per_layer

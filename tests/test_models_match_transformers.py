@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+from flat_steps import flat_step
 from greedy import Precision, assert_greedy_matches, assert_steps_match, hf_greedy, reference_step_logits
 from tiny_models import ARCHS, MOE_ARCHS
 
@@ -30,14 +31,7 @@ def our_logits(directory, dtype: str = "float32", kv_dtype="float32") -> tuple[l
     loaded = load(directory, dtype)
     batch = prompts(loaded.config.vocab_size)
     cache = KVCache(loaded.config, num_blocks=64, block_size=8, dtype=kv_dtype)
-    slices, ids, positions, block = [], [], [], 0
-    for p in batch:
-        n_blocks = -(-len(p) // 8)
-        slices.append(SequenceSlice(len(ids), len(p), len(p), list(range(block, block + n_blocks))))
-        block += n_blocks
-        ids += p
-        positions += range(len(p))
-    layout = StepLayout.from_slices(slices, 8, loaded.config.num_heads // loaded.config.num_kv_heads)
+    ids, positions, layout = flat_step(batch, 8, loaded.config.num_heads // loaded.config.num_kv_heads)
     logits = loaded.model(
         torch.tensor(ids),
         torch.tensor(positions),

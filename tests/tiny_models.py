@@ -146,20 +146,18 @@ ARCHS.update(MOE_ARCHS)
 # like the others, tested on their own (test_hybrid_models.py), since a step of theirs needs
 # state slots the other architectures' tests do not give. Qwen3.5: three Gated DeltaNet layers to
 # one gated full-attention layer with a quarter of each head rotated; two value heads per key head.
+QWEN3_5 = dict(
+    head_dim=32,
+    num_hidden_layers=4,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    tie_word_embeddings=False,
+)
 HYBRID_ARCHS = {
-    "qwen3_5": (
-        "Qwen3_5TextConfig",
-        dict(
-            head_dim=32,
-            num_hidden_layers=4,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            linear_conv_kernel_dim=4,
-            tie_word_embeddings=False,
-        ),
-    ),
+    "qwen3_5": ("Qwen3_5TextConfig", QWEN3_5),
     # LFM2: short convolutions (3 taps, biased here) and attention layers; its MLP width derived
     "lfm2": (
         "Lfm2Config",
@@ -180,18 +178,7 @@ HYBRID_ARCHS = {
     "qwen3_5-moe": (
         "Qwen3_5MoeTextConfig",
         dict(
-            head_dim=32,
-            num_hidden_layers=4,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            linear_conv_kernel_dim=4,
-            num_experts=6,
-            num_experts_per_tok=2,
-            moe_intermediate_size=64,
-            shared_expert_intermediate_size=96,
-            tie_word_embeddings=False,
+            QWEN3_5, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96
         ),
     ),
 }

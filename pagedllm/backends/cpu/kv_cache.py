@@ -83,10 +83,11 @@ class KVCache:
         self.pool_blocks = sizes
         # each layer's pool: its kind's, or 0 for all when one shared pool was asked for; None for
         # a layer that keeps a state per sequence instead (no K/V of its own: ``states``)
-        self.layer_pool: list[int | None] = [
-            None if cfg.kv_pool_of_layer(i) is None else (cfg.kv_pool_of_layer(i) or 0) if pooled else 0
-            for i in range(cfg.num_layers)
-        ]
+        # (asked of the config only where pools or states were: the kernel tests' bare configs have neither)
+        self.layer_pool: list[int | None] = [0] * cfg.num_layers
+        if pooled or state_slots:
+            pools = [cfg.kv_pool_of_layer(i) for i in range(cfg.num_layers)]
+            self.layer_pool = [None if p is None else p if pooled else 0 for p in pools]
         self.resident = resident
         self.block_size = block_size
         self.quantized = isinstance(dtype, str) and dtype in EIGHT_BIT
@@ -246,10 +247,12 @@ class KVCache:
 
 def _state_pool(cfg: ModelConfig, slots: int, device) -> dict[int, dict[str, torch.Tensor]]:
     """Each state-keeping layer's tensors by name, [slots, ...] each, float32 (``kinds.SequenceState``)."""
+    if not slots:
+        return {}
     return {
         i: {name: torch.zeros((slots, *dims), device=device) for name, dims in kind.cache.tensors}
         for i, kind in enumerate(cfg.layer_kinds)
-        if isinstance(kind.cache, SequenceState) and slots
+        if isinstance(kind.cache, SequenceState)
     }
 
 
