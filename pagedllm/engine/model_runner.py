@@ -117,7 +117,8 @@ class ModelRunner:
             zeros=longs(out.zeros).view(-1, 2),
             block_size=self.kv_cache.block_size,
             pool_ranges=longs(pool_ranges).view(-1, 2),
-            state_slots=longs([r.state_slot for r in out.rows]),
+            # (none for a model without states: its step holds no more than before)
+            state_slots=longs([r.state_slot for r in out.rows] if any(r.state_slot >= 0 for r in out.rows) else []),
             state_copies=longs(out.state_copies).view(-1, 2),
             state_restores=longs(out.state_restores).view(-1, 2),
             checkpoints=longs([(i, at, slot) for i, r in enumerate(out.rows) for at, slot in r.checkpoints]).view(

@@ -292,17 +292,19 @@ def device(s: EngineSettings):
     return backends.workspace(s.device)
 
 
-def step_buffers(shape: StepShape, block_size: int, pools: int = 1) -> int:
+def step_buffers(shape: StepShape, block_size: int, pools: int = 1, states: bool = False) -> int:
     """The step's input (``engine.step.StepInput``), as every device receives it: token ids,
-    positions and logits rows (int64), query starts and context lengths (int32), and the block
-    tables padded to the longest context, one per KV pool (int32)."""
+    positions and logits rows (int64), query starts and context lengths (int32), the block
+    tables padded to the longest context, one per KV pool (int32), and where the model keeps
+    states, each sequence's state slot (int64)."""
     seqs = sum(rows for rows, _, _ in shape.decode_groups) + len(shape.prefills)
     widest = max(
         [keys // block_size for _, keys, _ in shape.decode_groups]
         + [ceil_div(ctx, block_size) for _, ctx in shape.prefills],
         default=1,
     )
-    return INDEX * (2 * shape.tokens + shape.sampled) + 4 * (2 * seqs + 1) + 4 * seqs * widest * pools
+    slots = INDEX * seqs if states else 0
+    return INDEX * (2 * shape.tokens + shape.sampled) + 4 * (2 * seqs + 1) + 4 * seqs * widest * pools + slots
 
 
 @dataclass(frozen=True)
@@ -351,7 +353,8 @@ def step_phases(cfg: ModelConfig, s: EngineSettings, shape: StepShape) -> dict[s
     # alive from its passes before the step to the step's sampling
     drafted = shape.sampled * (s.gathered_vocab or v) * 4 if s.draft_weights_bytes else 0
     pools = len(cfg.kv_pools)
-    x = step_buffers(shape, s.block_size, pools) + dev.layout_buffers(s, shape, window_sizes, pools)
+    states = bool(cfg.state_bytes_per_sequence())
+    x = step_buffers(shape, s.block_size, pools, states) + dev.layout_buffers(s, shape, window_sizes, pools)
     x += SCALAR_SLACK + drafted
     # one (cos, sin) pair per kind of rotary table: "local" beside "global" (Gemma 3's sliding layers)
     tables = (2 if cfg.local_rope is not None else 1) * 2 * t * d * e
