@@ -149,7 +149,7 @@ def write_checkpoint(out: Path, vocab_size: int) -> dict:
     return cfg
 
 
-def convert(hf_dir: Path, gguf_path: Path, llama_cpp: Path, outtype: str = "q8_0") -> None:
+def convert(hf_dir: Path, gguf_path: Path, llama_cpp: Path, outtype: str = "q8_0", extra: tuple[str, ...] = ()) -> None:
     """llama.cpp's converter on the checkpoint plus the default model's tokenizer, linked into a
     folder of its own (removed after): the checkpoint itself stays without a tokenizer."""
     from pagedllm.loading import resolve_model_dir
@@ -172,6 +172,7 @@ def convert(hf_dir: Path, gguf_path: Path, llama_cpp: Path, outtype: str = "q8_0
             outtype,
             "--outfile",
             str(gguf_path),
+            *extra,
         ]
         print("#", " ".join(command), flush=True)
         subprocess.run(command, check=True)

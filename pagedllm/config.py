@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from . import kinds
 from .errors import ModelLoadError, UnsupportedModelError
 from .kinds import LayerKind, PagedKV, SequenceState
+from .models.family import VALUE_HEADS_TILED_KEY
 from .models.registry import family_of_config
 
 if TYPE_CHECKING:
@@ -75,13 +76,16 @@ class DeltaRuleConfig:
     """A Gated DeltaNet layer's sizes (Qwen3.5/3.6's ``linear_attention`` layers, ``kinds/gated_deltanet``):
     q and k in ``key_heads`` heads of ``key_head_dim``, v in ``value_heads`` heads of
     ``value_head_dim`` (each key head serves value_heads / key_heads of them), and the causal
-    convolution over q/k/v of ``conv_kernel`` taps."""
+    convolution over q/k/v of ``conv_kernel`` taps. ``value_heads_tiled``: value head j is served
+    by key head j mod key_heads (llama.cpp's GGUF order, its converter having regrouped the value
+    heads so), not by key head j // (value_heads / key_heads) (the checkpoint's)."""
 
     key_heads: int
     value_heads: int
     key_head_dim: int
     value_head_dim: int
     conv_kernel: int
+    value_heads_tiled: bool = False
 
     @property
     def conv_channels(self) -> int:
@@ -397,6 +401,7 @@ def _delta_rule_from_hf(d: dict) -> DeltaRuleConfig:
         key_head_dim=int(d["linear_key_head_dim"]),
         value_head_dim=int(d["linear_value_head_dim"]),
         conv_kernel=int(d["linear_conv_kernel_dim"]),
+        value_heads_tiled=bool(d.get(VALUE_HEADS_TILED_KEY, False)),
     )
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from flat_steps import flat_step
 from greedy import assert_greedy_matches, hf_greedy
-from tiny_models import HYBRID_ARCHS, save_tiny_model
+from tiny_models import HYBRID_ARCHS, save_tiny_model, save_tiny_qwen35_gguf
 from transformers.models.qwen3_5 import modeling_qwen3_5 as reference
 
 from pagedllm import LLM, SamplingParams
@@ -204,6 +204,39 @@ def test_a_checkpoint_equals_the_state_recomputed_bit_for_bit(hybrid, monkeypatc
     states = fresh.engine.memory.kv_cache.states  # slot 0: the only sequence's, its state after 32 tokens
     for (layer, name), value in kept.items():
         assert torch.equal(value, states[layer][name][0]), (layer, name)
+
+
+# GGUF files as llama.cpp's converter writes Qwen3.5 (``save_tiny_qwen35_gguf``, its tensors byte
+# for byte the converter's on the same model): dense in float32 and with Q8_0 projections, and the mixture
+GGUF_CASES = [("qwen3_5", "F32"), ("qwen3_5", "Q8_0"), ("qwen3_5-moe", "F32")]
+
+
+@pytest.mark.parametrize(("arch", "weights"), GGUF_CASES)
+def test_a_gguf_file_as_llama_cpp_writes_it_equals_transformers(tmp_path, arch, weights, kernels):
+    """Logits of every position of a mixed step, and greedy batched and chunked: the value heads
+    regrouped by llama.cpp's converter (two per key head here), A_log stored as -exp(A_log), the
+    norms plus one and the convolution flattened must all come back as transformers holds them."""
+    path = tmp_path / f"{arch}.gguf"
+    hf = save_tiny_qwen35_gguf(arch, path, weights=weights)
+    llm = LLM(str(path), dtype="float32", max_batch_tokens=16, max_num_seqs=4)
+    config = llm.engine.loaded.config
+    assert config.delta_rule.value_heads_tiled and config.delta_rule.value_heads == 2 * config.delta_rule.key_heads
+    batch = prompts(config.vocab_size, lengths=(3, 40, 17, 29))
+    outs = llm.generate(batch, GREEDY)
+    assert_greedy_matches([o.token_ids for o in outs], [hf_greedy(hf, p, GREEDY.max_tokens) for p in batch])
+    cache = KVCache(config, num_blocks=64, block_size=8, dtype="float32", state_slots=len(batch))
+    ids, positions, layout = flat_step(batch, 8, config.num_heads // config.num_kv_heads)
+    layout.state_slots = torch.arange(len(batch))
+    model = llm.engine.loaded.model
+    logits = model(
+        torch.tensor(ids), torch.tensor(positions), model.backend.attention(cache, layout), torch.arange(len(ids))
+    )
+    with torch.no_grad():
+        want = torch.cat([hf(torch.tensor([p])).logits[0].float() for p in batch])
+    # the compiled Q8_0 GEMM sums each block's products in its own order (as the compiled float32
+    # mixture does: EXPERTS_COMPILED_ATOL): 2.4e-4 at most here, the PyTorch path within 1e-4
+    compiled_order = "moe" in arch or (weights != "F32" and kernels == "compiled")
+    torch.testing.assert_close(logits.float(), want, atol=EXPERTS_COMPILED_ATOL if compiled_order else 1e-4, rtol=0)
 
 
 def test_what_a_state_cannot_do_yet_is_refused_clearly(hybrid):

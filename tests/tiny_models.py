@@ -6,6 +6,7 @@ decoding rarely meets a near-tie; the maths under test is the same.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -421,3 +422,128 @@ def _llama_cpp_rope_rows(w, heads: int):
     first and second halves (HF's rotary pairs) interleaved."""
     rows = w.shape[0]
     return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def save_tiny_qwen35_gguf(name: str, path: Path, weights: str = "F32", seed: int = 0, **overrides):
+    """A tiny Qwen3.5 (``name``: "qwen3_5" or "qwen3_5-moe") as llama.cpp's converter writes it
+    (``qwen35``/``qwen35moe``; checked against its convert_hf_to_gguf.py of llama-cpp-python
+    0.3.36): A_log stored as -exp(A_log), dt_bias as ``ssm_dt.bias``, the convolution [channels,
+    taps], every norm but the delta rule's gated one plus one, and, with more value heads than
+    key heads, the value heads regrouped so that value head j is key head j mod key_heads's (the
+    rows of v in q/k/v, of z, b and a, A_log and dt_bias, the convolution's v channels, and the
+    columns of out_proj). ``weights``: the type of the layers' 2-D projections. Returns the
+    transformers model, holding the values the file does."""
+    import gguf
+
+    model = build_hf_model(name, seed, **overrides)
+    cfg = model.config
+    moe = name.endswith("-moe")
+    arch = gguf.MODEL_ARCH.QWEN35MOE if moe else gguf.MODEL_ARCH.QWEN35
+    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
+    writer.add_ssm_state_size(cfg.linear_key_head_dim)
+    writer.add_ssm_group_count(cfg.linear_num_key_heads)
+    writer.add_ssm_time_step_rank(cfg.linear_num_value_heads)
+    writer.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
+    # the gguf package on PyPI (0.19) has no add_recurrent_layers yet: the key llama.cpp writes
+    writer.add_array(f"{writer.arch}.attention.recurrent_layers", [t == "linear_attention" for t in cfg.layer_types])
+    writer.add_full_attention_interval(4)
+    writer.add_rope_dimension_count(int(cfg.head_dim * cfg.rope_parameters["partial_rotary_factor"]))
+    writer.add_rope_dimension_sections([11, 11, 10, 0])
+    if moe:
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    tokens, merges = _byte_level_vocab(cfg.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * len(tokens))
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    keys, width = cfg.linear_num_key_heads * cfg.linear_key_head_dim, cfg.linear_value_head_dim
+
+    def regroup(base: str, t: torch.Tensor, tiled: bool) -> torch.Tensor:
+        """A delta-rule tensor's value heads tiled (as the file has them) or grouped back."""
+        move = functools.partial(_value_heads, key_heads=cfg.linear_num_key_heads, heads=cfg.linear_num_value_heads)
+        if base.endswith(("in_proj_qkv", "conv1d")):  # q and k channels first, then v's
+            return torch.cat([t[: 2 * keys], move(t[2 * keys :], 0, width, tiled)])
+        if base.endswith("in_proj_z"):
+            return move(t, 0, width, tiled)
+        if base.endswith(("in_proj_b", "in_proj_a", "A_log", "dt_bias")):
+            return move(t, 0, 1, tiled)
+        if base.endswith("out_proj"):
+            return move(t, 1, width, tiled)
+        return t
+
+    for hf_name, tensor in model.state_dict().items():
+        base, _, suffix = hf_name.rpartition(".")
+        layer = int(hf_name.split(".")[2]) if hf_name.startswith("model.layers.") else None
+        values = tensor.to(torch.float32)
+        if suffix in ("gate_up_proj", "down_proj") and base.endswith("mlp.experts"):
+            for kind, stacked in _stacked_experts(name, suffix, tensor).items():
+                gguf_name = gguf.TENSOR_NAMES[getattr(gguf.MODEL_TENSOR, kind)].format(bid=layer) + ".weight"
+                writer.add_tensor(gguf_name, np.ascontiguousarray(stacked.to(torch.float32).numpy()))
+            continue
+        if base.endswith("linear_attn"):  # the bare parameters A_log and dt_bias
+            values = regroup(suffix, values, tiled=True)
+            if suffix == "A_log":
+                values = -values.exp()
+                with torch.no_grad():  # the model runs on what the file holds: log(-(-exp(A_log)))
+                    tensor.copy_(regroup(suffix, (-values).log(), tiled=False))
+                writer.add_tensor(names.get_name(hf_name), np.ascontiguousarray(values.numpy()))
+            else:
+                writer.add_tensor(names.get_name(f"{base}.dt_proj") + ".bias", np.ascontiguousarray(values.numpy()))
+            continue
+        shared = {"gate_proj": "FFN_GATE_SHEXP", "up_proj": "FFN_UP_SHEXP", "down_proj": "FFN_DOWN_SHEXP"}
+        if base.endswith("mlp.gate"):
+            gguf_base = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.FFN_GATE_INP].format(bid=layer)
+        elif base.endswith("mlp.shared_expert_gate"):
+            gguf_base = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.FFN_GATE_INP_SHEXP].format(bid=layer)
+        elif ".mlp.shared_expert." in base:
+            kind = shared[base.rpartition(".")[2]]
+            gguf_base = gguf.TENSOR_NAMES[getattr(gguf.MODEL_TENSOR, kind)].format(bid=layer)
+        else:
+            gguf_base = names.get_name(base)
+        if "linear_attn." in base:
+            values = regroup(base, values.squeeze(1) if base.endswith("conv1d") else values, tiled=True)
+        elif suffix == "weight" and base.endswith("norm"):
+            values = values + 1  # Qwen3.5's zero-centred norms, stored as (1 + weight)
+        values = np.ascontiguousarray(values.numpy())
+        if weights != "F32" and layer is not None and values.ndim == 2 and not base.endswith("conv1d"):
+            quant = gguf.GGMLQuantizationType[weights]
+            blocks = gguf.quants.quantize(values, quant)
+            writer.add_tensor(f"{gguf_base}.{suffix}", blocks, raw_dtype=quant)
+            held = torch.from_numpy(gguf.quants.dequantize(blocks, quant))
+            with torch.no_grad():  # transformers runs on what the file holds, in the checkpoint's order
+                tensor.copy_(regroup(base, held, tiled=False))
+            continue
+        writer.add_tensor(f"{gguf_base}.{suffix}", values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return model
+
+
+def _value_heads(t: torch.Tensor, dim: int, width: int, tiled: bool, key_heads: int, heads: int) -> torch.Tensor:
+    """``heads`` value heads (each ``width`` along ``dim``) grouped by key head (the checkpoint's
+    order: key head i's are i x r ... i x r + r - 1, r = heads / key_heads) to tiled (value head j
+    is key head j mod key_heads's: llama.cpp's), or back where ``tiled`` is False."""
+    shape, per_key = list(t.shape), heads // key_heads
+    split = (key_heads, per_key) if tiled else (per_key, key_heads)
+    t = t.reshape(*shape[:dim], *split, width, *shape[dim + 1 :])
+    return t.transpose(dim, dim + 1).reshape(shape)

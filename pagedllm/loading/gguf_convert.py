@@ -22,10 +22,12 @@ which decides where the result lives and when to convert.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -69,10 +71,24 @@ _GGUF_ROLES = {
     "ffn_up_shexp": "shared_expert_up",
     "ffn_down_shexp": "shared_expert_down",
     "attn_sinks": "sinks",
+    # a Gated DeltaNet layer's (Qwen3.5: ``kinds/gated_deltanet``)
+    "attn_qkv": "linear_qkv",
+    "attn_gate": "linear_z",
+    "ssm_beta": "linear_b",
+    "ssm_alpha": "linear_a",
+    "ssm_out": "linear_out",
+    "ssm_conv1d": "linear_conv",
+    "ssm_norm": "linear_norm",
+    "ssm_dt": "linear_dt_bias",
+    "ssm_a": "linear_A_log",
 }
 # Roles whose checkpoint tensor is a parameter of its own, named without ``.weight`` (gpt-oss's
-# ``self_attn.sinks``, which llama.cpp names ``attn_sinks.weight``)
-_BARE_ROLES = frozenset({"sinks"})
+# ``self_attn.sinks``, which llama.cpp names ``attn_sinks.weight``; Qwen3.5's ``linear_attn.A_log``
+# and ``dt_bias``, llama.cpp's ``ssm_a`` and ``ssm_dt.bias``)
+_BARE_ROLES = frozenset({"sinks", "linear_dt_bias", "linear_A_log"})
+# The norms a family's ``norm_weight_offset`` applies to (its RMSNorms; not a delta rule's gated
+# norm, ``linear_norm``, which llama.cpp's converter leaves as it is)
+_OFFSET_NORM_ROLES = frozenset({"attn_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm", "q_norm", "k_norm"})
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -109,15 +125,8 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
         raise ModelLoadError(f"{gguf_path}: GGUF file has no token_embd.weight tensor")
     config = _hf_config(meta, arch, family, tensors, path=gguf_path)
     config["vocab_size"] = int(tensors["token_embd.weight"].shape[1])
-    specs: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
-    sources: dict[str, tuple[object, int | None, tuple[int, ...]]] = {}  # (GGUF tensor, expert, shape)
-    for name, t in tensors.items():
-        if name in family.gguf_config_tensors:  # read into config.json
-            continue
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        for hf, expert, part_shape in _hf_parts(name, shape, arch, family, config, gguf_path):
-            _add_specs(specs, hf, t.tensor_type.name, part_shape, name, gguf_path)
-            sources[hf] = (t, expert, part_shape)
+    plan = _TensorPlan.of(tensors, family, config, arch, gguf_path)
+    specs, sources, undo, offset_norms = plan.specs, plan.sources, plan.undo, plan.offset_norms
     permute = family.gguf_permuted_qk
     unpacked: dict[str, gguf_quants.QuantizedTensor] = {}  # the one quantized tensor being written
 
@@ -134,9 +143,13 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
                 if field == "codebook":
                     value = np.array(CODEBOOKS[value], dtype=np.int8)
                 return torch.from_numpy(np.ascontiguousarray(value))
+        if spec_name in undo:
+            function, stored_shape = undo[spec_name]
+            t, expert, _ = sources[spec_name]
+            return function(_dequantize(t, expert, stored_shape, spec_name, config, permute))
         w = _dequantize(*sources[spec_name], spec_name, config, permute)
-        # Gemma: llama.cpp stores each norm's (1 + weight); the checkpoint holds the weight
-        return w - offset if offset and spec_name.endswith("norm.weight") else w
+        # Gemma, Qwen3.5: llama.cpp stores each norm's (1 + weight); the checkpoint holds the weight
+        return w - offset if offset and spec_name in offset_norms else w
 
     write_streaming(out_dir / "model.safetensors", specs, produce, {"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
@@ -144,6 +157,45 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
     if sampling:  # the file's own sampling defaults, read back by generation_config.py
         (out_dir / "generation_config.json").write_text(json.dumps(sampling, indent=2))
     _save_tokenizer(gguf_path, out_dir, family)
+
+
+@dataclasses.dataclass
+class _TensorPlan:
+    """What the converted checkpoint holds and where each tensor comes from."""
+
+    # (name, dtype, shape) of each tensor written; where each comes from (GGUF tensor, expert, shape)
+    specs: list[tuple[str, torch.dtype, tuple[int, ...]]] = dataclasses.field(default_factory=list)
+    sources: dict[str, tuple[object, int | None, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
+    # checkpoint name -> Family.gguf_undo's function and the tensor's shape in the file
+    undo: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], tuple[int, ...]]] = dataclasses.field(
+        default_factory=dict
+    )
+    # the norms the family's norm offset applies to
+    offset_norms: set[str] = dataclasses.field(default_factory=lambda: {"model.norm.weight"})
+
+    @classmethod
+    def of(cls, tensors: dict, family: Family, config: dict, arch: str, path: Path) -> _TensorPlan:
+        plan, layers, skipped = cls(), config["num_hidden_layers"], []
+        for name, t in tensors.items():
+            if name in family.gguf_config_tensors:  # read into config.json
+                continue
+            if name.startswith("blk.") and int(name.split(".")[1]) >= layers:  # a multi-token-prediction layer
+                skipped.append(name)
+                continue
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            for hf, expert, part_shape, role in _hf_parts(name, shape, arch, family, config, path):
+                if role in family.gguf_undo:
+                    if t.tensor_type.name not in _FLOAT_TYPES:
+                        raise UnsupportedModelError(f"{path}: tensor {name!r} is quantized ({t.tensor_type.name})")
+                    plan.undo[hf] = (family.gguf_undo[role], part_shape)
+                    part_shape = tuple(family.gguf_undo[role](torch.empty(part_shape, device="meta")).shape)
+                if role in _OFFSET_NORM_ROLES:
+                    plan.offset_norms.add(hf)
+                _add_specs(plan.specs, hf, t.tensor_type.name, part_shape, name, path)
+                plan.sources[hf] = (t, expert, part_shape)
+        if skipped:
+            log.info("%s: %d tensors of its multi-token-prediction layers skipped (not run yet)", path, len(skipped))
+        return plan
 
 
 # Suffixes of a quantized weight's tensors in the converted checkpoint (layers/quantized.py reads
@@ -185,12 +237,14 @@ def _hf_config(meta: dict, arch: str, family: Family, tensors: dict, path: Path)
 
     heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
+    # llama.cpp counts a multi-token-prediction head's layers as blocks after the model's
+    layers = int(get("block_count")) - int(get("nextn_predict_layers", 0))
     cfg = {
         "architectures": [family.architecture],
         "model_type": family.model_type,
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length")),
-        "num_hidden_layers": int(get("block_count")),
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": int(get("attention.head_count_kv", heads)),
         "head_dim": int(get("attention.key_length", hidden // heads)),
@@ -207,7 +261,7 @@ def _hf_config(meta: dict, arch: str, family: Family, tensors: dict, path: Path)
 
         cfg.update(family.gguf_config(get, tensor))
     if family.experts is not None:
-        cfg.update(_moe_config(get, family, family.experts, int(get("block_count")), tensors, path, arch))
+        cfg.update(_moe_config(get, family, family.experts, layers, tensors, path, arch))
     for key, hf in (("tokenizer.ggml.bos_token_id", "bos_token_id"), ("tokenizer.ggml.eos_token_id", "eos_token_id")):
         if key in meta:
             cfg[hf] = int(meta[key])
@@ -261,19 +315,21 @@ def _moe_config(
 
 def _hf_parts(
     name: str, shape: tuple[int, ...], arch: str, family: Family, config: dict, path: Path
-) -> list[tuple[str, int | None, tuple[int, ...]]]:
+) -> list[tuple[str, int | None, tuple[int, ...], str | None]]:
     """The checkpoint tensors one GGUF tensor becomes: (name, the expert it is of a stacked
-    tensor or None, shape). A stacked [experts, rows, cols] tensor becomes one [rows, cols]
-    tensor per expert, in the order llama.cpp stacked them (expert 0 first), and a stacked bias
-    [experts, rows] one [rows] per expert (gpt-oss)."""
+    tensor or None, shape, its role). A stacked [experts, rows, cols] tensor becomes one [rows,
+    cols] tensor per expert, in the order llama.cpp stacked them (expert 0 first), and a stacked
+    bias [experts, rows] one [rows] per expert (gpt-oss). A name without a leaf (``ssm_a``) is a
+    bare parameter's."""
     if name in _GLOBAL_NAMES:
-        return [(_GLOBAL_NAMES[name], None, shape)]
+        return [(_GLOBAL_NAMES[name], None, shape, None)]
     layer, _, rest = name.removeprefix("blk.").partition(".")
-    gguf_role, _, leaf = rest.rpartition(".")
+    gguf_role, _, leaf = rest.rpartition(".") if "." in rest else (rest, "", "")
     if name.startswith("blk.") and gguf_role in family.gguf_fused:  # split on loading (Family.unfuse)
-        return [(f"model.layers.{int(layer)}.{family.gguf_fused[gguf_role]}.{leaf}", None, shape)]
+        return [(f"model.layers.{int(layer)}.{family.gguf_fused[gguf_role]}.{leaf}", None, shape, None)]
     role = family.gguf_roles.get(gguf_role, _GGUF_ROLES.get(gguf_role))
-    if not name.startswith("blk.") or role is None or role not in family.layer_names or leaf not in ("weight", "bias"):
+    known_leaf = leaf in ("weight", "bias") or (leaf == "" and role in _BARE_ROLES)
+    if not name.startswith("blk.") or role is None or role not in family.layer_names or not known_leaf:
         if re.fullmatch(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight", name):
             raise UnsupportedModelError(
                 f"{path}: {arch} GGUF keeps each expert in a tensor of its own ({name!r}), the layout llama.cpp "
@@ -284,13 +340,13 @@ def _hf_parts(
         hf = family.name_of(role, int(layer)) + ("" if role in _BARE_ROLES else f".{leaf}")
         if role == "shared_gate" and len(shape) == 1:  # [1, hidden] in the checkpoint, [hidden] in llama.cpp
             shape = (1, *shape)
-        return [(hf, None, shape)]
+        return [(hf, None, shape, role)]
     experts = int(config.get(family.experts.count_key, 0)) if family.experts is not None else 0
     dims = 2 if leaf == "bias" else 3  # gpt-oss's expert biases: [experts, rows]
     if len(shape) != dims or shape[0] != experts:
         wanted = "rows" if leaf == "bias" else "rows, cols"
         raise ModelLoadError(f"{path}: tensor {name!r} has shape {list(shape)}, not [{experts} experts, {wanted}]")
-    return [(f"{family.name_of(role, int(layer), e)}.{leaf}", e, shape[1:]) for e in range(experts)]
+    return [(f"{family.name_of(role, int(layer), e)}.{leaf}", e, shape[1:], role) for e in range(experts)]
 
 
 def _add_specs(specs: list, hf: str, kind: str, shape: tuple[int, ...], gguf_name: str, path: Path) -> None:

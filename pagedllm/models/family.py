@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 # Roles of a layer's tensors -> their checkpoint names under ``model.layers.N.``; ``{e}`` is an
 # expert's index. The dense families all use these.
@@ -69,6 +70,11 @@ class Experts:
     clamped_swiglu: bool = False
 
 
+# config.json's key, pagedllm's own, for a delta rule's value heads in llama.cpp's order (the
+# conversion of a ``qwen35`` GGUF file writes it: ``models/qwen3_5/spec.py``)
+VALUE_HEADS_TILED_KEY = "linear_value_heads_tiled"
+
+
 @dataclass(frozen=True)
 class Family:
     architecture: str  # HF ``architectures[0]``
@@ -116,6 +122,9 @@ class Family:
     # llama.cpp's names of a layer's tensors whose role differs for this family from the common
     # reading (``gguf_convert._GGUF_ROLES``): gpt-oss's ``post_attention_norm`` is the MLP's input norm
     gguf_roles: dict[str, str] = field(default_factory=dict)
+    # roles whose values llama.cpp's converter changed -> what gives the checkpoint's back from a
+    # float tensor of the file (Qwen3.5's ``ssm_a``, written as -exp(A_log)); the shape follows
+    gguf_undo: dict[str, Callable[[Any], Any]] = field(default_factory=dict)
     # a family whose layers' mixers differ: each ``layer_types`` entry -> its mixer's kind
     # (``kinds.MIXERS``; Qwen3.5's "linear_attention" -> "gated_deltanet"); {}: every layer attention
     layer_type_mixers: dict[str, str] = field(default_factory=dict)

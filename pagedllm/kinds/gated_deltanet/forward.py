@@ -49,6 +49,7 @@ class GatedDeltaNet(nn.Module):
         self.layer, self.eps = layer, cfg.rms_norm_eps
         self.key_heads, self.value_heads = rule.key_heads, rule.value_heads
         self.key_dim, self.value_dim = rule.key_head_dim, rule.value_head_dim
+        self.value_heads_tiled = rule.value_heads_tiled
         self.kernel = rule.conv_kernel
         keys, values = rule.key_heads * rule.key_head_dim, rule.value_heads * rule.value_head_dim
         self.widths = [rule.conv_channels, values, rule.value_heads, rule.value_heads]  # q/k/v, z, b, a
@@ -115,11 +116,15 @@ class GatedDeltaNet(nn.Module):
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The convolved channels [n, channels] as q and k per value head (each key head serves
-        value_heads / key_heads of them), normalised, and v per value head."""
+        value_heads / key_heads of them: the next ones, or every key_heads-th where the value
+        heads are tiled), normalised, and v per value head."""
         n = qkv.shape[0]
         q, k, v = qkv.split(self.qkv_widths, dim=-1)
         repeat = self.value_heads // self.key_heads
-        q, k = (y.view(n, self.key_heads, self.key_dim).repeat_interleave(repeat, dim=1) for y in (q, k))
+        if self.value_heads_tiled:
+            q, k = (y.view(n, self.key_heads, self.key_dim).repeat(1, repeat, 1) for y in (q, k))
+        else:
+            q, k = (y.view(n, self.key_heads, self.key_dim).repeat_interleave(repeat, dim=1) for y in (q, k))
         q, k = delta_rule.normalised(q, k)
         return q, k, v.reshape(n, self.value_heads, self.value_dim)
 

@@ -1,7 +1,8 @@
 """Qwen3.5/3.6 MoE (text, Qwen3.5-35B-A3B's kind): Qwen3.5's mixers (``models/qwen3_5``: Gated
 DeltaNet and gated full attention) with every feed-forward a mixture of experts
 (``moe_intermediate_size`` wide, the top-k renormalised) and a dense shared expert gated by a
-sigmoid, as Qwen2-MoE's. The same not-yet as Qwen3.5's."""
+sigmoid, as Qwen2-MoE's. llama.cpp writes it as ``qwen35moe``, laid out as Qwen3.5's ``qwen35``
+with stacked experts. The same not-yet as Qwen3.5's."""
 
 from dataclasses import replace
 
@@ -12,6 +13,7 @@ FAMILY = replace(
     QWEN3_5,
     architecture="Qwen3_5MoeForCausalLM",
     model_type="qwen3_5_moe_text",
+    gguf_architecture="qwen35moe",
     experts=Experts(
         every_layer=False,
         always_renormalise=True,
