@@ -58,6 +58,27 @@ def test_the_chunked_delta_rule_equals_the_token_by_token_reference():
     torch.testing.assert_close(state, want_state[0], atol=2e-5, rtol=0)
 
 
+def test_the_compiled_decode_update_equals_the_reference_in_place_in_its_slots(ops):
+    """The kernel's one-token update of sequences in slots 3 and 0 of a pool of 5 (value width 40:
+    not a whole number of vectors): its outputs and those slots' states as ``recurrent_step``
+    gives them on the gathered states, every other slot untouched."""
+    g = torch.Generator().manual_seed(3)
+    n, heads, dk, dv = 2, 3, 16, 40
+    pool = torch.randn(5, heads, dk, dv, generator=g)
+    slots = torch.tensor([3, 0])
+    q, k = delta_rule.normalised(torch.randn(n, heads, dk, generator=g), torch.randn(n, heads, dk, generator=g))
+    v = torch.randn(n, heads, dv, generator=g)
+    decay, beta = -torch.rand(n, heads, generator=g), torch.rand(n, heads, generator=g)
+    want_state = pool[slots].clone()
+    want = delta_rule.recurrent_step(q, k, v, decay, beta, want_state)
+    before = pool.clone()
+    out = ops.delta_rule_decode(pool, slots, q, k, v, decay, beta)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(pool[slots], want_state, atol=1e-5, rtol=0)
+    others = [i for i in range(5) if i not in slots.tolist()]
+    assert torch.equal(pool[others], before[others])
+
+
 @pytest.mark.parametrize("arch", HYBRID_ARCHS)
 def test_logits_of_a_mixed_step_equal_transformers_in_fp32(hybrid, arch, kernels):
     """Every prompt in one flat step, each from a fresh state in a slot a previous sequence left

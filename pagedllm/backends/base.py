@@ -232,6 +232,22 @@ class Backend:
         where this device has no such kernel for the layer (``moe`` then loops in PyTorch)."""
         return None
 
+    def delta_rule_decode(
+        self,
+        state: torch.Tensor,
+        slots: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """A Gated DeltaNet layer's decode update: one token each of n sequences, the state of
+        each ([slots, heads, key_dim, value_dim], float32) updated in place in its slot; returns
+        o [n, heads, value_dim]. None where this device has no such kernel (the layer then runs
+        ``delta_rule.recurrent_step`` on the gathered states)."""
+        return None
+
     def int8_matmul(self, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
         """x @ w^T in integers (``quantization="w8a8"``): x's rows rounded to int8 per row, ``w``
         int8 per output channel; the result in x's dtype."""

@@ -246,11 +246,14 @@ class KVCache:
 
 
 def _state_pool(cfg: ModelConfig, slots: int, device) -> dict[int, dict[str, torch.Tensor]]:
-    """Each state-keeping layer's tensors by name, [slots, ...] each, float32 (``kinds.SequenceState``)."""
+    """Each state-keeping layer's tensors by name, [slots, ...] each, float32 (``kinds.SequenceState``).
+    Left unwritten (``empty``): a sequence zeroes its slot when it starts and a checkpoint is
+    written before it is read, so a slot's pages become resident only once a sequence uses it
+    (64 slots of Qwen3.5-0.8B's 20 MB, zeroed here, held 2.4 GB of RSS before a request came)."""
     if not slots:
         return {}
     return {
-        i: {name: torch.zeros((slots, *dims), device=device) for name, dims in kind.cache.tensors}
+        i: {name: torch.empty((slots, *dims), device=device) for name, dims in kind.cache.tensors}
         for i, kind in enumerate(cfg.layer_kinds)
         if isinstance(kind.cache, SequenceState)
     }

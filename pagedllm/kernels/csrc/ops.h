@@ -26,6 +26,11 @@ Tensor add_rms_norm(Tensor residual, const Tensor& x, const Tensor& weight, doub
 Tensor silu_mul(const Tensor& gate_up);
 void rotary(Tensor q, Tensor k, const Tensor& cos, const Tensor& sin);
 
+// delta_rule.cpp: a Gated DeltaNet layer's decode update, each sequence's state in place in its slot
+// (kinds/gated_deltanet/delta_rule.py's recurrent_step without the gather and the scatter).
+Tensor delta_rule_decode(Tensor state, const Tensor& slots, const Tensor& q, const Tensor& k, const Tensor& v,
+                         const Tensor& g, const Tensor& beta);
+
 // quant_gemm.cpp: products with weights kept quantized, and their float rows.
 Tensor quant_linear(const Tensor& x, const Tensor& qweight, const Tensor& scale, const c10::optional<Tensor>& zero,
                     int64_t bits, int64_t group);

@@ -7,7 +7,8 @@ The step's flat batch mixes sequences: each reads and writes its own state slot
 sequence whose first computed token is its first (context length = tokens this step) starts from
 zero state; the others continue theirs, so a prompt cut into chunks gives the state one
 uninterrupted pass would. Decode rows (one token, state continued) are updated together; a
-prompt's chunk runs the rule in chunked form. PyTorch, the reference path: no compiled kernel yet.
+prompt's chunk runs the rule in chunked form (PyTorch). A decode row's update runs in the backend's
+kernel where it has one (``Backend.delta_rule_decode``: the state in place in its slot).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         rule = cfg.delta_rule
         assert rule is not None
-        self.layer, self.eps = layer, cfg.rms_norm_eps
+        self.layer, self.eps, self.backend = layer, cfg.rms_norm_eps, backend
         self.key_heads, self.value_heads = rule.key_heads, rule.value_heads
         self.key_dim, self.value_dim = rule.key_head_dim, rule.value_head_dim
         self.value_heads_tiled = rule.value_heads_tiled
@@ -104,13 +105,18 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(self._gated_norm(out, z).to(x.dtype).view(x.shape[0], -1))
 
     def _decode(self, decodes, starts, slots, mixed, decay, beta, states, out) -> None:
-        """One token each of several sequences, their states gathered, updated and put back."""
+        """One token each of several sequences: the delta rule's states updated in place in their
+        slots by the backend's kernel, or gathered, updated and put back."""
         rows = torch.tensor([starts[s] for s in decodes])
         index = torch.tensor([slots[s] for s in decodes])
-        conv, recurrent = states["conv"][index], states["recurrent"][index]
-        window = torch.cat([conv, mixed[rows].float()[:, :, None]], dim=2)  # [n, channels, kernel]
+        window = torch.cat([states["conv"][index], mixed[rows].float()[:, :, None]], dim=2)  # [n, channels, kernel]
         states["conv"][index] = window[:, :, 1:]
         q, k, v = self._heads(F.silu((window * self.conv1d.weight.float()[:, 0]).sum(-1)))
+        done = self.backend.delta_rule_decode(states["recurrent"], index, q, k, v, decay[rows], beta[rows])
+        if done is not None:
+            out[rows] = done
+            return
+        recurrent = states["recurrent"][index]
         out[rows] = delta_rule.recurrent_step(q, k, v, decay[rows], beta[rows], recurrent)
         states["recurrent"][index] = recurrent
 
