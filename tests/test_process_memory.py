@@ -35,7 +35,8 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.memory.machine import resident_bytes
 a = json.loads(sys.argv[1])
 split = dict(tensor_parallel_size=a["tp"], threads=1) if a.get("tp", 1) > 1 else {}
-llm = LLM(a["model"], memory=a["memory"], dtype=a["dtype"], quantization=a.get("quantization"), **split)
+seqs = dict(max_num_seqs=a["max_num_seqs"]) if a.get("max_num_seqs") else {}
+llm = LLM(a["model"], memory=a["memory"], dtype=a["dtype"], quantization=a.get("quantization"), **split, **seqs)
 vocab = llm.loaded.config.vocab_size
 prompts = [[(7 * i + 3 * j) % (vocab - 10) + 5 for j in range(n)] for i, n in enumerate(a["lengths"])]
 greedy = SamplingParams(max_tokens=a["new"], temperature=0, ignore_eos=True)
@@ -66,7 +67,8 @@ print(json.dumps({"hwm": resident_bytes()[1], "budget": p.budget_bytes, "plan": 
                   "overhead": p.overhead_bytes, "max_model_len": p.max_model_len,
                   "preemptions": llm.stats.preemptions, "ranks": ranks,
                   "resident_after_shrink": resident_after_shrink, "expert_slots": p.expert_slots,
-                  "baseline": p.baseline_bytes, "weights": p.weights_bytes}))
+                  "baseline": p.baseline_bytes, "weights": p.weights_bytes, "state_bytes": p.state_bytes,
+                  "checkpoints_taken": llm.engine.blocks.checkpoints.stats.taken if p.checkpoint_slots else 0}))
 """
 
 # A wrapper whose only child is the command: its children's peak is the command's.
@@ -87,6 +89,7 @@ def run_library(
     schemas: int = 0,
     tp: int = 1,
     shrink_to: str | None = None,
+    max_num_seqs: int | None = None,
 ) -> dict:
     args = json.dumps(
         {
@@ -99,6 +102,7 @@ def run_library(
             "schemas": schemas,
             "tp": tp,
             "shrink_to": shrink_to,
+            "max_num_seqs": max_num_seqs,
         }
     )
     out = subprocess.run([sys.executable, "-c", LIBRARY_RUN, args], capture_output=True, text=True, timeout=900)
@@ -165,6 +169,37 @@ def test_a_mixture_larger_than_its_budget_stays_within_it_under_load(tmp_path):
     r = run_library(str(path), str(budget), "float32", lengths, 24)
     assert 32 <= r["expert_slots"] < 128  # some experts resident, not all
     check_within_and_used(r, budget)
+
+
+def test_a_hybrid_model_stays_within_its_budget_with_every_state_and_checkpoint_in_use(tmp_path):
+    """Qwen3.5-shaped (six Gated DeltaNet layers and two attention layers; 6 MiB of state per
+    sequence, Qwen3.5's 128 x 128 per value head), at its planned concurrency of 8: 16 prompts,
+    so every state slot is taken and the prefix checkpoints (as many slots) fill and evict; the
+    whole process within the budget and using it, the states and checkpoints resident as the plan
+    counts them (96 MiB of it: a plan without them runs over)."""
+    from tiny_models import save_tiny_model
+
+    directory = tmp_path / "qwen3_5"
+    layers, key_heads, value_heads, dim = 8, 8, 16, 128
+    save_tiny_model(
+        "qwen3_5",
+        directory,
+        num_hidden_layers=layers,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 2,
+        hidden_size=256,
+        intermediate_size=512,
+        linear_num_key_heads=key_heads,
+        linear_num_value_heads=value_heads,
+        linear_key_head_dim=dim,
+        linear_value_head_dim=dim,
+        head_dim=64,
+    )
+    r = run_library(str(directory), "640MiB", "float32", [40, 90, 200, 300] * 4, 16, max_num_seqs=8)
+    conv_channels = 2 * key_heads * dim + value_heads * dim
+    per_sequence = 6 * (value_heads * dim * dim + conv_channels * 3) * 4  # float32 delta-rule state and 3 conv rows
+    assert r["state_bytes"] == 8 * 2 * per_sequence  # 8 running, 8 checkpoints
+    assert r["checkpoints_taken"] > 8  # the checkpoint slots filled and were reused
+    check_within_and_used(r, 640 * MiB)
 
 
 def test_a_budget_lowered_under_load_bounds_the_process_from_then_on(tiny_checkpoints):
