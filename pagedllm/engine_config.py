@@ -133,6 +133,13 @@ class EngineConfig:
         "file every step (default: all resident if they fit the budget, else as many as do)",
         type=int,
     )
+    state_checkpoints: int | None = _knob(
+        None,
+        "a model with recurrent layers (Qwen3.5, LFM2): prefix checkpoints of their state to keep, each as "
+        "large as a sequence's state (default: one per running sequence, shed first when the budget shrinks; "
+        "0: none, and no prefix reuse)",
+        type=int,
+    )
     tensor_parallel_size: int = _knob(
         1,
         "ranks the model is split over (tensor parallelism): plan sizes each rank; the engine runs 1 only (for now)",
@@ -169,9 +176,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(name, f"must be a whole number >= 1, got {value!r}")
-        layers = self.resident_layers
-        if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 0):
-            raise ConfigError("resident_layers", f"must be a whole number >= 0, got {layers!r}")
+        for name in ("resident_layers", "state_checkpoints"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ConfigError(name, f"must be a whole number >= 0, got {value!r}")
         if self.memory is not None and self.memory_fraction is not None:
             raise ConfigError("memory", "give memory or memory_fraction, not both")
         if self.memory is not None and self.memory != "follow":

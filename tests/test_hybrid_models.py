@@ -286,3 +286,62 @@ def test_the_checkpoint_pool_evicts_the_least_recently_used_and_hides_what_is_un
     assert pool.boundaries(0, 40, 37) == [36] and pool.boundaries(0, 44, 44) == [40, 44]
     pool.interval = 8
     assert pool.boundaries(10, 40, 37) == [16, 24, 32, 36] and pool.boundaries(36, 37, 37) == []
+
+
+def test_a_shrunk_checkpoint_pool_keeps_the_most_recently_used_renumbered():
+    """Hand-built: four committed checkpoints, ``b`` and ``d`` found last; down to two slots, those
+    two stay (renumbered 0 and 1, the cache told where each was) and the others are evicted;
+    grown to three again, one slot is free and nothing comes back."""
+    from pagedllm.engine.state_checkpoints import StateCheckpoints
+
+    pool = StateCheckpoints(4, block_size=4)
+    slots = {key: pool.take((key,)) for key in "abcd"}
+    pool.commit()
+    assert pool.find(("b",)) == slots["b"] and pool.find(("d",)) == slots["d"]
+    moves = pool.resize(2)
+    assert moves == [(slots["b"], 0), (slots["d"], 1)]
+    assert pool.find(("b",)) == 0 and pool.find(("d",)) == 1
+    assert pool.find(("a",)) is None and pool.find(("c",)) is None and pool.stats.evicted == 2
+    pool.check_invariants()
+    assert pool.resize(3) == [(0, 0), (1, 1)]
+    assert pool.take(("e",)) == 2 and pool.take(("f",)) is not None and pool.stats.evicted == 3
+    pool.check_invariants()
+
+
+def test_a_shrinking_budget_sheds_prefix_checkpoints_before_it_preempts_a_request(hybrid):
+    """Four requests running, then a budget whose KV cache, with all six checkpoints planned,
+    would hold fewer blocks than the requests hold when they finish, and with three shed holds
+    them all (the budget set so by arithmetic on the plan's own terms): nothing is preempted,
+    three checkpoints stay, the outputs are transformers'. A policy that keeps checkpoints while
+    only the blocks in use now fit, or that preempts first, fails it."""
+    directory, hf = hybrid["qwen3_5"]
+    llm = LLM(directory, dtype="float32", block_size=4, max_num_seqs=6, max_batch_tokens=16, max_model_len=64)
+    before = llm.memory_plan
+    state = before.state_bytes // before.state_count  # a sequence's state, a checkpoint's
+    engine, params = llm.engine, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    batch = prompts(engine.loaded.config.vocab_size, lengths=(40, 33, 29, 17))
+    ids = [engine.add_request(p, params) for p in batch]
+    for _ in range(9):  # every prompt computed: 119 tokens, 16 a step
+        engine.step()
+    to_finish = sum(-(-(len(p) + 8) // 4) for p in batch)
+    # four checkpoints kept would still hold the blocks in use now (a policy that looks only at them keeps four)
+    assert engine.blocks.num_used <= to_finish - 0.5 * state / before.kv_bytes_per_block
+    everything_but_kv = before.total_bytes - before.kv_cache_bytes - before.checkpoint_slots * state
+    budget = everything_but_kv + to_finish * before.kv_bytes_per_block + int(3.5 * state)
+    plan = llm.set_memory(budget)
+    assert plan.checkpoint_slots == 3 and plan.num_blocks >= to_finish
+    assert engine.blocks.checkpoints.slots == 3
+    assert all(t.shape[0] == 3 for layer in engine.kv_cache.checkpoints.values() for t in layer.values())
+    outs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out.token_ids
+    assert engine.stats.preemptions == 0
+    refs = [hf_greedy(hf, p, 8) for p in batch]
+    assert_greedy_matches([outs[i] for i in ids], refs)
+    # the last prompt's checkpoints are the most recent: kept, carried into the smaller pool, reused
+    hits = engine.blocks.checkpoints.stats.hits
+    again = llm.generate([batch[3]], params)[0].token_ids
+    assert engine.blocks.checkpoints.stats.hits == hits + 1 and again == outs[ids[3]]
+    engine.blocks.check_invariants()

@@ -59,6 +59,8 @@ class KVCache(Protocol):
 
     def restore_states(self, restores: list[tuple[int, int]]) -> None: ...  # (checkpoint, state) slots
 
+    def resize_checkpoints(self, slots: int, moves: list[tuple[int, int]]) -> None: ...  # (old, new) slots kept
+
 
 class DecodeGroupShape(Protocol):
     blocks: torch.Tensor  # [rows, blocks gathered]

@@ -75,6 +75,8 @@ class ElasticMemory:
             plan = owner.replan(kept)
         except CacheDoesNotFitError:
             plan = owner.replan(kept.replace(max_batch_tokens=None))  # raises if nothing fits
+        if plan.num_blocks < owner.blocks_to_finish() and plan.checkpoint_slots:
+            plan = self._shed_checkpoints(kept.replace(max_batch_tokens=plan.max_batch_tokens), plan)
         caps = owner.pool_capacity
         if any(n > cap for n, cap in zip(plan.pool_blocks, caps)):
             windows = tuple((w, min(n, cap), b) for (w, n, b), cap in zip(plan.window_pools, caps[1:]))
@@ -96,6 +98,30 @@ class ElasticMemory:
             plan.max_batch_tokens,
         )
         return plan
+
+    def _shed_checkpoints(self, config, plan: MemoryPlan) -> MemoryPlan:
+        """A plan that would preempt running requests (fewer blocks than they hold when finished),
+        with as many of the prefix checkpoints of states as still let them all run to the end:
+        each shed checkpoint's bytes go to KV blocks. With none kept and still too few blocks,
+        the plan without checkpoints (the scheduler then preempts the newest, as for any model)."""
+        owner = self.memory
+        used = owner.blocks_to_finish()
+        lo, hi = 0, plan.checkpoint_slots - 1  # the most checkpoints a plan keeping every request may have
+        best = owner.replan(config.replace(state_checkpoints=0))
+        if best.num_blocks < used:
+            return best
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if owner.replan(config.replace(state_checkpoints=mid)).num_blocks >= used:
+                lo = mid
+            else:
+                hi = mid - 1
+        log.info(
+            "memory budget shrinking: %d of %d prefix checkpoints of states shed",
+            plan.checkpoint_slots - lo,
+            plan.checkpoint_slots,
+        )
+        return owner.replan(config.replace(state_checkpoints=lo)) if lo else best
 
     def _budget_bytes(self, memory: str | int | None, memory_fraction: float | None) -> int:
         if (memory is None) == (memory_fraction is None):

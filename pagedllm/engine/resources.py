@@ -84,6 +84,10 @@ class EngineMemory:
     def has_unfinished(self) -> bool:
         return self._scheduler.has_unfinished()
 
+    def blocks_to_finish(self) -> int:
+        """``Scheduler.blocks_to_finish``, at least the blocks in use now."""
+        return max(self._blocks.num_used, self._scheduler.blocks_to_finish())
+
     @property
     def steps(self) -> int:
         return self._scheduler.counters.steps
@@ -101,6 +105,9 @@ class EngineMemory:
         scheduler = self._scheduler
         if self._experts is not None:  # fewer experts resident before any request is preempted
             self._experts.resize(plan.expert_slots or self._experts.capacity)
+        checkpoints = self._blocks.checkpoints
+        if checkpoints is not None and plan.checkpoint_slots != checkpoints.slots:  # shed (or regrown) first too
+            self._kv_cache.resize_checkpoints(plan.checkpoint_slots, checkpoints.resize(plan.checkpoint_slots))
         shrinks = any(new < was for new, was in zip(sizes, self._blocks.pool_sizes))
         # what lives past a shrinking pool's end moves down first; a growing pool just grows
         self._kv_cache.copy_blocks(scheduler.shrink_cache(sizes))

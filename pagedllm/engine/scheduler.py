@@ -117,6 +117,18 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def blocks_to_finish(self) -> int:
+        """The blocks (of pool 0) the running sequences hold once each has run to its max_tokens
+        or the context: what a smaller cache must keep for none of them to be preempted. Each
+        sample counts its prompt's blocks, shared or not (an upper bound)."""
+        size, total = self.blocks.block_size, 0
+        for seq in self.running:
+            end = seq.num_prompt_tokens + seq.params.max_tokens
+            if self.max_model_len is not None:
+                end = min(end, self.max_model_len)
+            total += -(-max(end, seq.num_tokens) // size) * seq.width
+        return total
+
     @property
     def slots_used(self) -> int:
         return sum(s.width for s in self.running)

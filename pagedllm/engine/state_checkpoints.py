@@ -84,6 +84,18 @@ class StateCheckpoints:
         self.free += list(self.pending.values())
         self.pending = {}
 
+    def resize(self, slots: int) -> list[tuple[int, int]]:
+        """To ``slots`` slots (a new budget, between steps): the most recently used checkpoints
+        that fit stay, renumbered into the first slots; the others are evicted. Returns the
+        (old, new) slot of each kept one, which the cache's checkpoint tensors must follow."""
+        assert not self.pending, "resized while a step writes checkpoints"
+        kept = list(self.by_key.items())[-slots:] if slots else []
+        self.stats.evicted += len(self.by_key) - len(kept)
+        self.by_key = OrderedDict((key, new) for new, (key, _) in enumerate(kept))
+        self.slots = slots
+        self.free = list(range(slots - 1, len(kept) - 1, -1))
+        return [(old, new) for new, (_, old) in enumerate(kept)]
+
     def clear(self) -> None:
         self.free += list(self.by_key.values()) + list(self.pending.values())
         self.by_key, self.pending = OrderedDict(), {}

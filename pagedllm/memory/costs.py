@@ -79,10 +79,19 @@ class Costs:
         return n * self.per_block + sum(b * blocks for (_, b), blocks in zip(self.windows, self.window_blocks(n, m)))
 
     @property
+    def checkpoint_slots(self) -> int:
+        """Checkpoints of states kept for prefixes (``engine.state_checkpoints``): the user's
+        number, else STATE_CHECKPOINTS_PER_SEQUENCE per sequence; none without states."""
+        if not self.cfg.state_bytes_per_sequence():
+            return 0
+        given = self.s.state_checkpoints
+        return self.seqs * STATE_CHECKPOINTS_PER_SEQUENCE if given is None else given
+
+    @property
     def states(self) -> int:
         """The fixed state of every sequence that may run at once (``SequenceState`` layers), and
-        as many checkpoints of states kept for prefixes (``engine.state_checkpoints``)."""
-        return self.seqs * self.cfg.state_bytes_per_sequence() * (1 + STATE_CHECKPOINTS_PER_SEQUENCE)
+        the checkpoints of states kept for prefixes, each as large."""
+        return (self.seqs + self.checkpoint_slots) * self.cfg.state_bytes_per_sequence()
 
     def fixed(self, m: int, max_len: int) -> int:
         """Everything but the paged cache, at step budget ``m`` and context ``max_len``."""

@@ -281,6 +281,8 @@ class EngineSettings:
     # the checkpoint, read into slots each step (layers/layer_stream.py)
     streamable_layers: StreamableLayers | None = None
     resident_layers: int | None = None  # the user's bound (EngineConfig.resident_layers)
+    # prefix checkpoints of the states (EngineConfig.state_checkpoints; None: costs.STATE_CHECKPOINTS_PER_SEQUENCE each)
+    state_checkpoints: int | None = None
 
     @property
     def kv(self) -> str:

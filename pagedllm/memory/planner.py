@@ -28,7 +28,6 @@ from .costs import (
     AUTO_MAX_NUM_SEQS,
     ESTIMATED_BASELINE_BYTES,
     OVERHEAD_BYTES,
-    STATE_CHECKPOINTS_PER_SEQUENCE,
     Costs,
     overhead,
 )
@@ -150,7 +149,7 @@ def _result(costs: Costs, solved: tuple[int, int, int], names: tuple[str, int, s
         window_pools=tuple((w, n_w, b) for (w, b), n_w in zip(costs.windows, costs.window_blocks(n, m))),
         shared_pool_tokens=costs.shared_pool_tokens(budget_bytes, m, max_len),
         state_bytes=costs.states,
-        checkpoint_slots=costs.seqs * STATE_CHECKPOINTS_PER_SEQUENCE if costs.states else 0,
+        checkpoint_slots=costs.checkpoint_slots,
         **residency,
     )
 
@@ -369,6 +368,7 @@ def _settings(
         amx_tiles=facts.amx_tiles,
         quant_float_max_rows=facts.quant_float_max_rows,
         grammar_cache_bytes=grammar_cache_bytes,
+        state_checkpoints=c.state_checkpoints,
         **split,
     )
     return settings

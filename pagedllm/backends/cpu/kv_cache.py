@@ -104,8 +104,8 @@ class KVCache:
         scaled = shapes if self.quantized else []
         self.k_scale = [self._zeros(sh[:2], torch.float32, device) for sh in scaled]
         self.v_scale = [self._zeros(sh[:2], torch.float32, device) for sh in scaled]
-        self.states = _state_pool(cfg, state_slots, device)
-        self.checkpoints = _state_pool(cfg, checkpoint_slots, device)
+        self._state_layout = (cfg, device)  # what the state pools are made of (a resized one too)
+        self.states, self.checkpoints = (_state_pool(cfg, device, n) for n in (state_slots, checkpoint_slots))
         if resident:
             for p, n in enumerate(sizes):
                 self._commit(p, 0, n)
@@ -164,6 +164,17 @@ class KVCache:
             for tensors in self.states.values():
                 for t in tensors.values():
                     t[dst].copy_(t[src])
+
+    def resize_checkpoints(self, slots: int, moves: list[tuple[int, int]]) -> None:
+        """The checkpoint pool to ``slots`` slots, each (old, new) slot of ``moves`` carried over;
+        the old tensors go (their pages back to the OS with them: a shed checkpoint frees its
+        state's bytes)."""
+        old = self.checkpoints
+        self.checkpoints = _state_pool(*self._state_layout, slots)
+        for layer, tensors in self.checkpoints.items():
+            for name, t in tensors.items():
+                for src, dst in moves:
+                    t[dst].copy_(old[layer][name][src])
 
     def restore_states(self, restores: list[tuple[int, int]]) -> None:
         """Every state-keeping layer's checkpoint ``src`` into state slot ``dst`` (a prefix adopted)."""
@@ -245,7 +256,7 @@ class KVCache:
         return tensor
 
 
-def _state_pool(cfg: ModelConfig, slots: int, device) -> dict[int, dict[str, torch.Tensor]]:
+def _state_pool(cfg: ModelConfig, device, slots: int) -> dict[int, dict[str, torch.Tensor]]:
     """Each state-keeping layer's tensors by name, [slots, ...] each, float32 (``kinds.SequenceState``).
     Left unwritten (``empty``): a sequence zeroes its slot when it starts and a checkpoint is
     written before it is read, so a slot's pages become resident only once a sequence uses it
