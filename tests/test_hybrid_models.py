@@ -6,7 +6,7 @@ import pytest
 import torch
 from flat_steps import flat_step
 from greedy import assert_greedy_matches, hf_greedy
-from tiny_models import HYBRID_ARCHS, save_tiny_model, save_tiny_qwen35_gguf
+from tiny_models import HYBRID_ARCHS, save_tiny_lfm2_gguf, save_tiny_model, save_tiny_qwen35_gguf
 from transformers.models.qwen3_5 import modeling_qwen3_5 as reference
 
 from pagedllm import LLM, SamplingParams
@@ -229,19 +229,27 @@ def test_a_checkpoint_equals_the_state_recomputed_bit_for_bit(hybrid, monkeypatc
 
 # GGUF files as llama.cpp's converter writes Qwen3.5 (``save_tiny_qwen35_gguf``, its tensors byte
 # for byte the converter's on the same model): dense in float32 and with Q8_0 projections, and the mixture
-GGUF_CASES = [("qwen3_5", "F32"), ("qwen3_5", "Q8_0"), ("qwen3_5-moe", "F32")]
+GGUF_CASES = [("qwen3_5", "F32"), ("qwen3_5", "Q8_0"), ("qwen3_5-moe", "F32"), ("lfm2", "F32")]
 
 
 @pytest.mark.parametrize(("arch", "weights"), GGUF_CASES)
 def test_a_gguf_file_as_llama_cpp_writes_it_equals_transformers(tmp_path, arch, weights, kernels):
-    """Logits of every position of a mixed step, and greedy batched and chunked: the value heads
-    regrouped by llama.cpp's converter (two per key head here), A_log stored as -exp(A_log), the
-    norms plus one and the convolution flattened must all come back as transformers holds them."""
+    """Logits of every position of a mixed step, and greedy batched and chunked. Qwen3.5: the
+    value heads regrouped by llama.cpp's converter (two per key head here), A_log stored as
+    -exp(A_log), the norms plus one and the convolution flattened; LFM2: its layer types read
+    from the KV heads per layer, its final norm named as the embeddings', its taps flattened.
+    All must come back as transformers holds them."""
     path = tmp_path / f"{arch}.gguf"
-    hf = save_tiny_qwen35_gguf(arch, path, weights=weights)
+    if arch == "lfm2":
+        hf = save_tiny_lfm2_gguf(path)
+    else:
+        hf = save_tiny_qwen35_gguf(arch, path, weights=weights)
     llm = LLM(str(path), dtype="float32", max_batch_tokens=16, max_num_seqs=4)
     config = llm.engine.loaded.config
-    assert config.delta_rule.value_heads_tiled and config.delta_rule.value_heads == 2 * config.delta_rule.key_heads
+    if arch == "lfm2":
+        assert config.layer_mixers == ("short_conv", "attention", "short_conv", "short_conv")
+    else:
+        assert config.delta_rule.value_heads_tiled and config.delta_rule.value_heads == 2 * config.delta_rule.key_heads
     batch = prompts(config.vocab_size, lengths=(3, 40, 17, 29))
     outs = llm.generate(batch, GREEDY)
     assert_greedy_matches([o.token_ids for o in outs], [hf_greedy(hf, p, GREEDY.max_tokens) for p in batch])

@@ -547,3 +547,51 @@ def _value_heads(t: torch.Tensor, dim: int, width: int, tiled: bool, key_heads: 
     split = (key_heads, per_key) if tiled else (per_key, key_heads)
     t = t.reshape(*shape[:dim], *split, width, *shape[dim + 1 :])
     return t.transpose(dim, dim + 1).reshape(shape)
+
+
+def save_tiny_lfm2_gguf(path: Path, seed: int = 0, **overrides):
+    """A tiny LFM2 as llama.cpp's converter writes it (``lfm2``; its tensors and metadata checked
+    byte for byte against convert_hf_to_gguf.py of llama-cpp-python 0.3.36): the KV heads per layer
+    (0 for a convolution layer), the MLP's width as derived, the convolution's taps [channels,
+    taps], the final norm as ``token_embd_norm``. Without convolution biases, which that
+    converter cannot write. Returns the transformers model."""
+    import gguf
+
+    model = build_hf_model("lfm2", seed, **{"conv_bias": False, **overrides})
+    cfg = model.config
+    arch = gguf.MODEL_ARCH.LFM2
+    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv([cfg.num_key_value_heads if t != "conv" else 0 for t in cfg.layer_types])
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg.norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_shortconv_l_cache(cfg.conv_L_cache)
+    width = int(2 * cfg.intermediate_size / 3)  # block_auto_adjust_ff_dim, as the converter derives it
+    width = int(cfg.block_ffn_dim_multiplier * width)
+    writer.add_feed_forward_length(cfg.block_multiple_of * -(-width // cfg.block_multiple_of))
+    tokens, merges = _byte_level_vocab(cfg.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("lfm2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * len(tokens))
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        base, _, suffix = hf_name.rpartition(".")
+        values = tensor.to(torch.float32)
+        if base.endswith("conv.conv"):
+            values = values.squeeze(1)
+        writer.add_tensor(f"{names.get_name(base)}.{suffix}", np.ascontiguousarray(values.numpy()))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return model

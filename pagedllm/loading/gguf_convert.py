@@ -81,6 +81,10 @@ _GGUF_ROLES = {
     "ssm_norm": "linear_norm",
     "ssm_dt": "linear_dt_bias",
     "ssm_a": "linear_A_log",
+    # a gated short convolution's (LFM2: ``kinds/short_conv``)
+    "shortconv.in_proj": "conv_in",
+    "shortconv.out_proj": "conv_out",
+    "shortconv.conv": "conv_taps",
 }
 # Roles whose checkpoint tensor is a parameter of its own, named without ``.weight`` (gpt-oss's
 # ``self_attn.sinks``, which llama.cpp names ``attn_sinks.weight``; Qwen3.5's ``linear_attn.A_log``
@@ -91,7 +95,6 @@ _BARE_ROLES = frozenset({"sinks", "linear_dt_bias", "linear_A_log"})
 _OFFSET_NORM_ROLES = frozenset({"attn_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm", "q_norm", "k_norm"})
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
 
@@ -184,7 +187,7 @@ class _TensorPlan:
                 continue
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             for hf, expert, part_shape, role in _hf_parts(name, shape, arch, family, config, path):
-                if role in family.gguf_undo:
+                if role in family.gguf_undo and not hf.endswith(".bias"):
                     if t.tensor_type.name not in _FLOAT_TYPES:
                         raise UnsupportedModelError(f"{path}: tensor {name!r} is quantized ({t.tensor_type.name})")
                     plan.undo[hf] = (family.gguf_undo[role], part_shape)
@@ -246,7 +249,8 @@ def _hf_config(meta: dict, arch: str, family: Family, tensors: dict, path: Path)
         "intermediate_size": int(get("feed_forward_length")),
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        # a list where layers differ (LFM2's: 0 for each convolution layer), the attention layers' then
+        "num_key_value_heads": max(_as_list(get("attention.head_count_kv", heads))),
         "head_dim": int(get("attention.key_length", hidden // heads)),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
         "max_position_embeddings": int(get("context_length")),
@@ -266,6 +270,10 @@ def _hf_config(meta: dict, arch: str, family: Family, tensors: dict, path: Path)
         if key in meta:
             cfg[hf] = int(meta[key])
     return cfg
+
+
+def _as_list(value) -> list[int]:
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
 def _moe_config(
@@ -321,8 +329,10 @@ def _hf_parts(
     cols] tensor per expert, in the order llama.cpp stacked them (expert 0 first), and a stacked
     bias [experts, rows] one [rows] per expert (gpt-oss). A name without a leaf (``ssm_a``) is a
     bare parameter's."""
+    if name == f"{family.gguf_final_norm}.weight":
+        return [(family.checkpoint_name("model.norm.weight"), None, shape, None)]
     if name in _GLOBAL_NAMES:
-        return [(_GLOBAL_NAMES[name], None, shape, None)]
+        return [(family.checkpoint_name(_GLOBAL_NAMES[name]), None, shape, None)]
     layer, _, rest = name.removeprefix("blk.").partition(".")
     gguf_role, _, leaf = rest.rpartition(".") if "." in rest else (rest, "", "")
     if name.startswith("blk.") and gguf_role in family.gguf_fused:  # split on loading (Family.unfuse)
@@ -337,7 +347,7 @@ def _hf_parts(
             )
         raise UnsupportedModelError(f"{path}: unexpected tensor {name!r} for {arch}")
     if not role.startswith("expert_"):
-        hf = family.name_of(role, int(layer)) + ("" if role in _BARE_ROLES else f".{leaf}")
+        hf = family.checkpoint_name(family.name_of(role, int(layer)) + ("" if role in _BARE_ROLES else f".{leaf}"))
         if role == "shared_gate" and len(shape) == 1:  # [1, hidden] in the checkpoint, [hidden] in llama.cpp
             shape = (1, *shape)
         return [(hf, None, shape, role)]

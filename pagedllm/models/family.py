@@ -125,6 +125,7 @@ class Family:
     # roles whose values llama.cpp's converter changed -> what gives the checkpoint's back from a
     # float tensor of the file (Qwen3.5's ``ssm_a``, written as -exp(A_log)); the shape follows
     gguf_undo: dict[str, Callable[[Any], Any]] = field(default_factory=dict)
+    gguf_final_norm: str = "output_norm"  # llama.cpp's name of the final norm (LFM2's is ``token_embd_norm``)
     # a family whose layers' mixers differ: each ``layer_types`` entry -> its mixer's kind
     # (``kinds.MIXERS``; Qwen3.5's "linear_attention" -> "gated_deltanet"); {}: every layer attention
     layer_type_mixers: dict[str, str] = field(default_factory=dict)
