@@ -175,6 +175,18 @@ HYBRID_ARCHS = {
             tie_word_embeddings=True,
         ),
     ),
+    # Qwen3-Next: Qwen3.5's mixture, its checkpoint fusing q/k/v/z and b/a per key head; one dense layer
+    "qwen3-next": (
+        "Qwen3NextConfig",
+        dict(
+            QWEN3_5,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=96,
+            mlp_only_layers=[1],
+        ),
+    ),
     # and Qwen3.5's mixture: every layer sparse, the top-k renormalised, a sigmoid-gated shared expert
     "qwen3_5-moe": (
         "Qwen3_5MoeTextConfig",
@@ -208,7 +220,9 @@ def build_hf_model(name: str, seed: int = 0, **overrides):
                 p.normal_(0.0, 0.1)
             elif p_name.endswith(("A_log", "dt_bias", "linear_attn.norm.weight")):
                 continue  # a delta rule's decay rates and its gated norm's scale: transformers' own init
-            elif model.config.model_type.startswith(("gemma", "qwen3_5")):  # norms multiply by (1 + weight)
+            elif model.config.model_type.startswith(
+                ("gemma", "qwen3_5", "qwen3_next")
+            ):  # norms multiply by (1 + weight)
                 p.uniform_(-0.2, 0.2)
             else:  # norm weights
                 p.uniform_(0.8, 1.2)

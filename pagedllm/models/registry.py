@@ -22,6 +22,7 @@ from .qwen3.spec import FAMILY as QWEN3
 from .qwen3_5.spec import FAMILY as QWEN3_5
 from .qwen3_5_moe.spec import FAMILY as QWEN3_5_MOE
 from .qwen3_moe.spec import FAMILY as QWEN3_MOE
+from .qwen3_next.spec import FAMILY as QWEN3_NEXT
 from .smollm3.spec import FAMILY as SMOLLM3
 
 FAMILIES: tuple[Family, ...] = (
@@ -39,6 +40,7 @@ FAMILIES: tuple[Family, ...] = (
     GPT_OSS,
     QWEN3_5,
     QWEN3_5_MOE,
+    QWEN3_NEXT,
     LFM2,
 )
 

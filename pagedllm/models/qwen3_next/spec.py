@@ -1,0 +1,61 @@
+"""Qwen3-Next (Qwen3-Next-80B-A3B's kind): Qwen3.5-MoE's layers (``models/qwen3_5_moe``: Gated
+DeltaNet three layers in four, gated full attention the fourth, mixtures with a sigmoid-gated
+shared expert), its checkpoint laid out otherwise: a delta-rule layer's q, k, v and z in one
+tensor (``linear_attn.in_proj_qkvz``) and b and a in another (``in_proj_ba``), each interleaved
+per key head ([q, k, v, z] of key head 0, then of key head 1 ...; [b, a] likewise), which
+``unfuse`` splits by rows into the tensors Qwen3.5 keeps apart. Sparse layers every
+``decoder_sparse_step`` but ``mlp_only_layers``, the top-k renormalised as ``norm_topk_prob`` says.
+
+Not yet: GGUF files (``qwen3next``), and what Qwen3.5 has not."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..family import Experts
+from ..qwen3_5_moe.spec import FAMILY as QWEN3_5_MOE
+
+_FUSED = ("linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba")
+
+
+def unfuse(name: str, tensor, cfg) -> list[tuple[str, object]] | None:
+    """q/k/v, z, b and a of a delta-rule layer's fused tensors, each part's rows gathered from
+    every key head's group in head order; None for any other tensor."""
+    prefix, _, leaf = name.rpartition(".")
+    if not prefix.endswith(_FUSED):
+        return None
+    rule = cfg.delta_rule
+    per_key = rule.value_heads // rule.key_heads
+    base = prefix.rpartition(".")[0]
+    if prefix.endswith("in_proj_ba"):
+        widths = {"in_proj_b": per_key, "in_proj_a": per_key}
+    else:
+        q, v = rule.key_head_dim, per_key * rule.value_head_dim
+        widths = {"q": q, "k": q, "v": v, "in_proj_z": v}
+    group = sum(widths.values())
+    start = 0
+    rows: dict[str, list[int]] = {}
+    for part, width in widths.items():
+        rows[part] = [head * group + start + i for head in range(rule.key_heads) for i in range(width)]
+        start += width
+    if "q" in rows:  # q, k and v stacked as Qwen3.5's in_proj_qkv (the convolution's channel order)
+        rows = {"in_proj_qkv": rows.pop("q") + rows.pop("k") + rows.pop("v"), **rows}
+    return [(f"{base}.{part}.{leaf}", tensor[index]) for part, index in rows.items()]
+
+
+FAMILY = replace(
+    QWEN3_5_MOE,
+    architecture="Qwen3NextForCausalLM",
+    model_type="qwen3_next",
+    gguf_architecture=None,
+    gguf_config=None,
+    gguf_undo={},
+    experts=Experts(
+        every_layer=False,
+        always_renormalise=False,
+        count_key="num_experts",
+        gguf_renormalised=True,
+        shared_expert=True,
+    ),
+    unfuse=unfuse,
+)
