@@ -320,12 +320,8 @@ def save_tiny_gguf(name: str, path: Path, seed: int = 0, experts: str = "F32", w
     arch = getattr(gguf.MODEL_ARCH, GGUF_ARCHS[name])
     names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
     dense_names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
-    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
+    writer = _gguf_writer(path, arch, cfg)
     writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer.add_key_length(head_dim)
@@ -355,14 +351,7 @@ def save_tiny_gguf(name: str, path: Path, seed: int = 0, experts: str = "F32", w
             writer.add_expert_feed_forward_length(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
         if getattr(cfg, "shared_expert_intermediate_size", None):
             writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-    tokens, merges = _byte_level_vocab(cfg.vocab_size)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(name if not moe else "qwen2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([1] * len(tokens))
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    _add_byte_level_tokenizer(writer, cfg.vocab_size, name if not moe else "qwen2")
     for hf_name, tensor in model.state_dict().items():
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
@@ -405,10 +394,7 @@ def save_tiny_gguf(name: str, path: Path, seed: int = 0, experts: str = "F32", w
             heads = cfg.num_attention_heads if base.endswith("q_proj") else cfg.num_key_value_heads
             values = _llama_cpp_rope_rows(values, heads)
         writer.add_tensor(f"{gguf_base}.{suffix}", values)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer)
     return model
 
 
@@ -454,12 +440,8 @@ def save_tiny_qwen35_gguf(name: str, path: Path, weights: str = "F32", seed: int
     moe = name.endswith("-moe")
     arch = gguf.MODEL_ARCH.QWEN35MOE if moe else gguf.MODEL_ARCH.QWEN35
     names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
-    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
+    writer = _gguf_writer(path, arch, cfg)
     writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_key_length(cfg.head_dim)
     writer.add_value_length(cfg.head_dim)
@@ -480,14 +462,7 @@ def save_tiny_qwen35_gguf(name: str, path: Path, weights: str = "F32", seed: int
         writer.add_expert_used_count(cfg.num_experts_per_tok)
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
         writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-    tokens, merges = _byte_level_vocab(cfg.vocab_size)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([1] * len(tokens))
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    _add_byte_level_tokenizer(writer, cfg.vocab_size, "qwen2")
     keys, width = cfg.linear_num_key_heads * cfg.linear_key_head_dim, cfg.linear_value_head_dim
 
     def regroup(base: str, t: torch.Tensor, tiled: bool) -> torch.Tensor:
@@ -546,10 +521,7 @@ def save_tiny_qwen35_gguf(name: str, path: Path, weights: str = "F32", seed: int
                 tensor.copy_(regroup(base, held, tiled=False))
             continue
         writer.add_tensor(f"{gguf_base}.{suffix}", values)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer)
     return model
 
 
@@ -575,11 +547,7 @@ def save_tiny_lfm2_gguf(path: Path, seed: int = 0, **overrides):
     cfg = model.config
     arch = gguf.MODEL_ARCH.LFM2
     names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
-    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_head_count(cfg.num_attention_heads)
+    writer = _gguf_writer(path, arch, cfg)
     writer.add_head_count_kv([cfg.num_key_value_heads if t != "conv" else 0 for t in cfg.layer_types])
     writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.norm_eps)
@@ -588,14 +556,7 @@ def save_tiny_lfm2_gguf(path: Path, seed: int = 0, **overrides):
     width = int(2 * cfg.intermediate_size / 3)  # block_auto_adjust_ff_dim, as the converter derives it
     width = int(cfg.block_ffn_dim_multiplier * width)
     writer.add_feed_forward_length(cfg.block_multiple_of * -(-width // cfg.block_multiple_of))
-    tokens, merges = _byte_level_vocab(cfg.vocab_size)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("lfm2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([1] * len(tokens))
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    _add_byte_level_tokenizer(writer, cfg.vocab_size, "lfm2")
     for hf_name, tensor in model.state_dict().items():
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
@@ -604,8 +565,36 @@ def save_tiny_lfm2_gguf(path: Path, seed: int = 0, **overrides):
         if base.endswith("conv.conv"):
             values = values.squeeze(1)
         writer.add_tensor(f"{names.get_name(base)}.{suffix}", np.ascontiguousarray(values.numpy()))
+    _finish(writer)
+    return model
+
+
+def _gguf_writer(path: Path, arch, cfg):
+    """A GGUF writer for ``arch`` with the keys every file here carries (context, widths, layers, heads)."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_head_count(cfg.num_attention_heads)
+    return writer
+
+
+def _add_byte_level_tokenizer(writer, vocab_size: int, pre: str) -> None:
+    """``_byte_level_vocab`` as a GGUF's BPE tokenizer (bos 1, eos 2)."""
+    tokens, merges = _byte_level_vocab(vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * len(tokens))
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+
+def _finish(writer) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return model

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..family import Experts
 from ..qwen3_5_moe.spec import FAMILY as QWEN3_5_MOE
 
 _FUSED = ("linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba")
@@ -43,6 +42,7 @@ def unfuse(name: str, tensor, cfg) -> list[tuple[str, object]] | None:
     return [(f"{base}.{part}.{leaf}", tensor[index]) for part, index in rows.items()]
 
 
+assert QWEN3_5_MOE.experts is not None
 FAMILY = replace(
     QWEN3_5_MOE,
     architecture="Qwen3NextForCausalLM",
@@ -50,12 +50,6 @@ FAMILY = replace(
     gguf_architecture=None,
     gguf_config=None,
     gguf_undo={},
-    experts=Experts(
-        every_layer=False,
-        always_renormalise=False,
-        count_key="num_experts",
-        gguf_renormalised=True,
-        shared_expert=True,
-    ),
+    experts=replace(QWEN3_5_MOE.experts, always_renormalise=False),  # norm_topk_prob, as its config says
     unfuse=unfuse,
 )
