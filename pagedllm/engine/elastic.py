@@ -106,14 +106,15 @@ class ElasticMemory:
         the plan without checkpoints (the scheduler then preempts the newest, as for any model)."""
         owner = self.memory
         used = owner.blocks_to_finish()
-        lo, hi = 0, plan.checkpoint_slots - 1  # the most checkpoints a plan keeping every request may have
-        best = owner.replan(config.replace(state_checkpoints=0))
+        best = owner.replan(config.replace(state_checkpoints=0))  # the most checkpoints that keep every request
         if best.num_blocks < used:
             return best
+        lo, hi = 0, plan.checkpoint_slots - 1
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if owner.replan(config.replace(state_checkpoints=mid)).num_blocks >= used:
-                lo = mid
+            candidate = owner.replan(config.replace(state_checkpoints=mid))
+            if candidate.num_blocks >= used:
+                lo, best = mid, candidate
             else:
                 hi = mid - 1
         log.info(
@@ -121,7 +122,7 @@ class ElasticMemory:
             plan.checkpoint_slots - lo,
             plan.checkpoint_slots,
         )
-        return owner.replan(config.replace(state_checkpoints=lo)) if lo else best
+        return best
 
     def _budget_bytes(self, memory: str | int | None, memory_fraction: float | None) -> int:
         if (memory is None) == (memory_fraction is None):
