@@ -62,6 +62,7 @@ class MoeConfig:
     normalize: bool
     layers: tuple[bool, ...]  # per layer: sparse (True) or the dense MLP of ``intermediate_size``
     shared_expert_size: int = 0  # Qwen2-MoE's shared expert's width; 0: none
+    shared_expert_gated: bool = True  # its output times a sigmoid gate (Qwen2-MoE), or added as it is (Granite)
     # gpt-oss: the router biased, its top_k logits chosen first and softmaxed among themselves,
     # and each expert's SwiGLU clamped (gate below ``swiglu_limit``, up within it, the gate's
     # sigmoid sharpened by ``swiglu_alpha``, up offset by 1)
@@ -90,6 +91,32 @@ class DeltaRuleConfig:
     @property
     def conv_channels(self) -> int:
         return 2 * self.key_heads * self.key_head_dim + self.value_heads * self.value_head_dim
+
+
+@dataclass(frozen=True)
+class Mamba2Config:
+    """A Mamba-2 layer's sizes (Granite-4.0-H's ``mamba`` layers, ``kinds/mamba2``): x in ``heads``
+    heads of ``head_dim``; B and C in ``groups`` groups of ``state_size`` (each group serves
+    heads / groups heads); x, B and C through one causal convolution of ``conv_kernel`` taps
+    (biased where ``conv_bias``); each step's dt = softplus(dt + dt_bias) kept within
+    ``time_step_limit``."""
+
+    heads: int
+    head_dim: int
+    state_size: int
+    groups: int
+    conv_kernel: int
+    conv_bias: bool
+    projection_bias: bool
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+
+    @property
+    def inner(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def conv_channels(self) -> int:
+        return self.inner + 2 * self.groups * self.state_size
 
 
 @dataclass(frozen=True)
@@ -134,10 +161,14 @@ class ModelConfig:
     layer_mixers: tuple[str, ...] = ()
     delta_rule: DeltaRuleConfig | None = None  # the Gated DeltaNet layers' sizes (Qwen3.5)
     short_conv: ShortConvConfig | None = None  # the short-convolution layers' (LFM2)
+    mamba2: Mamba2Config | None = None  # the Mamba-2 layers' (Granite-4.0-H)
     # Qwen3.5: q_proj gives each head's q and a gate beside it; the attention's output is
     # multiplied by the gate's sigmoid before o_proj
     attention_output_gate: bool = False
-    embedding_multiplier: float = 1.0  # Gemma: sqrt(hidden_size), applied in the activation dtype
+    embedding_multiplier: float = 1.0  # Gemma: sqrt(hidden_size), applied in the activation dtype; Granite's own
+    # Granite: each sub-layer's output times this before its residual add; the logits divided by logits_scaling
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     sandwich_norms: bool = False  # Gemma: attention and MLP outputs normed before their residual adds
     # the rope of the sliding-window layers where it is not the full layers' (Gemma 3's local base)
     local_rope: RopeConfig | None = None
@@ -239,8 +270,10 @@ class ModelConfig:
                 eos_token_ids=_as_tuple(d.get("eos_token_id")),
                 moe=_moe_from_hf(d, fam, layers),
                 activation=_activation_from_hf(d, source),
-                attention_scale=float(d["query_pre_attn_scalar"]) ** -0.5 if d.get("query_pre_attn_scalar") else None,
-                embedding_multiplier=hidden**0.5 if fam.embedding_scaled else 1.0,
+                attention_scale=_attention_scale(d),
+                embedding_multiplier=hidden**0.5 if fam.embedding_scaled else float(d.get("embedding_multiplier", 1.0)),
+                residual_multiplier=float(d.get("residual_multiplier", 1.0)),
+                logits_scaling=float(d.get("logits_scaling", 1.0)),
                 sandwich_norms=fam.sandwich_norms,
                 local_rope=_local_rope_from_hf(d, source),
                 rope_layers=tuple(bool(x) for x in d["no_rope_layers"]) if d.get("no_rope_layers") else (),
@@ -278,6 +311,8 @@ def _moe_from_hf(d: dict, fam: Family, layers: int) -> MoeConfig | None:
         return None
     experts = int(d.get("num_local_experts") or d.get("num_experts") or 0)  # transformers 5 writes the first
     top_k = int(d.get("num_experts_per_tok") or 0)
+    if experts == 0 and spec.optional:  # Granite-4.0-H-Micro: no routed experts, every layer dense
+        return None
     if experts < 1 or not 1 <= top_k <= experts:
         raise ModelLoadError(
             f"{fam.architecture}: {experts} experts and {top_k} per token do not make a mixture of experts"
@@ -296,6 +331,7 @@ def _moe_from_hf(d: dict, fam: Family, layers: int) -> MoeConfig | None:
         normalize=spec.always_renormalise or bool(d.get("norm_topk_prob", False)),
         layers=sparse,
         shared_expert_size=int(d.get("shared_expert_intermediate_size") or 0) if spec.shared_expert else 0,
+        shared_expert_gated=spec.shared_expert_gated,
         router_bias=spec.biased,
         softmax_after_topk=spec.softmax_after_topk,
         swiglu_limit=float(d["swiglu_limit"]) if spec.clamped_swiglu else None,
@@ -391,7 +427,38 @@ def _mixer_sizes(d: dict, fam: Family) -> dict:
     return dict(
         delta_rule=_delta_rule_from_hf(d) if "gated_deltanet" in kinds else None,
         short_conv=ShortConvConfig(int(d["conv_L_cache"]), bool(d.get("conv_bias"))) if "short_conv" in kinds else None,
+        mamba2=_mamba2_from_hf(d) if "mamba2" in kinds else None,
     )
+
+
+def _mamba2_from_hf(d: dict) -> Mamba2Config:
+    heads = int(d["mamba_n_heads"])
+    head_dim = d.get("mamba_d_head", "auto")
+    inner = int(d.get("mamba_expand", 2)) * int(d["hidden_size"])
+    limit = d.get("time_step_limit") or (0.0, float("inf"))
+    return Mamba2Config(
+        heads=heads,
+        head_dim=inner // heads if head_dim in (None, "auto") else int(head_dim),
+        state_size=int(d["mamba_d_state"]),
+        groups=int(d.get("mamba_n_groups", 1)),
+        conv_kernel=int(d.get("mamba_d_conv", 4)),
+        conv_bias=bool(d.get("mamba_conv_bias", True)),
+        projection_bias=bool(d.get("mamba_proj_bias", False)),
+        time_step_limit=(float(limit[0]), _float(limit[1])),
+    )
+
+
+def _float(value) -> float:
+    """A number as config.json writes it (transformers writes infinity as ``{"__float__": "Infinity"}``)."""
+    return float(value["__float__"]) if isinstance(value, dict) else float(value)
+
+
+def _attention_scale(d: dict) -> float | None:
+    """q.k's multiplier where the config sets one: Gemma's query_pre_attn_scalar ** -0.5, Granite's
+    attention_multiplier; None: head_dim ** -0.5."""
+    if d.get("query_pre_attn_scalar"):
+        return float(d["query_pre_attn_scalar"]) ** -0.5
+    return float(d["attention_multiplier"]) if d.get("attention_multiplier") is not None else None
 
 
 def _delta_rule_from_hf(d: dict) -> DeltaRuleConfig:

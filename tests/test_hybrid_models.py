@@ -40,6 +40,38 @@ def prompts(vocab: int, lengths=(1, 5, 17, 40, 70, 3, 29), seed: int = 1) -> lis
     return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
+def test_the_chunked_mamba2_scan_equals_transformers_token_by_token_update():
+    """Across chunk boundaries (150 tokens: 64 + 64 + 22), from a state already there, two groups
+    of B and C for four heads: the outputs and the last state of transformers' one-token update
+    (``mamba2_selective_state_update``, its state [heads, head_dim, state_size]), run token by token."""
+    from transformers.models.granitemoehybrid import modeling_granitemoehybrid as granite
+
+    from pagedllm.kinds.mamba2 import scan
+
+    torch.manual_seed(0)
+    t, heads, groups, p, n = 150, 4, 2, 12, 16
+    x, b, c = torch.randn(t, heads, p), torch.randn(t, groups, n), torch.randn(t, groups, n)
+    dt, a = torch.rand(t, heads) * 0.5, -torch.rand(heads) * 2
+    start = torch.randn(heads, p, n)
+    hf_state, want = start[None].clone(), []
+    for i in range(t):
+        want.append(
+            granite.mamba2_selective_state_update(
+                hf_state,
+                x[i][None],
+                dt[i][None, :, None].expand(1, heads, p),
+                a[:, None, None].expand(heads, p, n),
+                b[i][None],
+                c[i][None],
+            )[0]
+        )
+    k, q = (y.repeat_interleave(heads // groups, dim=1) for y in (b, c))
+    state = start.transpose(1, 2).contiguous()  # ours: [heads, state_size, head_dim]
+    out = scan.chunked(q, k, x * dt[..., None], dt * a, state)
+    torch.testing.assert_close(out, torch.stack(want), atol=5e-5, rtol=1e-5)
+    torch.testing.assert_close(state, hf_state[0].transpose(1, 2), atol=5e-5, rtol=1e-5)
+
+
 def test_the_chunked_delta_rule_equals_the_token_by_token_reference():
     """Across chunk boundaries (150 tokens: 64 + 64 + 22) and from a state already there: the
     outputs and the last state of transformers' one-token-at-a-time loop."""
@@ -166,13 +198,26 @@ def test_state_bytes_per_sequence_are_the_configs_arithmetic(hybrid):
     assert sum(t.numel() * 4 for t in held) == plan.state_bytes  # what is allocated is what was planned
 
 
+def test_mamba2_state_bytes_per_sequence_are_the_configs_arithmetic(hybrid):
+    """Per Mamba-2 layer: the convolution's last d_conv - 1 inputs of its x, B and C channels and a
+    d_state x d_head matrix per head, float32; the attention layer's K/V stay paged."""
+    directory, _ = hybrid["granite-h"]
+    c = HYBRID_ARCHS["granite-h"][1]
+    channels = c["mamba_expand"] * 64 + 2 * c["mamba_n_groups"] * c["mamba_d_state"]  # hidden 64
+    per_layer = 4 * (channels * (c["mamba_d_conv"] - 1) + c["mamba_n_heads"] * c["mamba_d_state"] * c["mamba_d_head"])
+    cfg = ModelConfig.from_file(directory)
+    assert cfg.state_bytes_per_sequence() == 3 * per_layer  # three Mamba-2 layers of four
+    assert [cfg.kv_pool_of_layer(i) for i in range(4)] == [None, None, 0, None]
+    assert cfg.rope_of_layer(2) is None  # Granite-4.0-H's attention: no positions
+
+
 def cold(directory, prompt, params=GREEDY):
     """A new engine's tokens and its time to the first token of ``prompt`` (nothing cached)."""
     llm = LLM(directory, dtype="float32", block_size=4, max_batch_tokens=16)
     return llm.generate([prompt], params)[0].token_ids
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "lfm2"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "lfm2", "granite-h"])
 @pytest.mark.parametrize("interval", [8, 256])
 def test_a_prefix_hit_starts_from_a_checkpoint_with_exact_outputs(hybrid, monkeypatch, interval, arch):
     """Two requests that share a 37-token prefix, then a third that repeats the second and goes
@@ -202,7 +247,7 @@ def test_a_prefix_hit_starts_from_a_checkpoint_with_exact_outputs(hybrid, monkey
     llm.engine.blocks.check_invariants()
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "lfm2"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "lfm2", "granite-h"])
 def test_a_checkpoint_equals_the_state_recomputed_bit_for_bit(hybrid, monkeypatch, arch):
     """The state kept at token 32 of a 47-token prompt computed in chunks of 16 is, in every
     layer and to the bit, the state a 32-token prompt leaves in its slot."""

@@ -157,6 +157,27 @@ QWEN3_5 = dict(
     linear_conv_kernel_dim=4,
     tie_word_embeddings=False,
 )
+GRANITE_H = dict(
+    num_hidden_layers=4,
+    layer_types=["mamba", "mamba", "attention", "mamba"],
+    mamba_n_heads=8,
+    mamba_d_head=16,
+    mamba_d_state=16,
+    mamba_n_groups=2,
+    mamba_d_conv=4,
+    mamba_expand=2,
+    mamba_chunk_size=16,
+    num_local_experts=6,
+    num_experts_per_tok=2,
+    intermediate_size=64,
+    shared_intermediate_size=96,
+    embedding_multiplier=4.0,
+    residual_multiplier=0.5,
+    attention_multiplier=0.1,
+    logits_scaling=2.0,
+    position_embedding_type="nope",
+    tie_word_embeddings=True,
+)
 HYBRID_ARCHS = {
     "qwen3_5": ("Qwen3_5TextConfig", QWEN3_5),
     # LFM2: short convolutions (3 taps, biased here) and attention layers; its MLP width derived
@@ -187,6 +208,11 @@ HYBRID_ARCHS = {
             mlp_only_layers=[1],
         ),
     ),
+    # Granite-4.0-H: Mamba-2 layers (two groups of B and C, a biased convolution) and one attention
+    # layer without positions, every layer a mixture (softmax over the top-k logits) plus an
+    # ungated shared expert, Granite's four multipliers; "granite-h-dense": no experts (-H-Micro)
+    "granite-h": ("GraniteMoeHybridConfig", GRANITE_H),
+    "granite-h-dense": ("GraniteMoeHybridConfig", dict(GRANITE_H, num_local_experts=0)),
     # and Qwen3.5's mixture: every layer sparse, the top-k renormalised, a sigmoid-gated shared expert
     "qwen3_5-moe": (
         "Qwen3_5MoeTextConfig",
@@ -208,7 +234,9 @@ def build_hf_model(name: str, seed: int = 0, **overrides):
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     with torch.no_grad():
         for p_name, p in model.named_parameters():
-            if p_name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.router.weight")):
+            if p_name.endswith(
+                ("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.router.weight", "router.layer.weight")
+            ):
                 p.normal_(0.0, 0.35)  # a router: wide margins between experts, so rounding picks the same
             elif p_name.endswith("self_attn.sinks"):
                 p.normal_(0.0, 1.0)  # gpt-oss: each head's sink takes a share of its attention

@@ -19,7 +19,7 @@ A kind's folder holds everything the engine asks of it, one file per stage of th
 
 The planner sums the caches' terms (``memory.footprint.kv_bytes_per_block`` per pool,
 ``state_bytes_per_sequence`` per running sequence) and the parts' phases, and never asks which
-kind a layer is. A new kind (next round: Gated DeltaNet, short convolutions, Mamba-2) is its
+kind a layer is. A new kind (Gated DeltaNet, short convolutions and Mamba-2 came so) is its
 folder and one line here, and its kernels behind the device (which kinds a device's compiled
 decode step runs is the device's list: ``backends/cpu/decode_program.PROGRAMMED_KINDS``).
 
@@ -38,8 +38,9 @@ from types import ModuleType
 from ..sizes import KV_SCALE_BYTES, kv_element_bytes, kv_is_quantized
 
 # The kinds, each a folder of this package: a new kind is one line here.
-# full or sliding attention (its cache says which); a gated delta rule (Qwen3.5); a gated short convolution (LFM2)
-MIXERS = ("attention", "gated_deltanet", "short_conv")
+# full or sliding attention (its cache says which); a gated delta rule (Qwen3.5); a gated short
+# convolution (LFM2); a selective state space (Granite-4.0-H)
+MIXERS = ("attention", "gated_deltanet", "short_conv", "mamba2")
 FEED_FORWARDS = ("dense_mlp", "sparse_moe")  # a SwiGLU MLP; a mixture of such experts
 PARTS = {"cache": MIXERS, "forward": MIXERS + FEED_FORWARDS, "footprint": MIXERS + FEED_FORWARDS}
 

@@ -37,6 +37,8 @@ from ..layers.quantized import INT8_COMPUTE, QuantizedEmbedding, QuantizedLinear
 from ..layers.rotary import Rotary
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ..backends.base import Backend, DecodeProgram
     from ..distributed.group import RankGroup
     from ..kinds.dense_mlp.forward import MLP
@@ -94,6 +96,7 @@ class DecoderBody(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.rotary = Rotary(cfg.rope, cfg.rotary_dim)
+        self.residual_multiplier = cfg.residual_multiplier
         self.local_rotary = Rotary(cfg.local_rope, cfg.rotary_dim) if cfg.local_rope is not None else None
 
     def rope_tables(
@@ -260,7 +263,10 @@ class DecoderLM(nn.Module):
         tp = self.tensor_parallel
         h = x.index_select(0, logits_rows)
         del x
-        logits = self.lm_head(h).float()
+        logits = self.lm_head(h)
+        if self.config.logits_scaling != 1.0:  # Granite: divided in the activation dtype, as transformers does
+            logits = logits / self.config.logits_scaling
+        logits = logits.float()
         if tp is None:
             return logits
         whole = tp.gather_rows(logits)  # [R, padded vocabulary] on the driver, None elsewhere
@@ -272,6 +278,8 @@ class DecoderLM(nn.Module):
         layers = body.decoder_layers()
         x = layers[0].input_layernorm(h)
         summed = tp.all_reduce_ if tp is not None else _whole
+        if body.residual_multiplier != 1.0:  # Granite: each sub-layer's output scaled before its residual add
+            summed = _scaled_by(summed, body.residual_multiplier)
         for i, layer in enumerate(layers):
             if stream is not None:  # a layer read from the file: its weights in its slot first
                 stream.before(i)
@@ -333,3 +341,8 @@ class DecoderLM(nn.Module):
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+def _scaled_by(summed: Callable[[torch.Tensor], torch.Tensor], multiplier: float):
+    """``summed`` then times ``multiplier`` in place (a sub-layer's own output)."""
+    return lambda t: summed(t).mul_(multiplier)

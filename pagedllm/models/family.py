@@ -63,6 +63,8 @@ class Experts:
     count_key: str
     gguf_renormalised: bool
     shared_expert: bool = False  # Qwen2-MoE: a dense expert on every token, gated by a sigmoid
+    shared_expert_gated: bool = True  # Granite: the shared expert's output added as it is
+    optional: bool = False  # Granite: a config with no experts (num_local_experts 0) is a dense model
     # gpt-oss: router and experts biased, the top_k logits softmaxed among themselves, each
     # expert's SwiGLU clamped (``config.MoeConfig``)
     biased: bool = False

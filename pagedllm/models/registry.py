@@ -10,6 +10,7 @@ from ..errors import UnsupportedModelError
 from .family import Family
 from .gemma3.spec import FAMILY as GEMMA3
 from .gpt_oss.spec import FAMILY as GPT_OSS
+from .granite_hybrid.spec import FAMILY as GRANITE_HYBRID
 from .lfm2.spec import FAMILY as LFM2
 from .llama.spec import FAMILY as LLAMA
 from .mistral.spec import FAMILY as MISTRAL
@@ -42,6 +43,7 @@ FAMILIES: tuple[Family, ...] = (
     QWEN3_5_MOE,
     QWEN3_NEXT,
     LFM2,
+    GRANITE_HYBRID,
 )
 
 _BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES}

@@ -112,6 +112,8 @@ class DecodeProgram:
             raise NotProgrammable("q/k/v clipped (clip_qkv)")
         if cfg.attention_output_gate or cfg.rotary_dim != cfg.head_dim:
             raise NotProgrammable("attention output gated, or rotary on part of each head")
+        if cfg.residual_multiplier != 1.0:
+            raise NotProgrammable("sub-layer outputs scaled before their residual adds (Granite)")
         kinds = {(k.mixer, k.feed_forward) for k in cfg.layer_kinds} - set(PROGRAMMED_KINDS)
         if kinds:  # a kind is in the program once its entry is (kernels/csrc/decode_step.cpp)
             raise NotProgrammable(f"layers of kinds {sorted(kinds)}")
@@ -133,6 +135,8 @@ class DecodeProgram:
             mlp: Any = layer.mlp
             linears = [a.qkv_proj, a.o_proj]
             if isinstance(mlp, SparseMoE):
+                if mlp.shared_expert is not None and mlp.shared_expert_gate is None:
+                    raise NotProgrammable("a shared expert without a gate (Granite)")
                 self.step.add_experts(*_experts_args(mlp))
                 self.packed_quantized = True  # its experts take the backend's row rule too
                 if mlp.shared_expert is not None and mlp.shared_expert_gate is not None:  # Qwen2-MoE

@@ -29,7 +29,7 @@ def phases(layer: LayerTerms) -> dict[str, int]:
     # each routed expert on c of the tokens' rows (gathered); the shared one on every row, as is
     mlps = [(c, moe.expert_size, c * h * e) for c in {t, g.fewest_rows_alike(t)}]
     if moe.shared_expert_size:  # its sigmoid gate [t, 1] and that gate's product with its output
-        mlps.append((t, moe.shared_expert_size, 2 * t * e + 64))
+        mlps.append((t, moe.shared_expert_size, (2 * t * e + 64) * moe.shared_expert_gated))
     for c, width, rows in mlps:
         base = held + rows
         up = g.rows_of(c, h, 2 * width) * 2 * width * e
@@ -40,8 +40,9 @@ def phases(layer: LayerTerms) -> dict[str, int]:
         }
         for name, value in candidates.items():
             phases[name] = max(phases.get(name, 0), value)
-    if moe.shared_expert_size:
-        phases["moe shared expert gated"] = held + 2 * t * e + 64 + 2 * t * h * e  # its output, gate * it
+    if moe.shared_expert_size:  # its output, then the gate times it (ungated, Granite's: its output, then added)
+        gate = (2 * t * e + 64) * moe.shared_expert_gated
+        phases["moe shared expert gated"] = held + gate + 2 * t * h * e
     return phases
 
 
@@ -63,4 +64,5 @@ def parameters(cfg: ModelConfig, layer: int) -> int:
     assert moe is not None
     experts = sum(r * c for r, c in matrices(cfg, layer))
     biases = sum(2 * i + h for i in _widths(cfg)) * cfg.mlp_bias
-    return experts + biases + (h + moe.router_bias) * moe.num_experts + h * bool(moe.shared_expert_size)
+    gate = h * bool(moe.shared_expert_size and moe.shared_expert_gated)
+    return experts + biases + (h + moe.router_bias) * moe.num_experts + gate

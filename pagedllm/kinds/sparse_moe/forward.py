@@ -29,8 +29,14 @@ if TYPE_CHECKING:
     from ...layers.expert_cache import ExpertCache
 
 
-# Checkpoint names of the routers (Mixtral's, gpt-oss's, the others'), whose weights load as float32.
-ROUTER_SUFFIXES = ("block_sparse_moe.gate.weight", ".mlp.gate.weight", ".mlp.router.weight", ".mlp.router.bias")
+# Checkpoint names of the routers (Mixtral's, gpt-oss's, Granite's, the others'), whose weights load as float32.
+ROUTER_SUFFIXES = (
+    "block_sparse_moe.gate.weight",
+    ".mlp.gate.weight",
+    ".mlp.router.weight",
+    ".mlp.router.bias",
+    "block_sparse_moe.router.layer.weight",  # Granite's
+)
 
 
 # the checkpoint's name of the part under ``model.layers.N.``
@@ -61,6 +67,7 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate: Linear | None = None
         if moe.shared_expert_size:
             self.shared_expert = MLP(cfg, backend, moe.shared_expert_size)
+        if moe.shared_expert_size and moe.shared_expert_gated:  # Qwen2-MoE's sigmoid gate; Granite has none
             self.shared_expert_gate = Linear(cfg.hidden_size, [1], bias=False, backend=backend)
             self.shared_expert_gate.keep_float = True
 
@@ -72,8 +79,9 @@ class SparseMoE(nn.Module):
         for e, expert in enumerate(self.expert_mlps()):
             roles[expert.gate_up_proj] = (f"expert_gate#{e}", f"expert_up#{e}")
             roles[expert.down_proj] = (f"expert_down#{e}",)
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
+        if self.shared_expert_gate is not None:
             roles[self.shared_expert_gate] = ("shared_gate",)
+        if self.shared_expert is not None:
             roles[self.shared_expert.gate_up_proj] = ("shared_expert_gate", "shared_expert_up")
             roles[self.shared_expert.down_proj] = ("shared_expert_down",)
         return roles
@@ -160,6 +168,8 @@ class SparseMoE(nn.Module):
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             gate = torch.sigmoid(self.shared_expert_gate(x))
             out += gate * self.shared_expert(x)
+        elif self.shared_expert is not None:
+            out += self.shared_expert(x)
         return out
 
     def _from_cache(

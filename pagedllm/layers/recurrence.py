@@ -1,0 +1,97 @@
+"""What the recurrent mixers share (``kinds/gated_deltanet``, ``kinds/mamba2``): a short causal
+convolution over part of the projected input, continued from each sequence's state slot, then a
+recurrence per sequence whose matrix state also lives in a slot.
+
+The step's flat batch mixes sequences. Each reads and writes its own slot
+(``attn.layout.state_slots``; ``attn.sequence_states(layer)`` holds every slot's ``conv`` and
+``recurrent`` tensors). A sequence whose first computed token is its first (context length =
+tokens this step) starts from zero state, whatever the slot's last owner left; the others continue
+theirs, so a prompt cut into chunks gives the state one uninterrupted pass would. Decode rows (one
+token, state continued, no checkpoint) are updated together (``RecurrentMixer.step``); a prompt's
+chunk runs the recurrence in chunked form (``RecurrentMixer.chunk``), stopping at each of the
+step's checkpoint positions (``attn.layout.checkpoints``) to copy both states out there.
+
+Written once here so that the two kinds cannot differ in what is easiest to get wrong: which
+state a sequence starts from, and at which token a checkpoint is taken.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class CausalConv(nn.Module):
+    """A depthwise causal convolution's taps [channels, 1, taps] (and bias), under the
+    checkpoint's ``conv1d.weight``/``conv1d.bias`` names."""
+
+    def __init__(self, channels: int, kernel: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(channels), requires_grad=False) if bias else None
+
+    def window(self, window: torch.Tensor) -> torch.Tensor:
+        """silu of the convolution over ``window`` [channels, taps - 1 + n]: [n, channels], float32."""
+        bias = self.bias.float() if self.bias is not None else None
+        return F.silu(F.conv1d(window[None], self.weight.float(), bias, groups=window.shape[0])[0].T)
+
+    def last(self, windows: torch.Tensor) -> torch.Tensor:
+        """silu of the convolution's last output of each of ``windows`` [n, channels, taps]: [n, channels]."""
+        out = (windows * self.weight.float()[:, 0]).sum(-1)
+        return F.silu(out + self.bias.float() if self.bias is not None else out)
+
+
+class RecurrentMixer(nn.Module):
+    """A mixer whose ``conv1d`` (a ``CausalConv``) feeds a recurrence: a subclass says how a
+    chunk of one sequence's tokens and a decode group's tokens update it, given the convolved
+    channels and its per-token ``gates`` (tensors of the step's rows, indexed as ``rows``)."""
+
+    layer: int
+    conv1d: CausalConv
+
+    def chunk(self, convolved: torch.Tensor, gates: tuple, rows: slice, state: torch.Tensor) -> torch.Tensor:
+        """One sequence's consecutive tokens: its ``state`` (one slot's) updated in place; the
+        outputs [n, heads, value_dim] float32."""
+        raise NotImplementedError
+
+    def step(
+        self, convolved: torch.Tensor, gates: tuple, rows: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
+        """One token each of several sequences, their states ``pool[slots]`` updated; the outputs."""
+        raise NotImplementedError
+
+    def recur(self, mixed: torch.Tensor, gates: tuple, attn, out: torch.Tensor) -> None:
+        """Every sequence of the step: ``mixed`` [T, channels] the convolution's input, ``out``
+        [T, heads, value_dim] written row for row."""
+        states, layout = attn.sequence_states(self.layer), attn.layout
+        starts, ends = layout.query_start.tolist(), layout.context_lens.tolist()
+        slots = layout.state_slots.tolist()
+        copied: dict[int, list[tuple[int, int]]] = {}  # sequence -> (tokens in, checkpoint slot)
+        for s, at, slot in layout.checkpoints.tolist():
+            copied.setdefault(s, []).append((at, slot))
+        decodes = [s for s in range(len(slots)) if starts[s + 1] - starts[s] == 1 and ends[s] > 1 and s not in copied]
+        if decodes:
+            rows = torch.tensor([starts[s] for s in decodes])
+            index = torch.tensor([slots[s] for s in decodes])
+            windows = torch.cat([states["conv"][index], mixed[rows].float()[:, :, None]], dim=2)  # [n, channels, taps]
+            states["conv"][index] = windows[:, :, 1:]
+            out[rows] = self.step(self.conv1d.last(windows), gates, rows, states["recurrent"], index)
+        for s in sorted(set(range(len(slots))) - set(decodes)):
+            lo, hi = starts[s], starts[s + 1]
+            conv, recurrent = states["conv"][slots[s]], states["recurrent"][slots[s]]
+            if ends[s] == hi - lo:  # its first tokens: a fresh state (a slot's last owner left its own)
+                conv.zero_()
+                recurrent.zero_()
+            window = torch.cat([conv, mixed[lo:hi].float().T], dim=1)  # [channels, taps - 1 + n]
+            convolved = self.conv1d.window(window)
+            done = 0
+            for at, slot in sorted(copied.get(s, [])) + [(hi - lo, -1)]:  # up to each checkpoint, copied out there
+                run = slice(lo + done, lo + at)
+                out[run] = self.chunk(convolved[done:at], gates, run, recurrent)
+                if slot >= 0:
+                    kept = attn.state_checkpoints(self.layer)
+                    kept["conv"][slot] = window[:, at : at + conv.shape[1]]  # the inputs before position at
+                    kept["recurrent"][slot] = recurrent
+                done = at
+            conv.copy_(window[:, window.shape[1] - conv.shape[1] :])
