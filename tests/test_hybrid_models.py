@@ -6,7 +6,13 @@ import pytest
 import torch
 from flat_steps import flat_step
 from greedy import assert_greedy_matches, hf_greedy
-from tiny_models import HYBRID_ARCHS, save_tiny_lfm2_gguf, save_tiny_model, save_tiny_qwen35_gguf
+from tiny_models import (
+    HYBRID_ARCHS,
+    save_tiny_granite_gguf,
+    save_tiny_lfm2_gguf,
+    save_tiny_model,
+    save_tiny_qwen35_gguf,
+)
 from transformers.models.qwen3_5 import modeling_qwen3_5 as reference
 
 from pagedllm import LLM, SamplingParams
@@ -105,6 +111,27 @@ def test_the_compiled_decode_update_equals_the_reference_in_place_in_its_slots(o
     want = delta_rule.recurrent_step(q, k, v, decay, beta, want_state)
     before = pool.clone()
     out = ops.delta_rule_decode(pool, slots, q, k, v, decay, beta)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(pool[slots], want_state, atol=1e-5, rtol=0)
+    others = [i for i in range(5) if i not in slots.tolist()]
+    assert torch.equal(pool[others], before[others])
+
+
+def test_the_compiled_mamba2_update_equals_the_reference_in_place_in_its_slots(ops):
+    """As the delta rule's: slots 1 and 4 of a pool of 5, head width 24 (not a whole number of
+    vectors), against ``scan.recurrent_step`` on the gathered states; other slots untouched."""
+    from pagedllm.kinds.mamba2 import scan
+
+    g = torch.Generator().manual_seed(4)
+    n, heads, dk, dv = 2, 3, 16, 24
+    pool = torch.randn(5, heads, dk, dv, generator=g)
+    slots = torch.tensor([4, 1])
+    q, k, v = torch.randn(n, heads, dk, generator=g), torch.randn(n, heads, dk, generator=g), torch.randn(n, heads, dv)
+    decay = -torch.rand(n, heads, generator=g)
+    want_state = pool[slots].clone()
+    want = scan.recurrent_step(q, k, v, decay, want_state)
+    before = pool.clone()
+    out = ops.mamba2_decode(pool, slots, q, k, v, decay)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
     torch.testing.assert_close(pool[slots], want_state, atol=1e-5, rtol=0)
     others = [i for i in range(5) if i not in slots.tolist()]
@@ -276,7 +303,15 @@ def test_a_checkpoint_equals_the_state_recomputed_bit_for_bit(hybrid, monkeypatc
 
 # GGUF files as llama.cpp's converter writes Qwen3.5 (``save_tiny_qwen35_gguf``, its tensors byte
 # for byte the converter's on the same model): dense in float32 and with Q8_0 projections, and the mixture
-GGUF_CASES = [("qwen3_5", "F32"), ("qwen3_5", "Q8_0"), ("qwen3_5-moe", "F32"), ("lfm2", "F32")]
+GGUF_CASES = [
+    ("qwen3_5", "F32"),
+    ("qwen3_5", "Q8_0"),
+    ("qwen3_5-moe", "F32"),
+    ("lfm2", "F32"),
+    ("granite-h", "F32"),
+    ("granite-h", "Q8_0"),
+    ("granite-h-dense", "F32"),
+]
 
 
 @pytest.mark.parametrize(("arch", "weights"), GGUF_CASES)
@@ -284,17 +319,24 @@ def test_a_gguf_file_as_llama_cpp_writes_it_equals_transformers(tmp_path, arch, 
     """Logits of every position of a mixed step, and greedy batched and chunked. Qwen3.5: the
     value heads regrouped by llama.cpp's converter (two per key head here), A_log stored as
     -exp(A_log), the norms plus one and the convolution flattened; LFM2: its layer types read
-    from the KV heads per layer, its final norm named as the embeddings', its taps flattened.
-    All must come back as transformers holds them."""
+    from the KV heads per layer, its final norm named as the embeddings', its taps flattened;
+    Granite-4.0-H: its layer types likewise, A_log as -exp(A_log), D and the gated norm's scale
+    reshaped, q/k rows in llama.cpp's rope order, its multipliers from the metadata. All must come
+    back as transformers holds them."""
     path = tmp_path / f"{arch}.gguf"
     if arch == "lfm2":
         hf = save_tiny_lfm2_gguf(path)
+    elif arch.startswith("granite"):
+        hf = save_tiny_granite_gguf(arch, path, weights=weights)
     else:
         hf = save_tiny_qwen35_gguf(arch, path, weights=weights)
     llm = LLM(str(path), dtype="float32", max_batch_tokens=16, max_num_seqs=4)
     config = llm.engine.loaded.config
     if arch == "lfm2":
         assert config.layer_mixers == ("short_conv", "attention", "short_conv", "short_conv")
+    elif arch.startswith("granite"):
+        assert config.layer_mixers == ("mamba2", "mamba2", "attention", "mamba2")
+        assert (config.moe is None) == arch.endswith("dense") and config.residual_multiplier == 0.5
     else:
         assert config.delta_rule.value_heads_tiled and config.delta_rule.value_heads == 2 * config.delta_rule.key_heads
     batch = prompts(config.vocab_size, lengths=(3, 40, 17, 29))
@@ -311,7 +353,7 @@ def test_a_gguf_file_as_llama_cpp_writes_it_equals_transformers(tmp_path, arch, 
         want = torch.cat([hf(torch.tensor([p])).logits[0].float() for p in batch])
     # the compiled Q8_0 GEMM sums each block's products in its own order (as the compiled float32
     # mixture does: EXPERTS_COMPILED_ATOL): 2.4e-4 at most here, the PyTorch path within 1e-4
-    compiled_order = "moe" in arch or (weights != "F32" and kernels == "compiled")
+    compiled_order = "moe" in arch or arch == "granite-h" or (weights != "F32" and kernels == "compiled")
     torch.testing.assert_close(logits.float(), want, atol=EXPERTS_COMPILED_ATOL if compiled_order else 1e-4, rtol=0)
 
 

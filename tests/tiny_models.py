@@ -597,6 +597,113 @@ def save_tiny_lfm2_gguf(path: Path, seed: int = 0, **overrides):
     return model
 
 
+def save_tiny_granite_gguf(name: str, path: Path, weights: str = "F32", seed: int = 0, **overrides):
+    """A tiny Granite-4.0-H (``name``: "granite-h" or "granite-h-dense") as llama.cpp's converter
+    writes it (``granitehybrid``; its tensors and metadata checked byte for byte against
+    convert_hf_to_gguf.py of llama-cpp-python 0.3.36, given the config's layer types as IBM's
+    checkpoints spell them): the KV heads per layer (0 for a Mamba-2 layer), A_log as -exp(A_log)
+    and D, each [heads, 1], dt_bias as ``ssm_dt.bias``, the convolution's taps [channels, taps],
+    the gated norm's scale [groups, channels / groups], q and k rows in llama.cpp's rope order,
+    the experts' and the shared MLP's gate and up apart. ``weights``: the type of the layers' 2-D
+    projections. Returns the transformers model, holding the values the file does."""
+    import gguf
+
+    model = build_hf_model(name, seed, **overrides)
+    cfg = model.config
+    arch = gguf.MODEL_ARCH.GRANITE_HYBRID
+    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+    experts = cfg.num_local_experts > 0
+    writer = _gguf_writer(path, arch, cfg)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count_kv([cfg.num_key_value_heads if t == "full_attention" else 0 for t in cfg.layer_types])
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_expert_count(cfg.num_local_experts)  # (0 and a count used, without experts, as the converter)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_attention_scale(cfg.attention_multiplier)
+    writer.add_embedding_scale(cfg.embedding_multiplier)
+    writer.add_residual_scale(cfg.residual_multiplier)
+    writer.add_logit_scale(cfg.logits_scaling)
+    writer.add_expert_shared_feed_forward_length(cfg.shared_intermediate_size)
+    writer.add_ssm_conv_kernel(cfg.mamba_d_conv)
+    writer.add_ssm_state_size(cfg.mamba_d_state)
+    writer.add_ssm_group_count(cfg.mamba_n_groups)
+    writer.add_ssm_inner_size(cfg.mamba_n_heads * cfg.mamba_d_head)
+    writer.add_ssm_time_step_rank(cfg.mamba_n_heads)
+    writer.add_rope_scaling_finetuned(False)
+    writer.add_context_length(2**20)  # the converter's, for a model without positions (over the common key)
+    _add_byte_level_tokenizer(writer, cfg.vocab_size, "smollm")
+
+    def tensor_name(kind: str, layer: int) -> str:
+        return gguf.TENSOR_NAMES[getattr(gguf.MODEL_TENSOR, kind)].format(bid=layer) + ".weight"
+
+    def add(gguf_name: str, values: torch.Tensor, tensor: torch.Tensor | None = None, rows=None) -> None:
+        """``values`` into the file, quantized where asked; ``tensor`` (the model's) then holds
+        what the file does (``rows``: the part of it ``values`` is, in the checkpoint's order)."""
+        array = np.ascontiguousarray(values.to(torch.float32).numpy())
+        if weights == "F32" or array.ndim < 2 or tensor is None:
+            writer.add_tensor(gguf_name, array)
+            return
+        quant = gguf.GGMLQuantizationType[weights]
+        blocks = gguf.quants.quantize(array, quant)
+        writer.add_tensor(gguf_name, blocks, raw_dtype=quant)
+        held = torch.from_numpy(gguf.quants.dequantize(blocks, quant)).reshape(values.shape)
+        with torch.no_grad():
+            (tensor if rows is None else tensor[rows]).copy_(held)
+
+    heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        base, _, suffix = hf_name.rpartition(".")
+        layer = int(hf_name.split(".")[2]) if hf_name.startswith("model.layers.") else -1
+        part = base.rpartition(".")[2]
+        # (transformers holds the experts as experts.gate_up_proj/down_proj, the router as router.weight)
+        if base.endswith("shared_mlp.input_linear") or suffix == "gate_up_proj":
+            half = tensor.shape[-2] // 2
+            kinds = ("FFN_GATE_SHEXP", "FFN_UP_SHEXP") if experts else ("FFN_GATE", "FFN_UP")
+            if suffix == "gate_up_proj":
+                kinds = ("FFN_GATE_EXP", "FFN_UP_EXP")
+            for kind, rows in zip(kinds, (slice(0, half), slice(half, None))):
+                add(tensor_name(kind, layer), tensor[..., rows, :], tensor, (Ellipsis, rows, slice(None)))
+        elif base.endswith("shared_mlp.output_linear"):
+            add(tensor_name("FFN_DOWN_SHEXP" if experts else "FFN_DOWN", layer), tensor, tensor)
+        elif suffix == "down_proj":
+            add(tensor_name("FFN_DOWN_EXP", layer), tensor, tensor)
+        elif base.endswith("block_sparse_moe.router"):
+            add(tensor_name("FFN_GATE_INP", layer), tensor)
+        elif suffix == "A_log":
+            values = -tensor.float().exp()
+            with torch.no_grad():  # the model runs on what the file holds: log(-(-exp(A_log)))
+                tensor.copy_((-values).log())
+            add(names.get_name(hf_name), values[:, None])
+        elif suffix == "D":
+            add(names.get_name(hf_name), tensor[:, None])
+        elif suffix == "dt_bias":
+            add(names.get_name(f"{base}.dt_proj") + ".bias", tensor)
+        elif base.endswith("mamba.conv1d"):
+            add(f"{names.get_name(base)}.{suffix}", tensor.squeeze(1) if suffix == "weight" else tensor)
+        elif base.endswith("mamba.norm"):
+            add(f"{names.get_name(base)}.{suffix}", tensor.view(cfg.mamba_n_groups, -1))
+        elif part in heads:
+            add(f"{names.get_name(base)}.{suffix}", _llama_cpp_rope_rows(tensor, heads[part]), tensor)
+            if weights != "F32":  # (the model's rows back in the checkpoint's order)
+                with torch.no_grad():
+                    tensor.copy_(_hf_rope_rows(tensor, heads[part]))
+        else:
+            add(f"{names.get_name(base)}.{suffix}", tensor, tensor if layer >= 0 and tensor.dim() == 2 else None)
+    _finish(writer)
+    return model
+
+
+def _hf_rope_rows(w, heads: int):
+    """``_llama_cpp_rope_rows`` undone."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
 def _gguf_writer(path: Path, arch, cfg):
     """A GGUF writer for ``arch`` with the keys every file here carries (context, widths, layers, heads)."""
     import gguf

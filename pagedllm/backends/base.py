@@ -250,6 +250,19 @@ class Backend:
         ``delta_rule.recurrent_step`` on the gathered states)."""
         return None
 
+    def mamba2_decode(
+        self,
+        state: torch.Tensor,
+        slots: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """A Mamba-2 layer's decode update, as ``delta_rule_decode`` (q = C, k = B, v = dt x, g =
+        dt A); None where this device has no such kernel (``scan.recurrent_step`` then runs)."""
+        return None
+
     def int8_matmul(self, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
         """x @ w^T in integers (``quantization="w8a8"``): x's rows rounded to int8 per row, ``w``
         int8 per output channel; the result in x's dtype."""

@@ -88,8 +88,8 @@ _GGUF_ROLES = {
 }
 # Roles whose checkpoint tensor is a parameter of its own, named without ``.weight`` (gpt-oss's
 # ``self_attn.sinks``, which llama.cpp names ``attn_sinks.weight``; Qwen3.5's ``linear_attn.A_log``
-# and ``dt_bias``, llama.cpp's ``ssm_a`` and ``ssm_dt.bias``)
-_BARE_ROLES = frozenset({"sinks", "linear_dt_bias", "linear_A_log"})
+# and ``dt_bias``, llama.cpp's ``ssm_a`` and ``ssm_dt.bias``; Mamba-2's, and its ``D`` as ``ssm_d``)
+_BARE_ROLES = frozenset({"sinks", "linear_dt_bias", "linear_A_log", "mamba_dt_bias", "mamba_A_log", "mamba_D"})
 # The norms a family's ``norm_weight_offset`` applies to (its RMSNorms; not a delta rule's gated
 # norm, ``linear_norm``, which llama.cpp's converter leaves as it is)
 _OFFSET_NORM_ROLES = frozenset({"attn_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm", "q_norm", "k_norm"})
@@ -282,6 +282,8 @@ def _moe_config(
     """The HF config fields ``config._moe_from_hf`` reads, from the GGUF keys llama.cpp's
     converter writes and the tensors themselves: a layer with a router (ffn_gate_inp) is sparse,
     one without is a dense MLP of feed_forward_length (Qwen-MoE's mlp_only_layers)."""
+    if spec.optional and not int(get("expert_count", 0)):  # Granite-4.0-H-Micro: no experts, a dense model
+        return {spec.count_key: 0}
     experts, used = int(get("expert_count")), int(get("expert_used_count"))
     gating = get("expert_gating_func", 1)  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
     scale = float(get("expert_weights_scale", 1.0))

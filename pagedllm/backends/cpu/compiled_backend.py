@@ -62,6 +62,10 @@ class CPUCompiledBackend(CPUTorchBackend):
         inputs = [t.float().contiguous() for t in (q, k, v, g, beta)]
         return self.ops.delta_rule_decode(state, slots.long().contiguous(), *inputs)
 
+    def mamba2_decode(self, state, slots, q, k, v, g) -> torch.Tensor | None:
+        inputs = [t.float().contiguous() for t in (q, k, v, g)]
+        return self.ops.mamba2_decode(state, slots.long().contiguous(), *inputs)
+
     def pack_weight(self, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """With AMX tiles, bf16 weights in the kernels' layout (``kernels/csrc/dense_gemm.cpp``):
         [N/16, K/32, 16 column pairs, 16 channels x 2], which the tiles and the one-row dot

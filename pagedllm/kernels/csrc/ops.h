@@ -30,6 +30,9 @@ void rotary(Tensor q, Tensor k, const Tensor& cos, const Tensor& sin);
 // (kinds/gated_deltanet/delta_rule.py's recurrent_step without the gather and the scatter).
 Tensor delta_rule_decode(Tensor state, const Tensor& slots, const Tensor& q, const Tensor& k, const Tensor& v,
                          const Tensor& g, const Tensor& beta);
+// ... and a Mamba-2 layer's (kinds/mamba2/scan.py's recurrent_step, likewise in place).
+Tensor mamba2_decode(Tensor state, const Tensor& slots, const Tensor& q, const Tensor& k, const Tensor& v,
+                     const Tensor& g);
 
 // quant_gemm.cpp: products with weights kept quantized, and their float rows.
 Tensor quant_linear(const Tensor& x, const Tensor& qweight, const Tensor& scale, const c10::optional<Tensor>& zero,

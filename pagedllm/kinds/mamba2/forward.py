@@ -4,8 +4,9 @@ one GEMM), the causal convolution over x/B/C continued from each sequence's stat
 group (in that order: transformers' ``norm_before_gate=False``), and the output projection.
 
 Which state each sequence of the step starts from, and where checkpoints are copied out, is
-``layers.recurrence.RecurrentMixer``'s (shared with the Gated DeltaNet). PyTorch, the reference
-path: no compiled kernel yet."""
+``layers.recurrence.RecurrentMixer``'s (shared with the Gated DeltaNet). A prompt's chunk runs the
+scan in chunked form (PyTorch); a decode row's update runs in the backend's kernel where it has
+one (``Backend.mamba2_decode``: the state in place in its slot)."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ class Mamba2(RecurrentMixer):
         super().__init__()
         m = cfg.mamba2
         assert m is not None
-        self.layer, self.eps = layer, cfg.rms_norm_eps
+        self.layer, self.eps, self.backend = layer, cfg.rms_norm_eps, backend
         self.heads, self.head_dim, self.state_size, self.groups = m.heads, m.head_dim, m.state_size, m.groups
         self.dt_limit = m.time_step_limit
         self.widths = [m.inner, m.conv_channels, m.heads]  # z, x/B/C, dt
@@ -75,10 +76,14 @@ class Mamba2(RecurrentMixer):
         return scan.chunked(q, k, v, gates[1][rows], state) + self.D.float()[:, None] * x
 
     def step(self, convolved, gates, rows, pool, slots) -> torch.Tensor:
+        """The states updated in place in their slots by the backend's kernel, or gathered,
+        updated and put back."""
         x, k, q, v = self._heads(convolved, gates[0][rows])
-        recurrent = pool[slots]
-        out = scan.recurrent_step(q, k, v, gates[1][rows], recurrent)
-        pool[slots] = recurrent
+        out = self.backend.mamba2_decode(pool, slots, q, k, v, gates[1][rows])
+        if out is None:
+            recurrent = pool[slots]
+            out = scan.recurrent_step(q, k, v, gates[1][rows], recurrent)
+            pool[slots] = recurrent
         return out + self.D.float()[:, None] * x
 
     def _heads(self, convolved: torch.Tensor, dt: torch.Tensor) -> tuple[torch.Tensor, ...]:
