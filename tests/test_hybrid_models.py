@@ -311,6 +311,8 @@ GGUF_CASES = [
     ("granite-h", "F32"),
     ("granite-h", "Q8_0"),
     ("granite-h-dense", "F32"),
+    ("qwen3-next", "F32"),
+    ("qwen3-next", "Q8_0"),
 ]
 
 
@@ -320,6 +322,7 @@ def test_a_gguf_file_as_llama_cpp_writes_it_equals_transformers(tmp_path, arch, 
     value heads regrouped by llama.cpp's converter (two per key head here), A_log stored as
     -exp(A_log), the norms plus one and the convolution flattened; LFM2: its layer types read
     from the KV heads per layer, its final norm named as the embeddings', its taps flattened;
+    Qwen3-Next: q/k/v and z apart, b and a fused per key head (quantized rows split too);
     Granite-4.0-H: its layer types likewise, A_log as -exp(A_log), D and the gated norm's scale
     reshaped, q/k rows in llama.cpp's rope order, its multipliers from the metadata. All must come
     back as transformers holds them."""
@@ -338,7 +341,8 @@ def test_a_gguf_file_as_llama_cpp_writes_it_equals_transformers(tmp_path, arch, 
         assert config.layer_mixers == ("mamba2", "mamba2", "attention", "mamba2")
         assert (config.moe is None) == arch.endswith("dense") and config.residual_multiplier == 0.5
     else:
-        assert config.delta_rule.value_heads_tiled and config.delta_rule.value_heads == 2 * config.delta_rule.key_heads
+        assert config.delta_rule.value_heads == 2 * config.delta_rule.key_heads
+        assert config.delta_rule.value_heads_tiled == (arch != "qwen3-next")  # its converter regroups none
     batch = prompts(config.vocab_size, lengths=(3, 40, 17, 29))
     outs = llm.generate(batch, GREEDY)
     assert_greedy_matches([o.token_ids for o in outs], [hf_greedy(hf, p, GREEDY.max_tokens) for p in batch])
@@ -353,7 +357,7 @@ def test_a_gguf_file_as_llama_cpp_writes_it_equals_transformers(tmp_path, arch, 
         want = torch.cat([hf(torch.tensor([p])).logits[0].float() for p in batch])
     # the compiled Q8_0 GEMM sums each block's products in its own order (as the compiled float32
     # mixture does: EXPERTS_COMPILED_ATOL): 2.4e-4 at most here, the PyTorch path within 1e-4
-    compiled_order = "moe" in arch or arch == "granite-h" or (weights != "F32" and kernels == "compiled")
+    compiled_order = arch in ("qwen3_5-moe", "qwen3-next", "granite-h") or (weights != "F32" and kernels == "compiled")
     torch.testing.assert_close(logits.float(), want, atol=EXPERTS_COMPILED_ATOL if compiled_order else 1e-4, rtol=0)
 
 

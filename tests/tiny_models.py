@@ -460,13 +460,18 @@ def save_tiny_qwen35_gguf(name: str, path: Path, weights: str = "F32", seed: int
     key heads, the value heads regrouped so that value head j is key head j mod key_heads's (the
     rows of v in q/k/v, of z, b and a, A_log and dt_bias, the convolution's v channels, and the
     columns of out_proj). ``weights``: the type of the layers' 2-D projections. Returns the
-    transformers model, holding the values the file does."""
+    transformers model, holding the values the file does.
+
+    Or Qwen3-Next ("qwen3-next", ``qwen3next``; every layer sparse, as that converter requires):
+    the value heads as the checkpoint has them, its fused q/k/v/z written apart as ``attn_qkv``
+    and ``attn_gate`` (``_qkvz_apart``), its fused b/a as it is (``ssm_ba``)."""
     import gguf
 
-    model = build_hf_model(name, seed, **overrides)
+    next_ = name == "qwen3-next"
+    model = build_hf_model(name, seed, **({"mlp_only_layers": []} if next_ else {}), **overrides)
     cfg = model.config
-    moe = name.endswith("-moe")
-    arch = gguf.MODEL_ARCH.QWEN35MOE if moe else gguf.MODEL_ARCH.QWEN35
+    moe = name.endswith("-moe") or next_
+    arch = gguf.MODEL_ARCH.QWEN3NEXT if next_ else gguf.MODEL_ARCH.QWEN35MOE if moe else gguf.MODEL_ARCH.QWEN35
     names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
     writer = _gguf_writer(path, arch, cfg)
     writer.add_feed_forward_length(cfg.intermediate_size)
@@ -484,7 +489,8 @@ def save_tiny_qwen35_gguf(name: str, path: Path, weights: str = "F32", seed: int
     writer.add_array(f"{writer.arch}.attention.recurrent_layers", [t == "linear_attention" for t in cfg.layer_types])
     writer.add_full_attention_interval(4)
     writer.add_rope_dimension_count(int(cfg.head_dim * cfg.rope_parameters["partial_rotary_factor"]))
-    writer.add_rope_dimension_sections([11, 11, 10, 0])
+    if not next_:
+        writer.add_rope_dimension_sections([11, 11, 10, 0])
     if moe:
         writer.add_expert_count(cfg.num_experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
@@ -495,6 +501,8 @@ def save_tiny_qwen35_gguf(name: str, path: Path, weights: str = "F32", seed: int
 
     def regroup(base: str, t: torch.Tensor, tiled: bool) -> torch.Tensor:
         """A delta-rule tensor's value heads tiled (as the file has them) or grouped back."""
+        if next_:  # (Qwen3-Next's converter keeps the checkpoint's order)
+            return t
         move = functools.partial(_value_heads, key_heads=cfg.linear_num_key_heads, heads=cfg.linear_num_value_heads)
         if base.endswith(("in_proj_qkv", "conv1d")):  # q and k channels first, then v's
             return torch.cat([t[: 2 * keys], move(t[2 * keys :], 0, width, tiled)])
@@ -510,6 +518,9 @@ def save_tiny_qwen35_gguf(name: str, path: Path, weights: str = "F32", seed: int
         base, _, suffix = hf_name.rpartition(".")
         layer = int(hf_name.split(".")[2]) if hf_name.startswith("model.layers.") else None
         values = tensor.to(torch.float32)
+        if base.endswith("in_proj_qkvz"):
+            _write_qkvz(writer, gguf, weights, layer, tensor, cfg)
+            continue
         if suffix in ("gate_up_proj", "down_proj") and base.endswith("mlp.experts"):
             for kind, stacked in _stacked_experts(name, suffix, tensor).items():
                 gguf_name = gguf.TENSOR_NAMES[getattr(gguf.MODEL_TENSOR, kind)].format(bid=layer) + ".weight"
@@ -540,7 +551,8 @@ def save_tiny_qwen35_gguf(name: str, path: Path, weights: str = "F32", seed: int
         elif suffix == "weight" and base.endswith("norm"):
             values = values + 1  # Qwen3.5's zero-centred norms, stored as (1 + weight)
         values = np.ascontiguousarray(values.numpy())
-        if weights != "F32" and layer is not None and values.ndim == 2 and not base.endswith("conv1d"):
+        router = base.endswith(("mlp.gate", "shared_expert_gate"))  # float in the converter's files too
+        if weights != "F32" and layer is not None and values.ndim == 2 and not base.endswith("conv1d") and not router:
             quant = gguf.GGMLQuantizationType[weights]
             blocks = gguf.quants.quantize(values, quant)
             writer.add_tensor(f"{gguf_base}.{suffix}", blocks, raw_dtype=quant)
@@ -551,6 +563,44 @@ def save_tiny_qwen35_gguf(name: str, path: Path, weights: str = "F32", seed: int
         writer.add_tensor(f"{gguf_base}.{suffix}", values)
     _finish(writer)
     return model
+
+
+def _qkvz_apart(w: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-Next's in_proj_qkvz ([q, k, v, z] of key head 0, then of key head 1 ...) as its
+    converter writes it: q/k/v (every head's q, then k, then v) and z."""
+    per_key = cfg.linear_num_value_heads // cfg.linear_num_key_heads
+    widths = [cfg.linear_key_head_dim] * 2 + [per_key * cfg.linear_value_head_dim] * 2
+    grouped = w.T.reshape(w.shape[1], cfg.linear_num_key_heads, sum(widths))
+    q, k, v, z = (part.reshape(w.shape[1], -1) for part in grouped.split(widths, dim=-1))
+    return torch.cat([q, k, v], dim=-1).T.contiguous(), z.T.contiguous()
+
+
+def _qkvz_together(qkv: torch.Tensor, z: torch.Tensor, cfg) -> torch.Tensor:
+    """``_qkvz_apart`` undone."""
+    hidden, heads = qkv.shape[1], cfg.linear_num_key_heads
+    keys = heads * cfg.linear_key_head_dim
+    q, k, v = qkv.T.split([keys, keys, qkv.shape[0] - 2 * keys], dim=-1)
+    parts = [t.reshape(hidden, heads, -1) for t in (q, k, v, z.T)]
+    return torch.cat(parts, dim=-1).reshape(hidden, -1).T
+
+
+def _write_qkvz(writer, gguf, weights: str, layer: int, tensor: torch.Tensor, cfg) -> None:
+    """Qwen3-Next's fused q/k/v/z as ``attn_qkv`` and ``attn_gate``, quantized where asked (the
+    model then holds what the file does)."""
+    held = []
+    for kind, part in zip(("ATTN_QKV", "ATTN_GATE"), _qkvz_apart(tensor.float(), cfg)):
+        name = gguf.TENSOR_NAMES[getattr(gguf.MODEL_TENSOR, kind)].format(bid=layer) + ".weight"
+        array = np.ascontiguousarray(part.numpy())
+        if weights == "F32":
+            writer.add_tensor(name, array)
+            held.append(part)
+            continue
+        quant = gguf.GGMLQuantizationType[weights]
+        blocks = gguf.quants.quantize(array, quant)
+        writer.add_tensor(name, blocks, raw_dtype=quant)
+        held.append(torch.from_numpy(gguf.quants.dequantize(blocks, quant)))
+    with torch.no_grad():
+        tensor.copy_(_qkvz_together(*held, cfg))
 
 
 def _value_heads(t: torch.Tensor, dim: int, width: int, tiled: bool, key_heads: int, heads: int) -> torch.Tensor:

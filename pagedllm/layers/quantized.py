@@ -87,12 +87,25 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scale, self.zero) if t is not None)
 
-    def __getitem__(self, rows: slice) -> QuantizedWeight:
-        """Rows of it, as a tensor's ``[lo:hi]``: a fused checkpoint tensor's parts (``Family.unfuse``)."""
-        start, stop, step = rows.indices(self.shape[0])
-        if step != 1:
-            raise ValueError("a quantized weight's rows are sliced in order only")
-        return self.rows(start, stop)
+    def __getitem__(self, rows: slice | list[int]) -> QuantizedWeight:
+        """Rows of it, as a tensor's ``[lo:hi]`` or ``[[i, j, ...]]``: a fused checkpoint tensor's
+        parts (``Family.unfuse``; Qwen3-Next's b and a, interleaved per key head, are a list).
+        Each row is quantized on its own, so any rows of it are whole rows of the format."""
+        if isinstance(rows, slice):
+            start, stop, step = rows.indices(self.shape[0])
+            if step != 1:
+                raise ValueError("a quantized weight's rows are sliced in order only")
+            return self.rows(start, stop)
+        index = torch.as_tensor(rows, dtype=torch.long)
+        return QuantizedWeight(
+            self.qweight[index],
+            self.scale[index],
+            None if self.zero is None else self.zero[index],
+            self.bits,
+            self.group,
+            self.codebook,
+            self.block_type,
+        )
 
     def rows(self, start: int, stop: int) -> QuantizedWeight:
         zero = None if self.zero is None else self.zero[start:stop]

@@ -6,12 +6,21 @@ per key head ([q, k, v, z] of key head 0, then of key head 1 ...; [b, a] likewis
 ``unfuse`` splits by rows into the tensors Qwen3.5 keeps apart. Sparse layers every
 ``decoder_sparse_step`` but ``mlp_only_layers``, the top-k renormalised as ``norm_topk_prob`` says.
 
-Not yet: GGUF files (``qwen3next``), and what Qwen3.5 has not."""
+llama.cpp writes its GGUF files as ``qwen3next``: as Qwen3.5's ``qwen35moe`` (``models/qwen3_5``:
+A_log as -exp(A_log), the convolution flattened, norms plus one) but with the value heads in the
+checkpoint's order, q/k/v and z already apart (``attn_qkv``, ``attn_gate``), and b and a still
+fused per key head (``ssm_ba``), which ``unfuse`` splits, quantized or not (a quantized tensor's
+rows are whole rows of its format). Its converter writes only mixtures whose every layer is sparse.
+
+Not yet: what Qwen3.5 has not."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from ..family import VALUE_HEADS_TILED_KEY
+from ..qwen3_5.spec import GGUF_UNDO
+from ..qwen3_5.spec import gguf_config as qwen35_gguf_config
 from ..qwen3_5_moe.spec import FAMILY as QWEN3_5_MOE
 
 _FUSED = ("linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba")
@@ -42,14 +51,22 @@ def unfuse(name: str, tensor, cfg) -> list[tuple[str, object]] | None:
     return [(f"{base}.{part}.{leaf}", tensor[index]) for part, index in rows.items()]
 
 
+def gguf_config(get, tensor) -> dict:
+    """Qwen3.5's reading of the metadata (``qwen3next`` writes the same keys); the value heads in
+    the checkpoint's order (its converter regroups none)."""
+    return {**qwen35_gguf_config(get, tensor), VALUE_HEADS_TILED_KEY: False}
+
+
 assert QWEN3_5_MOE.experts is not None
 FAMILY = replace(
     QWEN3_5_MOE,
     architecture="Qwen3NextForCausalLM",
     model_type="qwen3_next",
-    gguf_architecture=None,
-    gguf_config=None,
-    gguf_undo={},
+    gguf_architecture="qwen3next",
+    gguf_config=gguf_config,
+    gguf_undo=GGUF_UNDO,
+    gguf_fused={"ssm_ba": "linear_attn.in_proj_ba"},  # split on loading, as from safetensors
+    transformers_reads_gguf=False,
     experts=replace(QWEN3_5_MOE.experts, always_renormalise=False),  # norm_topk_prob, as its config says
     unfuse=unfuse,
 )
