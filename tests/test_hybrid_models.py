@@ -117,6 +117,36 @@ def test_the_compiled_decode_update_equals_the_reference_in_place_in_its_slots(o
     assert torch.equal(pool[others], before[others])
 
 
+@pytest.mark.parametrize("tiled", [False, True])
+def test_the_compiled_layer_step_equals_the_convolution_then_the_rule(ops, tiled):
+    """The fused decode step of a Gated DeltaNet layer (slots 3 and 0 of 5; two value heads per
+    key head, paired as the checkpoint or as llama.cpp's files order them) against the
+    convolution's last output, q and k repeated to the value heads and normalised, and
+    ``recurrent_step``, computed here: outputs, both states, other slots untouched."""
+    g = torch.Generator().manual_seed(5)
+    n, key_heads, heads, dk, dv, taps = 2, 2, 4, 16, 24, 4
+    channels = 2 * key_heads * dk + heads * dv
+    conv_pool, pool = torch.randn(5, channels, taps - 1, generator=g), torch.randn(5, heads, dk, dv, generator=g)
+    slots = torch.tensor([3, 0])
+    x, weight = torch.randn(n, channels, generator=g), torch.randn(channels, 1, taps, generator=g) * 0.5
+    decay, beta = -torch.rand(n, heads, generator=g), torch.rand(n, heads, generator=g)
+    window = torch.cat([conv_pool[slots], x[:, :, None]], dim=2)
+    convolved = torch.nn.functional.silu((window * weight[:, 0]).sum(-1))
+    q, k, v = convolved.split([key_heads * dk, key_heads * dk, heads * dv], dim=-1)
+    q, k = (y.view(n, key_heads, dk) for y in (q, k))
+    q, k = (y.repeat(1, 2, 1) if tiled else y.repeat_interleave(2, dim=1) for y in (q, k))
+    q, k = delta_rule.normalised(q, k)
+    want_state = pool[slots].clone()
+    want = delta_rule.recurrent_step(q, k, v.reshape(n, heads, dv), decay, beta, want_state)
+    before_conv, before = conv_pool.clone(), pool.clone()
+    out = ops.gated_deltanet_decode(conv_pool, pool, slots, x, weight.view(channels, taps), decay, beta, 2, tiled)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool[slots], want_state, atol=1e-5, rtol=1e-5)
+    assert torch.equal(conv_pool[slots], window[:, :, 1:])
+    others = [1, 2, 4]
+    assert torch.equal(pool[others], before[others]) and torch.equal(conv_pool[others], before_conv[others])
+
+
 def test_the_compiled_mamba2_update_equals_the_reference_in_place_in_its_slots(ops):
     """As the delta rule's: slots 1 and 4 of a pool of 5, head width 24 (not a whole number of
     vectors), against ``scan.recurrent_step`` on the gathered states; other slots untouched."""

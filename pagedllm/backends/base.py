@@ -263,6 +263,24 @@ class Backend:
         dt A); None where this device has no such kernel (``scan.recurrent_step`` then runs)."""
         return None
 
+    def gated_deltanet_decode(
+        self,
+        conv_state: torch.Tensor,
+        state: torch.Tensor,
+        slots: torch.Tensor,
+        x: torch.Tensor,
+        conv_weight: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        key_heads: int,
+        tiled: bool,
+    ) -> torch.Tensor | None:
+        """A Gated DeltaNet layer's decode step between its projections for n sequences: x [n,
+        channels] (each one's new convolution input), the convolution's state ([slots, channels,
+        taps - 1]) and the delta rule's updated in place in their slots; returns o [n, heads,
+        value_dim]. None where this device has no such kernel (the layer's PyTorch steps run)."""
+        return None
+
     def int8_matmul(self, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
         """x @ w^T in integers (``quantization="w8a8"``): x's rows rounded to int8 per row, ``w``
         int8 per output channel; the result in x's dtype."""

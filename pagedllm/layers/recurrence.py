@@ -17,6 +17,8 @@ state a sequence starts from, and at which token a checkpoint is taken.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,6 +44,37 @@ class CausalConv(nn.Module):
         return F.silu(out + self.bias.float() if self.bias is not None else out)
 
 
+@dataclass
+class _Runs:
+    """How a step's sequences run through a recurrent mixer, the same for every such layer of the
+    step (derived once: ``StepLayout.derived``)."""
+
+    starts: list[int]  # each sequence's first row, and the end
+    ends: list[int]  # each one's context length after the step
+    slots: list[int]  # its state slot
+    copied: dict[int, list[tuple[int, int]]]  # sequence -> (tokens in, checkpoint slot)
+    decodes: list[int]  # the sequences updated together: one token, state continued, no checkpoint
+    rows: torch.Tensor  # the decodes' rows
+    index: torch.Tensor  # their slots
+
+    @classmethod
+    def of(cls, layout) -> _Runs:
+        memo = getattr(layout, "derived", None)
+        if memo is not None and "recurrent runs" in memo:
+            return memo["recurrent runs"]
+        starts, ends = layout.query_start.tolist(), layout.context_lens.tolist()
+        slots = layout.state_slots.tolist()
+        copied: dict[int, list[tuple[int, int]]] = {}
+        for s, at, slot in layout.checkpoints.tolist():
+            copied.setdefault(s, []).append((at, slot))
+        decodes = [s for s in range(len(slots)) if starts[s + 1] - starts[s] == 1 and ends[s] > 1 and s not in copied]
+        rows, index = torch.tensor([starts[s] for s in decodes]), torch.tensor([slots[s] for s in decodes])
+        runs = cls(starts, ends, slots, copied, decodes, rows, index)
+        if memo is not None:
+            memo["recurrent runs"] = runs
+        return runs
+
+
 class RecurrentMixer(nn.Module):
     """A mixer whose ``conv1d`` (a ``CausalConv``) feeds a recurrence: a subclass says how a
     chunk of one sequence's tokens and a decode group's tokens update it, given the convolved
@@ -61,22 +94,28 @@ class RecurrentMixer(nn.Module):
         """One token each of several sequences, their states ``pool[slots]`` updated; the outputs."""
         raise NotImplementedError
 
+    def fused_step(
+        self, mixed: torch.Tensor, gates: tuple, rows: torch.Tensor, states: dict, slots: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The decode group's convolution and update in one call of the device's, where it has
+        one (``mixed``: the group's rows of the convolution's input; both states in place in
+        their slots); None: the steps here run."""
+        return None
+
     def recur(self, mixed: torch.Tensor, gates: tuple, attn, out: torch.Tensor) -> None:
         """Every sequence of the step: ``mixed`` [T, channels] the convolution's input, ``out``
         [T, heads, value_dim] written row for row."""
-        states, layout = attn.sequence_states(self.layer), attn.layout
-        starts, ends = layout.query_start.tolist(), layout.context_lens.tolist()
-        slots = layout.state_slots.tolist()
-        copied: dict[int, list[tuple[int, int]]] = {}  # sequence -> (tokens in, checkpoint slot)
-        for s, at, slot in layout.checkpoints.tolist():
-            copied.setdefault(s, []).append((at, slot))
-        decodes = [s for s in range(len(slots)) if starts[s + 1] - starts[s] == 1 and ends[s] > 1 and s not in copied]
+        states, runs = attn.sequence_states(self.layer), _Runs.of(attn.layout)
+        starts, ends, slots, copied, decodes = runs.starts, runs.ends, runs.slots, runs.copied, runs.decodes
         if decodes:
-            rows = torch.tensor([starts[s] for s in decodes])
-            index = torch.tensor([slots[s] for s in decodes])
-            windows = torch.cat([states["conv"][index], mixed[rows].float()[:, :, None]], dim=2)  # [n, channels, taps]
-            states["conv"][index] = windows[:, :, 1:]
-            out[rows] = self.step(self.conv1d.last(windows), gates, rows, states["recurrent"], index)
+            rows, index = runs.rows, runs.index
+            fused = self.fused_step(mixed[rows], gates, rows, states, index)
+            if fused is not None:
+                out[rows] = fused
+            else:
+                windows = torch.cat([states["conv"][index], mixed[rows].float()[:, :, None]], dim=2)  # [n, C, taps]
+                states["conv"][index] = windows[:, :, 1:]
+                out[rows] = self.step(self.conv1d.last(windows), gates, rows, states["recurrent"], index)
         for s in sorted(set(range(len(slots))) - set(decodes)):
             lo, hi = starts[s], starts[s + 1]
             conv, recurrent = states["conv"][slots[s]], states["recurrent"][slots[s]]

@@ -121,6 +121,8 @@ class StepLayout:
         self.gather_budget = gather_budget
         self._slots: dict[int, torch.Tensor] = {}  # the PyTorch path's, built on first use
         self._paths: dict[int, tuple[list[DecodeGroup], list[PrefillChunk]]] = {}
+        # what the layers derive from the layout once per step, by name (``layers.recurrence``'s runs)
+        self.derived: dict[str, object] = {}
 
     @classmethod
     def from_step(cls, step, group_size: int, **budgets) -> StepLayout:

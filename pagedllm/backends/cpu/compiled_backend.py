@@ -62,6 +62,12 @@ class CPUCompiledBackend(CPUTorchBackend):
         inputs = [t.float().contiguous() for t in (q, k, v, g, beta)]
         return self.ops.delta_rule_decode(state, slots.long().contiguous(), *inputs)
 
+    def gated_deltanet_decode(
+        self, conv_state, state, slots, x, conv_weight, g, beta, key_heads, tiled
+    ) -> torch.Tensor | None:
+        inputs = [t.float().contiguous() for t in (x, conv_weight.reshape(conv_weight.shape[0], -1), g, beta)]
+        return self.ops.gated_deltanet_decode(conv_state, state, slots.long().contiguous(), *inputs, key_heads, tiled)
+
     def mamba2_decode(self, state, slots, q, k, v, g) -> torch.Tensor | None:
         inputs = [t.float().contiguous() for t in (q, k, v, g)]
         return self.ops.mamba2_decode(state, slots.long().contiguous(), *inputs)

@@ -78,20 +78,62 @@ void scan_head(float* __restrict S, const float* __restrict q, const float* __re
   }
 }
 
-// The checks both updates make of the pool, the slots and the per-token inputs.
-void check_update(const Tensor& state, const Tensor& slots, const Tensor& q, const Tensor& k, const Tensor& v,
-                  const Tensor& g) {
+// The checks every update makes of the pool and the slots.
+void check_pool(const Tensor& state, const Tensor& slots) {
   TORCH_CHECK(state.dim() == 4 && state.is_contiguous() && state.scalar_type() == at::kFloat,
               "state: expected [slots, heads, key_dim, value_dim] float32, contiguous");
   TORCH_CHECK(slots.dim() == 1 && slots.is_contiguous() && slots.scalar_type() == at::kLong, "slots: expected [n] int64");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t s = 0; s < slots.size(0); ++s)
+    TORCH_CHECK(slot[s] >= 0 && slot[s] < state.size(0), "slot ", slot[s], " outside the pool of ", state.size(0));
+}
+
+// ... and of the per-token inputs of the delta rule's and Mamba-2's updates.
+void check_update(const Tensor& state, const Tensor& slots, const Tensor& q, const Tensor& k, const Tensor& v,
+                  const Tensor& g) {
+  check_pool(state, slots);
   const int64_t n = slots.size(0), heads = state.size(1), dk = state.size(2), dv = state.size(3);
   check_float(q, {n, heads, dk}, "q");
   check_float(k, {n, heads, dk}, "k");
   check_float(v, {n, heads, dv}, "v");
   check_float(g, {n, heads}, "g");
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  for (int64_t s = 0; s < n; ++s)
-    TORCH_CHECK(slot[s] >= 0 && slot[s] < state.size(0), "slot ", slot[s], " outside the pool of ", state.size(0));
+}
+
+// One sequence's convolution step: each channel's window (``cs``, its last taps - 1 inputs)
+// continued by its input ``x``, silu of the taps' sum written to q, k or v, the window shifted.
+void convolve_step(float* cs, const float* x, const float* w, int64_t channels, int64_t taps, int64_t keys,
+                   float* q, float* k, float* v) {
+  for (int64_t c = 0; c < channels; ++c) {
+    float* window = cs + c * (taps - 1);
+    const float* wc = w + c * taps;
+    float acc = wc[taps - 1] * x[c];
+    for (int64_t j = 0; j < taps - 1; ++j) acc += wc[j] * window[j];
+    for (int64_t j = 0; j + 1 < taps - 1; ++j) window[j] = window[j + 1];
+    if (taps > 1) window[taps - 2] = x[c];
+    const float y = acc / (1.f + std::exp(-acc));
+    if (c < keys) q[c] = y;
+    else if (c < 2 * keys) k[c - keys] = y;
+    else v[c - 2 * keys] = y;
+  }
+}
+
+// ``count`` rows of q and k [count, dk] L2-normalised in place (eps 1e-6 under the root), q
+// scaled by dk^-1/2: delta_rule.normalised.
+void normalise_heads(float* q, float* k, int64_t count, int64_t dk) {
+  const float scale = 1.f / std::sqrt(float(dk));
+  for (int64_t i = 0; i < count; ++i) {
+    float *qi = q + i * dk, *ki = k + i * dk;
+    float sq = 0.f, sk = 0.f;
+    for (int64_t j = 0; j < dk; ++j) {
+      sq += qi[j] * qi[j];
+      sk += ki[j] * ki[j];
+    }
+    const float fq = scale / std::sqrt(sq + 1e-6f), fk = 1.f / std::sqrt(sk + 1e-6f);
+    for (int64_t j = 0; j < dk; ++j) {
+      qi[j] *= fq;
+      ki[j] *= fk;
+    }
+  }
 }
 
 }  // namespace
@@ -111,6 +153,53 @@ Tensor mamba2_decode(Tensor state, const Tensor& slots, const Tensor& q, const T
       const int64_t s = job / heads, h = job % heads;
       scan_head(S + (slot[s] * heads + h) * dk * dv, qp + job * dk, kp + job * dk, vp + job * dv, std::exp(gp[job]),
                 op + job * dv, dk, dv);
+    }
+  });
+  return out;
+}
+
+// The whole of a Gated DeltaNet layer's decode step between its projections, for n sequences:
+// each one's convolution continued from its slot (the window's last input is its row of x; the
+// state shifted in place), silu, q and k L2-normalised per key head (eps 1e-6 under the root,
+// q scaled by key_dim^-1/2, as delta_rule.normalised), and the delta rule on each value head
+// with its key head's q and k (value head h: key head h mod key_heads where ``tiled``, else
+// h / (value_heads / key_heads)). What kinds/gated_deltanet does in ~25 small ops per layer.
+Tensor gated_deltanet_decode(Tensor conv_state, Tensor state, const Tensor& slots, const Tensor& x,
+                             const Tensor& conv_weight, const Tensor& g, const Tensor& beta, int64_t key_heads,
+                             bool tiled) {
+  check_pool(state, slots);
+  const int64_t n = slots.size(0), heads = state.size(1), dk = state.size(2), dv = state.size(3);
+  TORCH_CHECK(conv_state.dim() == 3 && conv_state.is_contiguous() && conv_state.scalar_type() == at::kFloat &&
+                  conv_state.size(0) == state.size(0),
+              "conv_state: expected [slots, channels, taps - 1] float32, contiguous, a slot per state");
+  const int64_t channels = conv_state.size(1), taps = conv_state.size(2) + 1, keys = key_heads * dk;
+  TORCH_CHECK(key_heads > 0 && heads % key_heads == 0 && channels == 2 * keys + heads * dv,
+              "gated_deltanet_decode: the channels are q and k of key_heads x key_dim, v of heads x value_dim");
+  check_float(x, {n, channels}, "x");
+  check_float(conv_weight, {channels, taps}, "conv_weight");
+  check_float(g, {n, heads}, "g");
+  check_float(beta, {n, heads}, "beta");
+  Tensor q = at::empty({n, key_heads, dk}, x.options()), k = at::empty({n, key_heads, dk}, x.options());
+  Tensor v = at::empty({n, heads, dv}, x.options());
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t s = 0; s < n; ++s)
+    convolve_step(conv_state.data_ptr<float>() + slot[s] * channels * (taps - 1), x.data_ptr<float>() + s * channels,
+                  conv_weight.data_ptr<float>(), channels, taps, keys, q.data_ptr<float>() + s * keys,
+                  k.data_ptr<float>() + s * keys, v.data_ptr<float>() + s * heads * dv);
+  normalise_heads(q.data_ptr<float>(), k.data_ptr<float>(), n * key_heads, dk);
+  float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  Tensor out = at::empty({n, heads, dv}, x.options());
+  float* S = state.data_ptr<float>();
+  const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t per_key = heads / key_heads;
+  at::parallel_for(0, n * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> u(dv);
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t s = job / heads, h = job % heads, kh = tiled ? h % key_heads : h / per_key;
+      const int64_t at_key = (s * key_heads + kh) * dk;
+      update_head(S + (slot[s] * heads + h) * dk * dv, qp + at_key, kp + at_key, vp + job * dv, std::exp(gp[job]),
+                  bp[job], u.data(), op + job * dv, dk, dv);
     }
   });
   return out;

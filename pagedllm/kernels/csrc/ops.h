@@ -33,6 +33,11 @@ Tensor delta_rule_decode(Tensor state, const Tensor& slots, const Tensor& q, con
 // ... and a Mamba-2 layer's (kinds/mamba2/scan.py's recurrent_step, likewise in place).
 Tensor mamba2_decode(Tensor state, const Tensor& slots, const Tensor& q, const Tensor& k, const Tensor& v,
                      const Tensor& g);
+// ... and a Gated DeltaNet layer's whole decode step between its projections: the convolution's
+// step (its state shifted in place), q/k normalised, the delta rule (kinds/gated_deltanet/forward.py).
+Tensor gated_deltanet_decode(Tensor conv_state, Tensor state, const Tensor& slots, const Tensor& x,
+                             const Tensor& conv_weight, const Tensor& g, const Tensor& beta, int64_t key_heads,
+                             bool tiled);
 
 // quant_gemm.cpp: products with weights kept quantized, and their float rows.
 Tensor quant_linear(const Tensor& x, const Tensor& qweight, const Tensor& scale, const c10::optional<Tensor>& zero,

@@ -77,6 +77,13 @@ class GatedDeltaNet(RecurrentMixer):
         decay, beta = gates
         return delta_rule.chunked(*self._heads(convolved), decay[rows], beta[rows], state)
 
+    def fused_step(self, mixed, gates, rows, states, slots) -> torch.Tensor | None:
+        decay, beta = (g[rows] for g in gates)
+        pools, weight = (states["conv"], states["recurrent"]), self.conv1d.weight
+        return self.backend.gated_deltanet_decode(
+            *pools, slots, mixed, weight, decay, beta, self.key_heads, self.value_heads_tiled
+        )
+
     def step(self, convolved, gates, rows, pool, slots) -> torch.Tensor:
         """The states updated in place in their slots by the backend's kernel, or gathered,
         updated and put back."""
