@@ -147,6 +147,28 @@ def test_the_compiled_layer_step_equals_the_convolution_then_the_rule(ops, tiled
     assert torch.equal(pool[others], before[others]) and torch.equal(conv_pool[others], before_conv[others])
 
 
+def test_the_compiled_layer_with_its_gates_and_norm_equals_the_steps(ops):
+    """A decode step's whole layer (``gated_deltanet_layer_decode``) against its gates computed
+    here from b and a, the fused step (checked above) and the gated norm computed here: the
+    same outputs and states."""
+    g = torch.Generator().manual_seed(6)
+    n, heads, dk, dv, taps, eps = 2, 4, 16, 24, 4, 1e-6
+    channels = 4 * dk + heads * dv
+    pools = [torch.randn(5, channels, taps - 1, generator=g), torch.randn(5, heads, dk, dv, generator=g)]
+    slots, x = torch.tensor([2, 4]), torch.randn(n, channels, generator=g)
+    weight = torch.randn(channels, taps, generator=g) * 0.5
+    b, a, z = torch.randn(n, heads, generator=g), torch.randn(n, heads, generator=g) * 3, torch.randn(n, heads * dv)
+    a_log, dt_bias, norm = torch.randn(heads, generator=g), torch.randn(heads, generator=g), torch.rand(dv) + 0.5
+    decay = -a_log.exp() * torch.nn.functional.softplus(a + dt_bias)
+    copies = [p.clone() for p in pools]
+    o = ops.gated_deltanet_decode(*copies, slots, x, weight, decay, b.sigmoid(), 2, False)
+    gate = torch.nn.functional.silu(z.view(n, heads, dv))
+    want = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * norm * gate
+    out = ops.gated_deltanet_layer_decode(*pools, slots, x, weight, b, a, a_log, dt_bias, z, norm, eps, 2, False)
+    torch.testing.assert_close(out, want.view(n, -1), atol=1e-5, rtol=1e-5)
+    assert all(torch.allclose(p, c, atol=1e-6) for p, c in zip(pools, copies))
+
+
 def test_the_compiled_mamba2_update_equals_the_reference_in_place_in_its_slots(ops):
     """As the delta rule's: slots 1 and 4 of a pool of 5, head width 24 (not a whole number of
     vectors), against ``scan.recurrent_step`` on the gathered states; other slots untouched."""

@@ -25,6 +25,7 @@ from .facts import PlanFacts
 if TYPE_CHECKING:
     from ..config import ModelConfig
     from ..engine.step import StepInput
+    from ..kinds.gated_deltanet.forward import GatedDeltaNet
     from ..kinds.sparse_moe.forward import SparseMoE
     from ..layers.quantized import QuantizedWeight
     from ..models.decoder import DecoderLM
@@ -279,6 +280,13 @@ class Backend:
         channels] (each one's new convolution input), the convolution's state ([slots, channels,
         taps - 1]) and the delta rule's updated in place in their slots; returns o [n, heads,
         value_dim]. None where this device has no such kernel (the layer's PyTorch steps run)."""
+        return None
+
+    def gated_deltanet_layer_decode(self, layer: GatedDeltaNet, mixed, z, b, a, states: dict, slots):
+        """A decode step's whole Gated DeltaNet ``layer`` between its projections (every row one
+        sequence's token, in slot order ``slots``): its gates from b and a, the convolution and the
+        rule as ``gated_deltanet_decode``, the gated norm; [n, value_heads x value_dim] float32.
+        None where this device has no such kernel (the layer's steps run)."""
         return None
 
     def int8_matmul(self, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:

@@ -75,6 +75,13 @@ class _Runs:
         return runs
 
 
+def all_decode(attn) -> _Runs | None:
+    """The step's runs where every sequence of it is a decode row (one token, state continued, no
+    checkpoint: its rows are its sequences, in order), else None."""
+    runs = _Runs.of(attn.layout)
+    return runs if len(runs.decodes) == len(runs.slots) else None
+
+
 class RecurrentMixer(nn.Module):
     """A mixer whose ``conv1d`` (a ``CausalConv``) feeds a recurrence: a subclass says how a
     chunk of one sequence's tokens and a decode group's tokens update it, given the convolved

@@ -68,6 +68,13 @@ class CPUCompiledBackend(CPUTorchBackend):
         inputs = [t.float().contiguous() for t in (x, conv_weight.reshape(conv_weight.shape[0], -1), g, beta)]
         return self.ops.gated_deltanet_decode(conv_state, state, slots.long().contiguous(), *inputs, key_heads, tiled)
 
+    def gated_deltanet_layer_decode(self, layer, mixed, z, b, a, states, slots) -> torch.Tensor | None:
+        taps = layer.conv1d.weight.reshape(layer.conv1d.weight.shape[0], -1)
+        floats = [t.float().contiguous() for t in (mixed, taps, b, a, layer.A_log, layer.dt_bias, z, layer.norm.weight)]
+        return self.ops.gated_deltanet_layer_decode(
+            states["conv"], states["recurrent"], slots, *floats, layer.eps, layer.key_heads, layer.value_heads_tiled
+        )
+
     def mamba2_decode(self, state, slots, q, k, v, g) -> torch.Tensor | None:
         inputs = [t.float().contiguous() for t in (q, k, v, g)]
         return self.ops.mamba2_decode(state, slots.long().contiguous(), *inputs)

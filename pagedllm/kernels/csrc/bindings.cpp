@@ -24,6 +24,10 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def(
       "gated_deltanet_decode(Tensor(a!) conv_state, Tensor(b!) state, Tensor slots, Tensor x, Tensor conv_weight, "
       "Tensor g, Tensor beta, int key_heads, bool tiled) -> Tensor");
+  m.def(
+      "gated_deltanet_layer_decode(Tensor(a!) conv_state, Tensor(b!) state, Tensor slots, Tensor x, "
+      "Tensor conv_weight, Tensor b, Tensor a, Tensor A_log, Tensor dt_bias, Tensor z, Tensor norm_weight, "
+      "float eps, int key_heads, bool tiled) -> Tensor");
   m.def("rotary(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scale, Tensor? zero, int bits, int group) -> Tensor");
   // No tensor argument to dispatch on: registered with its schema, for every backend.
@@ -52,6 +56,7 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
   m.impl("delta_rule_decode", &pagedllm::delta_rule_decode);
   m.impl("mamba2_decode", &pagedllm::mamba2_decode);
   m.impl("gated_deltanet_decode", &pagedllm::gated_deltanet_decode);
+  m.impl("gated_deltanet_layer_decode", &pagedllm::gated_deltanet_layer_decode);
   m.impl("rotary", &pagedllm::rotary);
   m.impl("quant_linear", &pagedllm::quant_linear);
   m.impl("dequantize", &pagedllm::dequantize);

@@ -138,6 +138,47 @@ void normalise_heads(float* q, float* k, int64_t count, int64_t dk) {
 
 }  // namespace
 
+// A decode step's whole Gated DeltaNet layer between its projections, every row a sequence's one
+// token: the gates from b and a (beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias)),
+// gated_deltanet_decode, then each head's output RMS-normed, scaled and times silu(z)
+// (kinds/gated_deltanet/forward.py's _gated_norm), [n, heads x value_dim] float32.
+Tensor gated_deltanet_layer_decode(Tensor conv_state, Tensor state, const Tensor& slots, const Tensor& x,
+                                   const Tensor& conv_weight, const Tensor& b, const Tensor& a, const Tensor& A_log,
+                                   const Tensor& dt_bias, const Tensor& z, const Tensor& norm_weight, double eps,
+                                   int64_t key_heads, bool tiled) {
+  const int64_t n = slots.size(0), heads = state.size(1), dv = state.size(3);
+  check_float(b, {n, heads}, "b");
+  check_float(a, {n, heads}, "a");
+  check_float(A_log, {heads}, "A_log");
+  check_float(dt_bias, {heads}, "dt_bias");
+  check_float(z, {n, heads * dv}, "z");
+  check_float(norm_weight, {dv}, "norm_weight");
+  Tensor g = at::empty({n, heads}, b.options()), beta = at::empty({n, heads}, b.options());
+  const float *bp = b.data_ptr<float>(), *ap = a.data_ptr<float>();
+  const float *lp = A_log.data_ptr<float>(), *dp = dt_bias.data_ptr<float>();
+  float *gp = g.data_ptr<float>(), *betap = beta.data_ptr<float>();
+  for (int64_t i = 0; i < n * heads; ++i) {
+    const float t = ap[i] + dp[i % heads];
+    const float softplus = t > 20.f ? t : std::log1p(std::exp(t));  // torch's threshold
+    gp[i] = -std::exp(lp[i % heads]) * softplus;
+    betap[i] = 1.f / (1.f + std::exp(-bp[i]));
+  }
+  Tensor out = gated_deltanet_decode(conv_state, state, slots, x, conv_weight, g, beta, key_heads, tiled);
+  float* op = out.data_ptr<float>();
+  const float *zp = z.data_ptr<float>(), *wp = norm_weight.data_ptr<float>();
+  for (int64_t i = 0; i < n * heads; ++i) {
+    float* o = op + i * dv;
+    float squares = 0.f;
+    for (int64_t j = 0; j < dv; ++j) squares += o[j] * o[j];
+    const float r = 1.f / std::sqrt(squares / float(dv) + float(eps));
+    for (int64_t j = 0; j < dv; ++j) {
+      const float zj = zp[i * dv + j];
+      o[j] = o[j] * r * wp[j] * (zj / (1.f + std::exp(-zj)));
+    }
+  }
+  return out.view({n, heads * dv});
+}
+
 Tensor mamba2_decode(Tensor state, const Tensor& slots, const Tensor& q, const Tensor& k, const Tensor& v,
                      const Tensor& g) {
   check_update(state, slots, q, k, v, g);

@@ -38,6 +38,11 @@ Tensor mamba2_decode(Tensor state, const Tensor& slots, const Tensor& q, const T
 Tensor gated_deltanet_decode(Tensor conv_state, Tensor state, const Tensor& slots, const Tensor& x,
                              const Tensor& conv_weight, const Tensor& g, const Tensor& beta, int64_t key_heads,
                              bool tiled);
+// ... with its gates computed from b and a first and its gated norm after (a decode step's layer).
+Tensor gated_deltanet_layer_decode(Tensor conv_state, Tensor state, const Tensor& slots, const Tensor& x,
+                                   const Tensor& conv_weight, const Tensor& b, const Tensor& a, const Tensor& A_log,
+                                   const Tensor& dt_bias, const Tensor& z, const Tensor& norm_weight, double eps,
+                                   int64_t key_heads, bool tiled);
 
 // quant_gemm.cpp: products with weights kept quantized, and their float rows.
 Tensor quant_linear(const Tensor& x, const Tensor& qweight, const Tensor& scale, const c10::optional<Tensor>& zero,

@@ -18,7 +18,7 @@ from torch import nn
 
 from ...config import ModelConfig
 from ...layers.linear import Linear
-from ...layers.recurrence import CausalConv, RecurrentMixer
+from ...layers.recurrence import CausalConv, RecurrentMixer, all_decode
 from . import delta_rule
 
 if TYPE_CHECKING:
@@ -67,6 +67,12 @@ class GatedDeltaNet(RecurrentMixer):
     def forward(self, x: torch.Tensor, ropes, attn) -> torch.Tensor:
         """``ropes`` unused (no positions: the state is the order); ``attn``: the step's seam."""
         mixed, z, b, a = self.in_proj(x).split(self.widths, dim=-1)
+        runs = all_decode(attn)
+        if runs is not None:  # a decode step: the layer between its projections in one call where the device can
+            states = attn.sequence_states(self.layer)
+            done = self.backend.gated_deltanet_layer_decode(self, mixed, z, b, a, states, runs.index)
+            if done is not None:
+                return self.out_proj(done.to(x.dtype))
         beta = b.float().sigmoid()
         decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # g <= 0
         out = torch.empty(x.shape[0], self.value_heads, self.value_dim, dtype=torch.float32)
