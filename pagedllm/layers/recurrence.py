@@ -82,6 +82,14 @@ def all_decode(attn) -> _Runs | None:
     return runs if len(runs.decodes) == len(runs.slots) else None
 
 
+class NormScale(nn.Module):
+    """A recurrent mixer's gated norm's scale, under the checkpoint's ``norm.weight``."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size), requires_grad=False)
+
+
 class RecurrentMixer(nn.Module):
     """A mixer whose ``conv1d`` (a ``CausalConv``) feeds a recurrence: a subclass says how a
     chunk of one sequence's tokens and a decode group's tokens update it, given the convolved

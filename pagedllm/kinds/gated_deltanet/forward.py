@@ -18,7 +18,7 @@ from torch import nn
 
 from ...config import ModelConfig
 from ...layers.linear import Linear
-from ...layers.recurrence import CausalConv, RecurrentMixer, all_decode
+from ...layers.recurrence import CausalConv, NormScale, RecurrentMixer, all_decode
 from . import delta_rule
 
 if TYPE_CHECKING:
@@ -30,14 +30,6 @@ CHECKPOINT_NAME = "linear_attn"
 
 def build(cfg: ModelConfig, layer: int, backend: Backend) -> GatedDeltaNet:
     return GatedDeltaNet(cfg, layer, backend)
-
-
-class _Weight(nn.Module):
-    """A parameter under a module name of the checkpoint's (``norm.weight``)."""
-
-    def __init__(self, *shape: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
 class GatedDeltaNet(RecurrentMixer):
@@ -56,7 +48,7 @@ class GatedDeltaNet(RecurrentMixer):
         self.in_proj = Linear(cfg.hidden_size, self.widths, bias=False, backend=backend)
         self.out_proj = Linear(values, [cfg.hidden_size], bias=False, backend=backend)
         self.conv1d = CausalConv(rule.conv_channels, rule.conv_kernel, bias=False)
-        self.norm = _Weight(rule.value_head_dim)  # the gated norm's scale (no offset: not a zero-centred norm)
+        self.norm = NormScale(rule.value_head_dim)  # the gated norm's scale (no offset: not a zero-centred norm)
         self.dt_bias = nn.Parameter(torch.empty(rule.value_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(rule.value_heads), requires_grad=False)
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from ...config import ModelConfig
 from ...layers.linear import Linear
-from ...layers.recurrence import CausalConv, RecurrentMixer
+from ...layers.recurrence import CausalConv, NormScale, RecurrentMixer
 from . import scan
 
 if TYPE_CHECKING:
@@ -30,14 +30,6 @@ CHECKPOINT_NAME = "mamba"
 
 def build(cfg: ModelConfig, layer: int, backend: Backend) -> Mamba2:
     return Mamba2(cfg, layer, backend)
-
-
-class _Weight(nn.Module):
-    """The gated norm's scale under the checkpoint's ``norm.weight``."""
-
-    def __init__(self, size: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(size), requires_grad=False)
 
 
 class Mamba2(RecurrentMixer):
@@ -53,7 +45,7 @@ class Mamba2(RecurrentMixer):
         self.in_proj = Linear(cfg.hidden_size, [sum(self.widths)], bias=m.projection_bias, backend=backend)
         self.out_proj = Linear(m.inner, [cfg.hidden_size], bias=m.projection_bias, backend=backend)
         self.conv1d = CausalConv(m.conv_channels, m.conv_kernel, m.conv_bias)
-        self.norm = _Weight(m.inner)
+        self.norm = NormScale(m.inner)
         self.dt_bias = nn.Parameter(torch.empty(m.heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(m.heads), requires_grad=False)
         self.D = nn.Parameter(torch.empty(m.heads), requires_grad=False)
