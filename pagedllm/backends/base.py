@@ -264,6 +264,18 @@ class Backend:
         dt A); None where this device has no such kernel (``scan.recurrent_step`` then runs)."""
         return None
 
+    def delta_rule_prefill(self, state, q, k, v, g, beta) -> torch.Tensor | None:
+        """One sequence's prompt tokens through a Gated DeltaNet layer's state ([heads, key_dim,
+        value_dim], float32, one slot's: updated in place): q, k [t, heads, key_dim] (normalised,
+        per value head), v [t, heads, value_dim], g, beta [t, heads]; returns o [t, heads,
+        value_dim]. None where this device has no such kernel (``delta_rule.chunked`` then runs)."""
+        return None
+
+    def mamba2_prefill(self, state, q, k, v, g) -> torch.Tensor | None:
+        """A Mamba-2 layer's, as ``delta_rule_prefill`` without beta (q = C, k = B, v = dt x, g =
+        dt A); None where this device has no such kernel (``scan.chunked`` then runs)."""
+        return None
+
     def gated_deltanet_decode(
         self,
         conv_state: torch.Tensor,

@@ -62,6 +62,12 @@ class CPUCompiledBackend(CPUTorchBackend):
         inputs = [t.float().contiguous() for t in (q, k, v, g, beta)]
         return self.ops.delta_rule_decode(state, slots.long().contiguous(), *inputs)
 
+    def delta_rule_prefill(self, state, q, k, v, g, beta) -> torch.Tensor | None:
+        return self.ops.delta_rule_prefill(state, *[t.float().contiguous() for t in (q, k, v, g, beta)])
+
+    def mamba2_prefill(self, state, q, k, v, g) -> torch.Tensor | None:
+        return self.ops.mamba2_prefill(state, *[t.float().contiguous() for t in (q, k, v, g)])
+
     def gated_deltanet_decode(
         self, conv_state, state, slots, x, conv_weight, g, beta, key_heads, tiled
     ) -> torch.Tensor | None:

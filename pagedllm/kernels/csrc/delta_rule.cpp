@@ -136,6 +136,88 @@ void normalise_heads(float* q, float* k, int64_t count, int64_t dk) {
   }
 }
 
+// One sequence's tokens of a recurrent layer, each input [t, heads, dim] float32 (q and k already
+// per value head); beta null for Mamba-2.
+struct Tokens {
+  const float *q, *k, *v, *g, *beta;
+  float* o;
+  int64_t t, heads, dk, dv;
+};
+
+// Columns [j0, j0 + 2W) (fewer at the edge) of head h's state S [dk, dv] through every token of
+// ``x``, in order: the state's columns never mix (u_j and o_j read column j alone), so a block of
+// 2W columns stays in L1 (16 KiB at dk 128) for the whole prompt while the per-token inputs
+// stream past it. Per column the arithmetic is update_head's (Delta) or scan_head's, in the same
+// order: a prompt run here leaves the state a decode step at a time would, bit for bit.
+template <bool Delta>
+void prefill_columns(float* S, const Tokens& x, int64_t h, int64_t j0) {
+  const int64_t dk = x.dk, dv = x.dv, m0 = std::min(W, dv - j0), m1 = std::clamp<int64_t>(dv - j0 - W, 0, W);
+  for (int64_t t = 0; t < x.t; ++t) {
+    const int64_t at = t * x.heads + h;
+    const float *q = x.q + at * dk, *k = x.k + at * dk, *v = x.v + at * dv + j0;
+    const VF d(std::exp(x.g[at]));
+    VF u0 = load_w(v, m0), u1 = m1 ? load_w(v + W, m1) : VF(0.f);
+    if constexpr (Delta) {  // S_i *= decay; u = beta (v - S^T k)
+      VF a0(0.f), a1(0.f);
+      for (int64_t i = 0; i < dk; ++i) {
+        float* row = S + i * dv + j0;
+        const VF ki(k[i]), s0 = load_w(row, m0) * d;
+        store_w(row, s0, m0);
+        a0 = at::vec::fmadd(s0, ki, a0);
+        if (m1) {
+          const VF s1 = load_w(row + W, m1) * d;
+          store_w(row + W, s1, m1);
+          a1 = at::vec::fmadd(s1, ki, a1);
+        }
+      }
+      const VF b(x.beta[at]);
+      u0 = (u0 - a0) * b;
+      u1 = (u1 - a1) * b;
+    }
+    VF o0(0.f), o1(0.f);
+    for (int64_t i = 0; i < dk; ++i) {  // S_i += k_i u (Mamba-2: decay S_i first); o += q_i S_i
+      float* row = S + i * dv + j0;
+      const VF ki(k[i]), qi(q[i]);
+      const VF s0 = at::vec::fmadd(u0, ki, Delta ? load_w(row, m0) : load_w(row, m0) * d);
+      store_w(row, s0, m0);
+      o0 = at::vec::fmadd(s0, qi, o0);
+      if (m1) {
+        const VF s1 = at::vec::fmadd(u1, ki, Delta ? load_w(row + W, m1) : load_w(row + W, m1) * d);
+        store_w(row + W, s1, m1);
+        o1 = at::vec::fmadd(s1, qi, o1);
+      }
+    }
+    store_w(x.o + at * dv + j0, o0, m0);
+    if (m1) store_w(x.o + at * dv + j0 + W, o1, m1);
+  }
+}
+
+// One sequence's prompt tokens through a state [heads, dk, dv] (one slot's, in place): every head's
+// blocks of 2W columns in parallel. Returns o [t, heads, dv].
+template <bool Delta>
+Tensor prefill(Tensor state, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor* beta) {
+  TORCH_CHECK(state.dim() == 3 && state.is_contiguous() && state.scalar_type() == at::kFloat,
+              "state: expected one sequence's [heads, key_dim, value_dim] float32, contiguous");
+  const int64_t t = q.size(0), heads = state.size(0), dk = state.size(1), dv = state.size(2);
+  check_float(q, {t, heads, dk}, "q");
+  check_float(k, {t, heads, dk}, "k");
+  check_float(v, {t, heads, dv}, "v");
+  check_float(g, {t, heads}, "g");
+  if (beta) check_float(*beta, {t, heads}, "beta");
+  Tensor out = at::empty({t, heads, dv}, v.options());
+  const Tokens x{q.data_ptr<float>(), k.data_ptr<float>(),       v.data_ptr<float>(), g.data_ptr<float>(),
+                 beta ? beta->data_ptr<float>() : nullptr, out.data_ptr<float>(), t, heads, dk, dv};
+  const int64_t blocks = (dv + 2 * W - 1) / (2 * W);
+  float* S = state.data_ptr<float>();
+  at::parallel_for(0, heads * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t h = job / blocks;
+      prefill_columns<Delta>(S + h * dk * dv, x, h, job % blocks * 2 * W);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 // A decode step's whole Gated DeltaNet layer between its projections, every row a sequence's one
@@ -266,6 +348,15 @@ Tensor delta_rule_decode(Tensor state, const Tensor& slots, const Tensor& q, con
     }
   });
   return out;
+}
+
+Tensor delta_rule_prefill(Tensor state, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                          const Tensor& beta) {
+  return prefill<true>(state, q, k, v, g, &beta);
+}
+
+Tensor mamba2_prefill(Tensor state, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g) {
+  return prefill<false>(state, q, k, v, g, nullptr);
 }
 
 }  // namespace pagedllm

@@ -33,6 +33,11 @@ Tensor delta_rule_decode(Tensor state, const Tensor& slots, const Tensor& q, con
 // ... and a Mamba-2 layer's (kinds/mamba2/scan.py's recurrent_step, likewise in place).
 Tensor mamba2_decode(Tensor state, const Tensor& slots, const Tensor& q, const Tensor& k, const Tensor& v,
                      const Tensor& g);
+// ... and one sequence's prompt tokens through its state (one slot's [heads, key_dim, value_dim], in
+// place), token after token as those updates run them (delta_rule.chunked's and scan.chunked's result).
+Tensor delta_rule_prefill(Tensor state, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                          const Tensor& beta);
+Tensor mamba2_prefill(Tensor state, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g);
 // ... and a Gated DeltaNet layer's whole decode step between its projections: the convolution's
 // step (its state shifted in place), q/k normalised, the delta rule (kinds/gated_deltanet/forward.py).
 Tensor gated_deltanet_decode(Tensor conv_state, Tensor state, const Tensor& slots, const Tensor& x,

@@ -3,8 +3,9 @@ causal convolution over q/k/v continued from each sequence's state, the gated de
 (``delta_rule``) on each sequence's state, the gated RMS norm and the output projection.
 
 Which state each sequence of the step starts from, and where checkpoints are copied out, is
-``layers.recurrence.RecurrentMixer``'s (shared with Mamba-2). A prompt's chunk runs the rule in
-chunked form (PyTorch); a decode row's update runs in the backend's kernel where it has one
+``layers.recurrence.RecurrentMixer``'s (shared with Mamba-2). A prompt's chunk runs in the
+backend's kernel where it has one (``Backend.delta_rule_prefill``: token after token, the state
+in place), else in chunked form (``delta_rule.chunked``, PyTorch); a decode row's update likewise
 (``Backend.delta_rule_decode``: the state in place in its slot).
 """
 
@@ -73,7 +74,9 @@ class GatedDeltaNet(RecurrentMixer):
 
     def chunk(self, convolved, gates, rows, state) -> torch.Tensor:
         decay, beta = gates
-        return delta_rule.chunked(*self._heads(convolved), decay[rows], beta[rows], state)
+        q, k, v = self._heads(convolved)
+        done = self.backend.delta_rule_prefill(state, q, k, v, decay[rows], beta[rows])
+        return done if done is not None else delta_rule.chunked(q, k, v, decay[rows], beta[rows], state)
 
     def fused_step(self, mixed, gates, rows, states, slots) -> torch.Tensor | None:
         decay, beta = (g[rows] for g in gates)

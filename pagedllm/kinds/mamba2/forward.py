@@ -4,9 +4,10 @@ one GEMM), the causal convolution over x/B/C continued from each sequence's stat
 group (in that order: transformers' ``norm_before_gate=False``), and the output projection.
 
 Which state each sequence of the step starts from, and where checkpoints are copied out, is
-``layers.recurrence.RecurrentMixer``'s (shared with the Gated DeltaNet). A prompt's chunk runs the
-scan in chunked form (PyTorch); a decode row's update runs in the backend's kernel where it has
-one (``Backend.mamba2_decode``: the state in place in its slot)."""
+``layers.recurrence.RecurrentMixer``'s (shared with the Gated DeltaNet). A prompt's chunk runs in
+the backend's kernel where it has one (``Backend.mamba2_prefill``: token after token, the state in
+place), else in chunked form (``scan.chunked``, PyTorch); a decode row's update likewise
+(``Backend.mamba2_decode``: the state in place in its slot)."""
 
 from __future__ import annotations
 
@@ -65,7 +66,10 @@ class Mamba2(RecurrentMixer):
 
     def chunk(self, convolved, gates, rows, state) -> torch.Tensor:
         x, k, q, v = self._heads(convolved, gates[0][rows])
-        return scan.chunked(q, k, v, gates[1][rows], state) + self.D.float()[:, None] * x
+        out = self.backend.mamba2_prefill(state, q, k, v, gates[1][rows])
+        if out is None:
+            out = scan.chunked(q, k, v, gates[1][rows], state)
+        return out + self.D.float()[:, None] * x
 
     def step(self, convolved, gates, rows, pool, slots) -> torch.Tensor:
         """The states updated in place in their slots by the backend's kernel, or gathered,
