@@ -115,9 +115,49 @@ inline void dequant_channels_8bit(const QuantMatrix& m, int64_t n0, c10::BFloat1
   }
 }
 
+// 4-bit weights in groups of 32 (Q4_0, Q4_1, int4 with offsets, IQ4_NL, MXFP4), likewise: each
+// channel's 16 bytes split into its 32 nibbles in one register each way, looked up in the codebook
+// where there is one, scaled and offset. The general step took a 16-row product with a Q4_0 or
+// Q4_1 [3584, 1024] to 0.70 ms, twice two 8-row products on the integer path (0.33 each).
+inline void dequant_channels_4bit(const QuantMatrix& m, int64_t n0, c10::BFloat16* out) {
+  const int64_t count = std::min<int64_t>(16, m.n - n0), rb = m.row_bytes();
+  const __m128i nibble = _mm_set1_epi8(15);
+  const __m128i table = m.codes ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(m.codes)) : _mm_setzero_si128();
+  __m512i r[16];
+  for (int64_t k0 = 0; k0 < m.k; k0 += 32) {
+    const int64_t g = m.group_of(k0);
+    for (int64_t c = 0; c < 16; ++c) {
+      if (c >= count) {
+        r[c] = _mm512_setzero_si512();
+        continue;
+      }
+      const int64_t n = n0 + c;
+      _mm_prefetch(reinterpret_cast<const char*>(m.q + (n + 32) * rb + k0 / 2), _MM_HINT_T0);
+      const __m512 s = _mm512_set1_ps(m.scale_h ? _cvtsh_ss(m.scale_h[n * m.G + g]) : m.scale_at(n * m.G + g));
+      const __m512 z = _mm512_set1_ps(m.zero_h ? _cvtsh_ss(m.zero_h[n * m.G + g]) : m.zero_at(n * m.G + g));
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m.q + n * rb + k0 / 2));
+      __m128i low = _mm_and_si128(packed, nibble), high = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble);
+      __m512i wide_low, wide_high;
+      if (m.codes) {
+        wide_low = _mm512_cvtepi8_epi32(_mm_shuffle_epi8(table, low));
+        wide_high = _mm512_cvtepi8_epi32(_mm_shuffle_epi8(table, high));
+      } else {
+        wide_low = _mm512_cvtepu8_epi32(low);
+        wide_high = _mm512_cvtepu8_epi32(high);
+      }
+      const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(wide_low), s, z);
+      const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(wide_high), s, z);
+      r[c] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+    }
+    avx512::transpose16x16(r);
+    for (int p = 0; p < 16; ++p) _mm512_storeu_si512(out + (k0 / 32 * 16 + p) * 32, r[p]);
+  }
+}
+
 inline void dequant_channels(const QuantMatrix& m, int64_t n0, c10::BFloat16* out) {
   if (m.bits == 8 && !m.raw && !m.has_zero() && !m.scale_e && m.group % 32 == 0)
     return dequant_channels_8bit(m, n0, out);
+  if (m.bits == 4 && !m.raw && m.group % 32 == 0) return dequant_channels_4bit(m, n0, out);
   if (m.raw) {
     avx512::with_raw_type(m.raw, [&](auto t) { dequant_channels_raw<decltype(t)::value>(m, n0, out); });
     return;
