@@ -85,73 +85,60 @@ void dequant_channels_raw(const QuantMatrix& m, int64_t n0, c10::BFloat16* out) 
   }
 }
 
-// 8-bit weights without offsets (Q8_0, per-row int8), 32 columns of 16 channels a step: each
-// channel's 32 bytes widened and scaled in two registers. The general step below reads the scale
-// and offset through their type's branches twice per 32 columns. A 16-row product (a decode step
-// of 16 requests) with a Q8_0 [3584, 1024] took 1.07 ms with it, 0.38 with this (in L3; the
-// dequantization is nearly all of it), and with a [248320, 1024] head (270 MB, from memory) 50 ms
-// without the prefetch of the next pair of blocks' lines (each thread walks its pairs in order),
-// 30 with it (one row: 15).
-inline void dequant_channels_8bit(const QuantMatrix& m, int64_t n0, c10::BFloat16* out) {
-  const int64_t count = std::min<int64_t>(16, m.n - n0), rb = m.row_bytes();
+// 16 channels from n0 dequantized as the tiles' B operand (dequant_channels' layout), 32 columns a
+// step: `pairs(n, k0, g)` gives channel n's 32 values from column k0 (group g) as one register of
+// bf16 pairs; 16 channels' registers transposed give the step's 16 rows of pairs.
+template <typename Pairs>
+void dequant_channels_by(const QuantMatrix& m, int64_t n0, c10::BFloat16* out, Pairs pairs) {
+  const int64_t count = std::min<int64_t>(16, m.n - n0);
   __m512i r[16];
   for (int64_t k0 = 0; k0 < m.k; k0 += 32) {
     const int64_t g = m.group_of(k0);
-    for (int64_t c = 0; c < 16; ++c) {
-      if (c >= count) {
-        r[c] = _mm512_setzero_si512();
-        continue;
-      }
-      const int64_t n = n0 + c;
-      _mm_prefetch(reinterpret_cast<const char*>(m.q + (n + 32) * rb + k0), _MM_HINT_T0);  // the next pair of blocks
-      const __m512 s = _mm512_set1_ps(m.scale_h ? _cvtsh_ss(m.scale_h[n * m.G + g]) : m.scale[n * m.G + g]);
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m.q + n * rb + k0));
-      const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v))), s);
-      const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1))), s);
-      r[c] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-    }
+    for (int64_t c = 0; c < 16; ++c) r[c] = c < count ? pairs(n0 + c, k0, g) : _mm512_setzero_si512();
     avx512::transpose16x16(r);
     for (int p = 0; p < 16; ++p) _mm512_storeu_si512(out + (k0 / 32 * 16 + p) * 32, r[p]);
   }
 }
 
+// 8-bit weights without offsets (Q8_0, per-row int8): each channel's 32 bytes widened and scaled
+// in two registers. The general step below reads the scale and offset through their type's
+// branches twice per 32 columns. A 16-row product (a decode step of 16 requests) with a Q8_0
+// [3584, 1024] took 1.07 ms with it, 0.38 with this (in L3; the dequantization is nearly all of
+// it), and with a [248320, 1024] head (270 MB, from memory) 50 ms without the prefetch of the next
+// pair of blocks' lines (each thread walks its pairs in order), 30 with it (one row: 15).
+inline void dequant_channels_8bit(const QuantMatrix& m, int64_t n0, c10::BFloat16* out) {
+  const int64_t rb = m.row_bytes();
+  dequant_channels_by(m, n0, out, [&](int64_t n, int64_t k0, int64_t g) {
+    _mm_prefetch(reinterpret_cast<const char*>(m.q + (n + 32) * rb + k0), _MM_HINT_T0);  // the next pair of blocks
+    const __m512 s = _mm512_set1_ps(m.scale_h ? _cvtsh_ss(m.scale_h[n * m.G + g]) : m.scale[n * m.G + g]);
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m.q + n * rb + k0));
+    const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v))), s);
+    const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1))), s);
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+  });
+}
+
 // 4-bit weights in groups of 32 (Q4_0, Q4_1, int4 with offsets, IQ4_NL, MXFP4), likewise: each
-// channel's 16 bytes split into its 32 nibbles in one register each way, looked up in the codebook
-// where there is one, scaled and offset. The general step took a 16-row product with a Q4_0 or
-// Q4_1 [3584, 1024] to 0.70 ms, twice two 8-row products on the integer path (0.33 each).
+// channel's 16 bytes split into its 32 nibbles, looked up in the codebook where there is one,
+// scaled and offset. The general step took a 16-row product with a Q4_0 or Q4_1 [3584, 1024] to
+// 0.70 ms, twice two 8-row products on the integer path (0.33 each); this, 0.43.
 inline void dequant_channels_4bit(const QuantMatrix& m, int64_t n0, c10::BFloat16* out) {
-  const int64_t count = std::min<int64_t>(16, m.n - n0), rb = m.row_bytes();
+  const int64_t rb = m.row_bytes();
   const __m128i nibble = _mm_set1_epi8(15);
   const __m128i table = m.codes ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(m.codes)) : _mm_setzero_si128();
-  __m512i r[16];
-  for (int64_t k0 = 0; k0 < m.k; k0 += 32) {
-    const int64_t g = m.group_of(k0);
-    for (int64_t c = 0; c < 16; ++c) {
-      if (c >= count) {
-        r[c] = _mm512_setzero_si512();
-        continue;
-      }
-      const int64_t n = n0 + c;
-      _mm_prefetch(reinterpret_cast<const char*>(m.q + (n + 32) * rb + k0 / 2), _MM_HINT_T0);
-      const __m512 s = _mm512_set1_ps(m.scale_h ? _cvtsh_ss(m.scale_h[n * m.G + g]) : m.scale_at(n * m.G + g));
-      const __m512 z = _mm512_set1_ps(m.zero_h ? _cvtsh_ss(m.zero_h[n * m.G + g]) : m.zero_at(n * m.G + g));
-      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m.q + n * rb + k0 / 2));
-      __m128i low = _mm_and_si128(packed, nibble), high = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble);
-      __m512i wide_low, wide_high;
-      if (m.codes) {
-        wide_low = _mm512_cvtepi8_epi32(_mm_shuffle_epi8(table, low));
-        wide_high = _mm512_cvtepi8_epi32(_mm_shuffle_epi8(table, high));
-      } else {
-        wide_low = _mm512_cvtepu8_epi32(low);
-        wide_high = _mm512_cvtepu8_epi32(high);
-      }
-      const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(wide_low), s, z);
-      const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(wide_high), s, z);
-      r[c] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-    }
-    avx512::transpose16x16(r);
-    for (int p = 0; p < 16; ++p) _mm512_storeu_si512(out + (k0 / 32 * 16 + p) * 32, r[p]);
-  }
+  dequant_channels_by(m, n0, out, [&](int64_t n, int64_t k0, int64_t g) {
+    _mm_prefetch(reinterpret_cast<const char*>(m.q + (n + 32) * rb + k0 / 2), _MM_HINT_T0);
+    const __m512 s = _mm512_set1_ps(m.scale_h ? _cvtsh_ss(m.scale_h[n * m.G + g]) : m.scale_at(n * m.G + g));
+    const __m512 z = _mm512_set1_ps(m.zero_h ? _cvtsh_ss(m.zero_h[n * m.G + g]) : m.zero_at(n * m.G + g));
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m.q + n * rb + k0 / 2));
+    const __m128i low = _mm_and_si128(packed, nibble), high = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble);
+    const __m512i wide_low = m.codes ? _mm512_cvtepi8_epi32(_mm_shuffle_epi8(table, low)) : _mm512_cvtepu8_epi32(low);
+    const __m512i wide_high =
+        m.codes ? _mm512_cvtepi8_epi32(_mm_shuffle_epi8(table, high)) : _mm512_cvtepu8_epi32(high);
+    const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(wide_low), s, z);
+    const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(wide_high), s, z);
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+  });
 }
 
 inline void dequant_channels(const QuantMatrix& m, int64_t n0, c10::BFloat16* out) {
