@@ -8,7 +8,7 @@ import functools
 import shutil
 
 from ... import env
-from .workspace import QUANT_FLOAT_ANY_ROWS, QUANT_FLOAT_AVX2_ROWS, QUANT_KERNEL_MAX_ROWS
+from .workspace import QUANT_FLOAT_AVX2_ROWS, QUANT_KERNEL_MAX_ROWS
 
 # What oneDNN's bf16 GEMMs run on, best first; each takes its own scratch (footprint.gemm_scratch).
 #   amx          AMX tiles (brg_matmul:avx10_1_512_amx)
@@ -57,15 +57,15 @@ def cpu_flags() -> frozenset[str]:
 
 
 def kernel_float_max_rows() -> int:
-    """The most float32 rows the compiled quantized kernel would take here (any on its AVX-512
-    path, 64 on AVX2, else as many as bf16 rows), as ``kernels.build`` targets it
-    (``PAGEDLLM_KERNEL_TARGET``, else this CPU), for a plan made without loading the kernels
-    (``pagedllm plan``); a backend tells it exactly."""
+    """The most float32 rows the compiled quantized kernel would take here (64 on AVX2, else as
+    many as bf16 rows), as ``kernels.build`` targets it (``PAGEDLLM_KERNEL_TARGET``, else this
+    CPU), for a plan made without loading the kernels (``pagedllm plan``); a backend tells it
+    exactly. On AVX-512 the backend measures it (``float_rows_rule``: any count, or as many as
+    bf16 rows); unmeasured, the plan takes the latter, whose dequantized chunk is the larger."""
     target = env.KERNEL_TARGET.get().replace("native", "")
     flags = cpu_flags()
-    if target == "x86-64-v4" or (not target and {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags):
-        return QUANT_FLOAT_ANY_ROWS
-    if target == "x86-64-v3" or (not target and {"avx2", "fma"} <= flags):
+    avx512 = target == "x86-64-v4" or (not target and {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags)
+    if not avx512 and (target == "x86-64-v3" or (not target and {"avx2", "fma"} <= flags)):
         return QUANT_FLOAT_AVX2_ROWS
     return QUANT_KERNEL_MAX_ROWS
 
