@@ -122,6 +122,26 @@ def test_the_compiled_decode_update_equals_the_reference_in_place_in_its_slots(o
     assert torch.equal(pool[others], before[others])
 
 
+@pytest.mark.parametrize("silu, bias", [(True, True), (False, False), (False, True)])
+def test_the_compiled_convolution_step_continues_each_window_in_its_slot(ops, silu, bias):
+    """Slots 3 and 0 of a pool of 5, 4 taps: each output is the taps against the slot's last three
+    inputs and the new one, plus the bias, silu'd where asked (arithmetic here), each window
+    shifted by the new input; the other slots untouched."""
+    g = torch.Generator().manual_seed(7)
+    n, channels, taps = 2, 37, 4
+    pool = torch.randn(5, channels, taps - 1, generator=g)
+    slots, x = torch.tensor([3, 0]), torch.randn(n, channels, generator=g)
+    weight, offset = torch.randn(channels, 1, taps, generator=g), torch.randn(channels, generator=g)
+    window = torch.cat([pool[slots], x[:, :, None]], dim=2)  # oldest input first
+    want = (window * weight[:, 0]).sum(-1) + (offset if bias else 0)
+    want = torch.nn.functional.silu(want) if silu else want
+    before = pool.clone()
+    out = ops.conv_state_step(pool, slots, x, weight[:, 0].contiguous(), offset if bias else torch.empty(0), silu)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(pool[slots], window[:, :, 1:])
+    assert torch.equal(pool[[1, 2, 4]], before[[1, 2, 4]])
+
+
 @pytest.mark.parametrize("dv", [40, 24])
 def test_the_compiled_prefill_is_the_token_loop_and_the_decode_update_bit_for_bit(ops, dv):
     """A 150-token prompt through slot 2 of a pool of 4 (value width 40 or 24: one block of

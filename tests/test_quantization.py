@@ -636,7 +636,7 @@ def test_the_float_rows_rule_takes_whichever_path_was_faster_at_64_rows(ops, mon
     for kernel, dequantized, rule in ((0.8e-3, 2.2e-3, QUANT_FLOAT_ANY_ROWS), (2.2e-3, 0.8e-3, QUANT_KERNEL_MAX_ROWS)):
         timings = iter([kernel, dequantized])
         monkeypatch.setattr(float_rows_rule, "_measured", {})
-        monkeypatch.setattr(float_rows_rule, "_median_seconds", lambda run: next(timings))
+        monkeypatch.setattr(float_rows_rule, "_median_seconds", lambda run, timings=timings: next(timings))
         monkeypatch.setattr(ops, "quant_float_max_rows", lambda: QUANT_FLOAT_ANY_ROWS, raising=False)
         backend = CPUCompiledBackend(ops)
         assert backend.quant_float_max_rows == rule

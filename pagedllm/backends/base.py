@@ -276,6 +276,14 @@ class Backend:
         dt A); None where this device has no such kernel (``scan.chunked`` then runs)."""
         return None
 
+    def conv_state_step(self, conv_state, slots, x, weight, bias, silu: bool) -> torch.Tensor | None:
+        """A decode step's short causal convolution for n sequences: x [n, channels] each one's new
+        input, each window (``conv_state`` [slots, channels, taps - 1], float32) continued by it and
+        shifted in place in its slot; returns the taps' sums [n, channels] (plus ``bias`` where not
+        None, silu of them where ``silu``), float32. None where this device has no such kernel
+        (the layer gathers the windows and sums in PyTorch)."""
+        return None
+
     def gated_deltanet_decode(
         self,
         conv_state: torch.Tensor,

@@ -18,10 +18,14 @@ state a sequence starts from, and at which token a checkpoint is taken.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from ..backends.base import Backend
 
 
 class CausalConv(nn.Module):
@@ -43,9 +47,20 @@ class CausalConv(nn.Module):
         out = (windows * self.weight.float()[:, 0]).sum(-1)
         return F.silu(out + self.bias.float() if self.bias is not None else out)
 
+    def step(self, backend: Backend, pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """One new input each (x [n, channels]) of the sequences whose windows are ``pool[slots]``
+        ([slots, channels, taps - 1], shifted in place): silu of each convolution's output, by the
+        device's kernel where it has one, else gathered, summed and put back."""
+        done = backend.conv_state_step(pool, slots, x, self.weight, self.bias, silu=True)
+        if done is not None:
+            return done
+        windows = torch.cat([pool[slots], x.float()[:, :, None]], dim=2)  # [n, C, taps]
+        pool[slots] = windows[:, :, 1:]
+        return self.last(windows)
+
 
 @dataclass
-class _Runs:
+class StepRuns:
     """How a step's sequences run through a recurrent mixer, the same for every such layer of the
     step (derived once: ``StepLayout.derived``)."""
 
@@ -58,7 +73,7 @@ class _Runs:
     index: torch.Tensor  # their slots
 
     @classmethod
-    def of(cls, layout) -> _Runs:
+    def of(cls, layout) -> StepRuns:
         memo = getattr(layout, "derived", None)
         if memo is not None and "recurrent runs" in memo:
             return memo["recurrent runs"]
@@ -75,10 +90,10 @@ class _Runs:
         return runs
 
 
-def all_decode(attn) -> _Runs | None:
+def all_decode(attn) -> StepRuns | None:
     """The step's runs where every sequence of it is a decode row (one token, state continued, no
     checkpoint: its rows are its sequences, in order), else None."""
-    runs = _Runs.of(attn.layout)
+    runs = StepRuns.of(attn.layout)
     return runs if len(runs.decodes) == len(runs.slots) else None
 
 
@@ -97,6 +112,7 @@ class RecurrentMixer(nn.Module):
 
     layer: int
     conv1d: CausalConv
+    backend: Backend
 
     def chunk(self, convolved: torch.Tensor, gates: tuple, rows: slice, state: torch.Tensor) -> torch.Tensor:
         """One sequence's consecutive tokens: its ``state`` (one slot's) updated in place; the
@@ -120,7 +136,7 @@ class RecurrentMixer(nn.Module):
     def recur(self, mixed: torch.Tensor, gates: tuple, attn, out: torch.Tensor) -> None:
         """Every sequence of the step: ``mixed`` [T, channels] the convolution's input, ``out``
         [T, heads, value_dim] written row for row."""
-        states, runs = attn.sequence_states(self.layer), _Runs.of(attn.layout)
+        states, runs = attn.sequence_states(self.layer), StepRuns.of(attn.layout)
         starts, ends, slots, copied, decodes = runs.starts, runs.ends, runs.slots, runs.copied, runs.decodes
         if decodes:
             rows, index = runs.rows, runs.index
@@ -128,9 +144,8 @@ class RecurrentMixer(nn.Module):
             if fused is not None:
                 out[rows] = fused
             else:
-                windows = torch.cat([states["conv"][index], mixed[rows].float()[:, :, None]], dim=2)  # [n, C, taps]
-                states["conv"][index] = windows[:, :, 1:]
-                out[rows] = self.step(self.conv1d.last(windows), gates, rows, states["recurrent"], index)
+                convolved = self.conv1d.step(self.backend, states["conv"], index, mixed[rows])
+                out[rows] = self.step(convolved, gates, rows, states["recurrent"], index)
         for s in sorted(set(range(len(slots))) - set(decodes)):
             lo, hi = starts[s], starts[s + 1]
             conv, recurrent = states["conv"][slots[s]], states["recurrent"][slots[s]]

@@ -69,6 +69,12 @@ class CPUCompiledBackend(CPUTorchBackend):
     def mamba2_prefill(self, state, q, k, v, g) -> torch.Tensor | None:
         return self.ops.mamba2_prefill(state, *[t.float().contiguous() for t in (q, k, v, g)])
 
+    def conv_state_step(self, conv_state, slots, x, weight, bias, silu: bool) -> torch.Tensor | None:
+        taps = weight.reshape(weight.shape[0], -1).float().contiguous()
+        none = torch.empty(0)
+        floats = [x.float().contiguous(), taps, none if bias is None else bias.float().contiguous()]
+        return self.ops.conv_state_step(conv_state, slots.long().contiguous(), *floats, silu)
+
     def gated_deltanet_decode(
         self, conv_state, state, slots, x, conv_weight, g, beta, key_heads, tiled
     ) -> torch.Tensor | None:

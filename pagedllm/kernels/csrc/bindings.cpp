@@ -21,6 +21,7 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("delta_rule_decode(Tensor(a!) state, Tensor slots, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta) -> Tensor");
   m.def("mamba2_decode(Tensor(a!) state, Tensor slots, Tensor q, Tensor k, Tensor v, Tensor g) -> Tensor");
+  m.def("conv_state_step(Tensor(a!) conv_state, Tensor slots, Tensor x, Tensor weight, Tensor bias, bool silu) -> Tensor");
   m.def("delta_rule_prefill(Tensor(a!) state, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta) -> Tensor");
   m.def("mamba2_prefill(Tensor(a!) state, Tensor q, Tensor k, Tensor v, Tensor g) -> Tensor");
   m.def(
@@ -57,6 +58,7 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
   m.impl("silu_mul", &pagedllm::silu_mul);
   m.impl("delta_rule_decode", &pagedllm::delta_rule_decode);
   m.impl("mamba2_decode", &pagedllm::mamba2_decode);
+  m.impl("conv_state_step", &pagedllm::conv_state_step);
   m.impl("delta_rule_prefill", &pagedllm::delta_rule_prefill);
   m.impl("mamba2_prefill", &pagedllm::mamba2_prefill);
   m.impl("gated_deltanet_decode", &pagedllm::gated_deltanet_decode);

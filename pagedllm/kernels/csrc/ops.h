@@ -38,6 +38,10 @@ Tensor mamba2_decode(Tensor state, const Tensor& slots, const Tensor& q, const T
 Tensor delta_rule_prefill(Tensor state, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                           const Tensor& beta);
 Tensor mamba2_prefill(Tensor state, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g);
+// conv_state.cpp: a decode step's short causal convolution, each sequence's window in place in its
+// slot (layers/recurrence.py's CausalConv.last on the gathered windows, kinds/short_conv's step).
+Tensor conv_state_step(Tensor conv_state, const Tensor& slots, const Tensor& x, const Tensor& weight,
+                       const Tensor& bias, bool silu);
 // ... and a Gated DeltaNet layer's whole decode step between its projections: the convolution's
 // step (its state shifted in place), q/k normalised, the delta rule (kinds/gated_deltanet/forward.py).
 Tensor gated_deltanet_decode(Tensor conv_state, Tensor state, const Tensor& slots, const Tensor& x,

@@ -2,7 +2,9 @@
 of B * x continued from each sequence's state slot (``attn.sequence_states``; a sequence whose
 first token is in the step starts from zeros), C times its output, the output projection. Its
 state is copied out at the step's checkpoint positions (``attn.layout.checkpoints``), as the
-delta rule's is. PyTorch, the reference path: no compiled kernel yet."""
+delta rule's is. A step's decode rows (one token, state continued, no checkpoint) are convolved
+together, in the device's kernel where it has one (``Backend.conv_state_step``: each window in
+place in its slot); a prompt's tokens in PyTorch, a sequence at a time."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from torch import nn
 
 from ...config import ModelConfig
 from ...layers.linear import Linear
+from ...layers.recurrence import StepRuns
 
 if TYPE_CHECKING:
     from ...backends.base import Backend
@@ -40,7 +43,7 @@ class ShortConv(nn.Module):
         super().__init__()
         conv = cfg.short_conv
         assert conv is not None
-        self.layer, h = layer, cfg.hidden_size
+        self.layer, self.backend, h = layer, backend, cfg.hidden_size
         self.in_proj = Linear(h, [3 * h], bias=conv.bias, backend=backend)  # B, C, x: one tensor in the checkpoint
         self.out_proj = Linear(h, [h], bias=conv.bias, backend=backend)
         self.conv = _Conv(h, conv.kernel, conv.bias)
@@ -59,7 +62,14 @@ class ShortConv(nn.Module):
         weight = self.conv.weight.float()
         bias = self.conv.bias.float() if self.conv.bias is not None else None
         out = torch.empty_like(gated)
+        runs, together = StepRuns.of(layout), set()
+        if runs.decodes:
+            done = self.backend.conv_state_step(states, runs.index, gated[runs.rows], weight, bias, silu=False)
+            if done is not None:
+                out[runs.rows], together = done, set(runs.decodes)
         for s, slot in enumerate(layout.state_slots.tolist()):
+            if s in together:
+                continue
             lo, hi = starts[s], starts[s + 1]
             state = states[slot]
             if ends[s] == hi - lo:  # its first tokens: a fresh state
