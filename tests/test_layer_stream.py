@@ -117,7 +117,9 @@ def test_a_file_cut_short_or_changed_underneath_is_a_clear_error(dense_dir, tmp_
         weights.write_bytes(data)
         st = weights.stat()
         os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-        said = "changed"
+        # rewriting in place empties the file for a moment: a read ahead of the stream's next
+        # layers may see it then, and says so
+        said = "changed|truncated"
     with pytest.raises(ModelLoadError, match=said) as e:
         llm.generate(PROMPTS, GREEDY)
     assert str(weights) in str(e.value)
