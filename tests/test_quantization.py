@@ -621,25 +621,23 @@ def test_kernel_on_bf16_rows_sums_what_the_documented_rounding_gives(groups, bit
     torch.testing.assert_close(got, expected, rtol=8e-3, atol=8e-3 * float(expected.abs().max()))
 
 
-def test_the_float_rows_rule_takes_whichever_path_was_faster_at_64_rows(ops, monkeypatch):
-    """The compiled backend's float32 rule where the kernels leave it open (AVX-512): the
-    packed-weight kernel for any rows where it beat dequantize + GEMM at 64, else only up to
-    ``QUANT_KERNEL_MAX_ROWS``; either way a product equals the dequantized weights' GEMM. Timings
-    hand-made (the two machines measured: each side ahead 2.5x or more)."""
-    from pagedllm.backends.cpu import float_rows_rule
+def test_the_float_rows_rule_follows_the_vendor_each_side_was_measured_faster_on(ops, monkeypatch):
+    """The compiled backend's float32 rule where the kernels leave it open (AVX-512): on an Intel
+    CPU (dequantize + GEMM measured 2.7x faster at 64 rows) the packed-weight kernel takes at most
+    ``QUANT_KERNEL_MAX_ROWS``, on an AMD one (the kernel measured faster at 8-512 rows) any count;
+    either way a product equals the dequantized weights' GEMM."""
+    from pagedllm.backends.cpu import float_rows_rule, machine
     from pagedllm.backends.cpu.compiled_backend import CPUCompiledBackend
     from pagedllm.backends.cpu.workspace import QUANT_FLOAT_ANY_ROWS, QUANT_KERNEL_MAX_ROWS
 
     w = random_quantized(37, 512, 4, 32, True, None, F16)
     x = torch.randn(64, 512)
     exact = x @ torch_backend().dequantize(w, torch.float32).T
-    for kernel, dequantized, rule in ((0.8e-3, 2.2e-3, QUANT_FLOAT_ANY_ROWS), (2.2e-3, 0.8e-3, QUANT_KERNEL_MAX_ROWS)):
-        timings = iter([kernel, dequantized])
-        monkeypatch.setattr(float_rows_rule, "_measured", {})
-        monkeypatch.setattr(float_rows_rule, "_median_seconds", lambda run, timings=timings: next(timings))
-        monkeypatch.setattr(ops, "quant_float_max_rows", lambda: QUANT_FLOAT_ANY_ROWS, raising=False)
+    monkeypatch.setattr(ops, "quant_float_max_rows", lambda: QUANT_FLOAT_ANY_ROWS, raising=False)
+    for vendor, rule in (("GenuineIntel", QUANT_KERNEL_MAX_ROWS), ("AuthenticAMD", QUANT_FLOAT_ANY_ROWS)):
+        monkeypatch.setattr(machine, "cpu_vendor", lambda vendor=vendor: vendor)
         backend = CPUCompiledBackend(ops)
-        assert backend.quant_float_max_rows == rule
+        assert backend.quant_float_max_rows == rule == float_rows_rule.quant_float_max_rows(ops, vendor)
         assert backend.quant_kernel_takes(64, torch.float32) == (rule == QUANT_FLOAT_ANY_ROWS)
         assert backend.quant_kernel_takes(QUANT_KERNEL_MAX_ROWS, torch.float32)
         torch.testing.assert_close(backend.quantized_matmul(x, w), exact, rtol=1e-4, atol=1e-4)

@@ -35,9 +35,9 @@ class CPUCompiledBackend(CPUTorchBackend):
         # weights in the kernels' own layout at any count): built with AMX, the OS grants the
         # tile state, and ONEDNN_MAX_CPU_ISA does not cap it away.
         self.amx_tiles = bool(ops.amx_tiles())
-        # How many float32 rows the quantized kernel takes (64 on AVX2; on AVX-512 measured here
-        # once: any count or none beyond ``QUANT_KERNEL_MAX_ROWS``); more dequantize + GEMM, as
-        # bf16 rows beyond ``QUANT_KERNEL_MAX_ROWS`` do.
+        # How many float32 rows the quantized kernel takes (64 on AVX2; on AVX-512 any count or
+        # none beyond ``QUANT_KERNEL_MAX_ROWS``, by the CPU's vendor: ``float_rows_rule``); more
+        # dequantize + GEMM, as bf16 rows beyond ``QUANT_KERNEL_MAX_ROWS`` do.
         self.quant_float_max_rows = float_rows_rule.quant_float_max_rows(ops)
 
     def attention(self, kv_cache: base.KVCache, layout: base.AttentionLayout) -> Attention:
@@ -117,7 +117,7 @@ class CPUCompiledBackend(CPUTorchBackend):
     def quantized_matmul(self, x: torch.Tensor, w: quant.QuantizedWeight) -> torch.Tensor:
         """The packed-weight kernel for few rows (a step costs the bytes of the 4- or 8-bit
         weights), for float32 rows up to ``quant_float_max_rows`` (with AVX-512 any count where
-        it beats dequantize + GEMM here, measured once: ``float_rows_rule``; with AVX2 up to 64:
+        it beats dequantize + GEMM on this CPU's vendor: ``float_rows_rule``; with AVX2 up to 64:
         docs/quantization.md), and for any number of bf16 rows on AMX tiles
         (weights dequantized 16 channels at a time into L1); else dequantize the layer + GEMM."""
         tiles = self.amx_tiles and x.dtype == torch.bfloat16 and w.shape[1] % 32 == 0

@@ -44,6 +44,18 @@ _ONEDNN_CAPS = {
 }
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor (/proc/cpuinfo's first 'vendor_id'; empty where it is absent)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (/proc/cpuinfo's first 'flags' line; empty where it is absent)."""
     try:
@@ -60,8 +72,9 @@ def kernel_float_max_rows() -> int:
     """The most float32 rows the compiled quantized kernel would take here (64 on AVX2, else as
     many as bf16 rows), as ``kernels.build`` targets it (``PAGEDLLM_KERNEL_TARGET``, else this
     CPU), for a plan made without loading the kernels (``pagedllm plan``); a backend tells it
-    exactly. On AVX-512 the backend measures it (``float_rows_rule``: any count, or as many as
-    bf16 rows); unmeasured, the plan takes the latter, whose dequantized chunk is the larger."""
+    exactly. On AVX-512 the backend's rule follows the CPU's vendor (``float_rows_rule``: any
+    count, or as many as bf16 rows); here the plan takes the latter, whose dequantized chunk is
+    the larger."""
     target = env.KERNEL_TARGET.get().replace("native", "")
     flags = cpu_flags()
     avx512 = target == "x86-64-v4" or (not target and {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags)
