@@ -99,6 +99,15 @@ class EngineConfig:
     enable_prefix_caching: bool = _knob(
         True, "do not reuse the KV blocks of prompt prefixes seen before", flag="--no-prefix-caching"
     )
+    prefix_cache_dir: str | None = _knob(
+        None,
+        "keep full KV blocks in this directory too (the prefix cache's disk tier): a prompt seen before, "
+        "even by a process since stopped, is read back instead of computed (models of full attention only)",
+        type=str,
+    )
+    prefix_cache_disk: str | int = _knob(
+        "8GiB", "--prefix-cache-dir: the most its files take, e.g. 8GiB (least recently used deleted)", type=str
+    )
     structured_output: bool = _knob(
         True, "reject constrained requests (and never load xgrammar)", flag="--no-structured-output"
     )
@@ -187,6 +196,11 @@ class EngineConfig:
         if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
             raise ConfigError("memory_fraction", f"must be in (0, 1], got {self.memory_fraction}")
         self._check_speculative()
+        _checked("prefix_cache_disk", self.prefix_cache_disk, parse_memory)
+        if self.prefix_cache_dir is not None and not self.enable_prefix_caching:
+            raise ConfigError("prefix_cache_dir", "the prefix cache's disk tier needs prefix caching on")
+        if self.prefix_cache_dir is not None and self.tensor_parallel_size > 1:
+            raise ConfigError("prefix_cache_dir", "the disk tier with tensor_parallel_size > 1 is not implemented yet")
         if self.idle_release_after is not None and not self.idle_release_after >= 0:
             raise ConfigError("idle_release_after", f"must be seconds >= 0, got {self.idle_release_after}")
 

@@ -51,6 +51,13 @@ class KVCache(Protocol):
 
     def zero_blocks(self, blocks: list[tuple[int, int]]) -> None: ...  # (pool, block)
 
+    # a block as stored, to and from the prefix cache's disk tier (``engine.disk_prefix_cache``)
+    def block_nbytes(self, pool: int) -> int: ...
+
+    def read_block(self, pool: int, block: int) -> bytes: ...
+
+    def write_block(self, pool: int, block: int, data: bytes | bytearray | memoryview) -> None: ...
+
     def resize(self, sizes: int | list[int]) -> None: ...
 
     def release_pages(self, pool: int, first: int) -> None: ...  # blocks from ``first`` on unused

@@ -5,12 +5,14 @@ A block is taken only when a sequence's next token needs one, and all of a seque
 back the moment it finishes, is aborted or is preempted.
 
 Prefix cache: a full block is known by a hash of (its parent block's hash, its token ids), so a
-chain of hashes names a prefix. A block whose tokens are all computed is registered under its
-hash; a new request adopts the longest chain of registered blocks of its tokens (reference
-counts go up, nothing is recomputed). A registered block whose count drops to zero is not
-forgotten: it waits, least recently used first, and is evicted only when a block is needed and
-none is plainly free. A block in use is never evicted, and a sequence only ever writes past what
-it has computed, so shared (full, computed) blocks are never overwritten.
+chain of hashes names a prefix. The hash is a digest of bytes (``chain_hash``), the same in every
+process: the disk tier (``disk_prefix_cache``) names its files by it. A block whose tokens are
+all computed is registered under its hash; a new request adopts the longest chain of registered
+blocks of its tokens (reference counts go up, nothing is recomputed). A registered block whose
+count drops to zero is not forgotten: it waits, least recently used first, and is evicted only
+when a block is needed and none is plainly free. A block in use is never evicted, and a sequence
+only ever writes past what it has computed, so shared (full, computed) blocks are never
+overwritten.
 
 Forks (parallel sampling): a forked sequence starts with its parent's table, every block's
 count one higher. Full blocks are then read-only for both; the partially filled last block is
@@ -26,8 +28,10 @@ block of positions. A dropped block that the prefix cache registered waits in it
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from ..sizes import ceil_div
@@ -55,8 +59,8 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self.tables: dict[int, list[int]] = {}  # sequence id -> its blocks, in order
         self._block_key: dict[int, tuple] = {}  # registered block -> (hash, parent hash, tokens)
-        self._by_hash: dict[int, int] = {}  # hash -> registered block
-        self._hashed: dict[int, tuple[int, int | None]] = {}  # seq -> (blocks registered, last hash)
+        self._by_hash: dict[bytes, int] = {}  # hash -> registered block
+        self._hashed: dict[int, tuple[int, bytes | None]] = {}  # seq -> (blocks registered, last hash)
         self.prefix_stats = PrefixCacheStats()
 
     @property
@@ -244,24 +248,46 @@ class BlockManager:
             self.prefix_stats.queried_tokens += num_tokens
             self.prefix_stats.hit_tokens += reused
 
-    def register_computed(self, seq_id: int, tokens_between, num_computed: int) -> None:
+    def register_computed(self, seq_id: int, tokens_between, num_computed: int) -> list[tuple[int, int, bytes]]:
         """Registers the sequence's blocks that became full and computed, so others can adopt
         them. ``tokens_between(start, end)`` gives the sequence's token ids (asked only when a
-        block has filled up)."""
+        block has filled up). Returns the (index in its table, block, hash) of each registered now."""
         if not self.enable_prefix_caching:
-            return
+            return []
         bs, table = self.block_size, self.tables.get(seq_id, [])
         done, parent = self._hashed.get(seq_id, (0, None))
         full = min(num_computed // bs, len(table))
+        registered = []
         for i in range(done, full):
             chunk = tuple(tokens_between(i * bs, (i + 1) * bs))
-            h = hash((parent, chunk))
+            h = chain_hash(parent, chunk)
             block = table[i]
             if block != HOLE and h not in self._by_hash and block not in self._block_key:
                 self._by_hash[h] = block
                 self._block_key[block] = (h, parent, chunk)
+                registered.append((i, block, h))
             parent = h
         self._hashed[seq_id] = (max(done, full), parent)
+        return registered
+
+    def adopt_filled(self, seq_id: int, key: tuple, fill: Callable[[int], bool]) -> bool:
+        """Appends to a sequence's table a block whose K/V ``fill(block)`` writes (read back from
+        the disk tier), registered under ``key`` as a computed block is; the sequence's blocks so
+        far must be the chain up to ``key``'s parent. False (and nothing taken) where no block is
+        free or ``fill`` could not fill it."""
+        if not self.num_free:
+            return False
+        block = self._take()
+        if not fill(block):
+            self._free.append(block)
+            return False
+        self.ref_counts[block] = 1
+        table = self.tables.setdefault(seq_id, [])
+        table.append(block)
+        self._by_hash[key[0]] = block
+        self._block_key[block] = key
+        self._hashed[seq_id] = (len(table), key[0])
+        return True
 
     def release_poisoned(self, seq_id: int) -> list[int]:
         """For a sequence whose K/V may hold NaN/inf: unregisters the blocks only it holds from
@@ -375,9 +401,16 @@ def prefix_keys(tokens: list[int], block_size: int) -> Iterator[tuple]:
     """(hash, parent hash, tokens) of each full block of ``tokens`` but the last token's (its
     logits are needed, so it is always computed): the chain a prefix is looked up by. Made one
     at a time: a lookup stops at its first miss."""
-    parent: int | None = None
+    parent: bytes | None = None
     for i in range((len(tokens) - 1) // block_size):
         chunk = tuple(tokens[i * block_size : (i + 1) * block_size])
-        h = hash((parent, chunk))
+        h = chain_hash(parent, chunk)
         yield h, parent, chunk
         parent = h
+
+
+def chain_hash(parent: bytes | None, chunk: tuple[int, ...]) -> bytes:
+    """A block's hash: a digest of its parent's hash and its token ids, so a hash names the whole
+    prefix up to the block. Bytes, not Python's ``hash``: that of None (a first block's parent)
+    differs between processes before Python 3.12, and the disk tier's files outlive a process."""
+    return hashlib.blake2b((parent or b"") + array("q", chunk).tobytes(), digest_size=16).digest()

@@ -23,14 +23,27 @@ a fresh state); a forked sample takes its own and its parent's state is copied i
 next step (``take_state_copies``). Such a model reuses a prefix only as far as a checkpoint of
 the state after it exists (``state_checkpoints``): a cached block holds K/V, not the state; the
 sequence then starts from a copy of the checkpoint (``take_state_restores``).
+
+The disk tier (``disk``, a ``DiskPrefixCache``; one full-attention pool and no states only): every
+block registered is also written to disk, and a prefix's chain goes on from disk where the pool's
+ends (``_adopt_from_disk``). Its files are evicted least recently used first, by the time each
+was last used; a chain's blocks are stamped with its sequence's time less their index, so the
+head of a chain is always evicted after its tail (a tail without its head is never looked up).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from functools import partial
+from itertools import islice
+from typing import TYPE_CHECKING
 
 from .block_manager import BlockManager, PrefixCacheStats, prefix_keys
 from .state_checkpoints import StateCheckpoints
+
+if TYPE_CHECKING:
+    from .disk_prefix_cache import DiskPrefixCache
 
 
 class BlockPools:
@@ -57,6 +70,17 @@ class BlockPools:
         self.free_states = list(range(state_slots - 1, -1, -1))  # popped from the end: slot 0 first
         self.state_of: dict[int, int] = {}  # seq id -> its state slot
         self.state_copies: list[tuple[int, int]] = []  # (source, destination), for the next step
+        self.disk: DiskPrefixCache | None = None  # the prefix cache's disk tier (``attach_disk``)
+        self.chain_time: dict[int, int] = {}  # seq id -> when its chain was last used (ns; the disk's LRU)
+
+    def attach_disk(self, disk: DiskPrefixCache) -> None:
+        """Puts the disk tier beneath pool 0: one full-attention pool, no states (a window's
+        blocks and a state's checkpoints are not kept on disk yet)."""
+        if len(self.pools) > 1 or self.state_slots or self.main.window is not None:
+            raise ValueError("the prefix cache's disk tier takes a model of full attention only")
+        if not self.enable_prefix_caching:
+            raise ValueError("the prefix cache's disk tier needs prefix caching on")
+        self.disk = disk
 
     # ---- pool 0 speaks for the rest where one number is asked for ---------------------------
 
@@ -167,11 +191,14 @@ class BlockPools:
     def fork(self, parent_id: int, child_id: int) -> None:
         for p in self.pools:
             p.fork(parent_id, child_id)
+        if parent_id in self.chain_time:
+            self.chain_time[child_id] = self.chain_time[parent_id]
         if self.state_slots:
             self._take_state(child_id)
             self.state_copies.append((self.state_of[parent_id], self.state_of[child_id]))
 
     def free(self, seq_id: int) -> None:
+        self.chain_time.pop(seq_id, None)
         for p in self.pools:
             p.free(seq_id)
         slot = self.state_of.pop(seq_id, None)
@@ -202,6 +229,10 @@ class BlockPools:
             n = shorter
         for p, f in zip(self.pools, found):
             p.adopt(seq_id, keys, f, n)
+        if self.disk is not None:
+            now = self.chain_time[seq_id] = time.time_ns()
+            self.disk.touch([k[0] for k in keys[:n]], now)
+            n = self._adopt_from_disk(seq_id, tokens, n, now)
         if n and checkpoint is not None and self.checkpoints is not None:
             self._take_state(seq_id)
             self.state_restores.append((checkpoint, self.state_of[seq_id]))
@@ -209,13 +240,34 @@ class BlockPools:
             self.checkpoints.stats.hit_tokens += n * self.block_size
         return n * self.block_size
 
+    def _adopt_from_disk(self, seq_id: int, tokens: list[int], n: int, now: int) -> int:
+        """The chain of ``tokens``' blocks past the ``n`` the pool had, read from the disk tier
+        while its next block is there, reads back whole and a block is free. Returns the blocks
+        the sequence holds now."""
+        assert self.disk is not None
+        disk, first = self.disk, n
+        for key in islice(prefix_keys(tokens, self.block_size), n, None):
+            if self.main.cached_blocks([key])[0] is not None or not disk.contains(key[0]):
+                break  # (a block the pool has past a miss: rare, the chain stops)
+            if not self.main.adopt_filled(seq_id, key, partial(disk.load, key[0], used_ns=now - n)):
+                break  # (stamped: the chain's head the most recently used, evicted last)
+            n += 1
+        if n == first and (len(tokens) - 1) // self.block_size > first:
+            disk.stats.misses += 1
+        return n
+
     def count_admission(self, num_tokens: int, reused: int) -> None:
         self.main.count_admission(num_tokens, reused)
 
     def register_computed(self, seq_id: int, tokens_between, num_computed: int) -> None:
-        """Registers the blocks that filled up, then gives back those out of every window."""
-        for p in self.pools:
-            p.register_computed(seq_id, tokens_between, num_computed)
+        """Registers the blocks that filled up (and writes them to the disk tier), then gives
+        back those out of every window."""
+        for i, p in enumerate(self.pools):
+            registered = p.register_computed(seq_id, tokens_between, num_computed)
+            if i == 0 and self.disk is not None and registered:
+                used = self.chain_time.setdefault(seq_id, time.time_ns())
+                for index, block, block_hash in registered:
+                    self.disk.store(block_hash, block, used - index)
             p.drop_out_of_window(seq_id, num_computed)
 
     def release_poisoned(self, seq_id: int) -> list[tuple[int, int]]:

@@ -57,6 +57,16 @@ class EngineStats(SchedulerCounters):
     state_checkpoints_taken: int = 0
     state_checkpoint_hits: int = 0  # requests that started from one (their hit tokens are prefix_cache_hit_tokens)
     state_checkpoint_evictions: int = 0
+    # the prefix cache's disk tier (``engine.disk_prefix_cache``; 0 without --prefix-cache-dir)
+    prefix_disk_budget_bytes: int = 0
+    prefix_disk_bytes: int = 0  # its directory's entries, at the last count
+    prefix_disk_hit_blocks: int = 0  # blocks read back instead of computed
+    prefix_disk_misses: int = 0  # admissions whose chain went past the pool and found nothing on disk
+    prefix_disk_bytes_read: int = 0
+    prefix_disk_bytes_written: int = 0
+    prefix_disk_writes_dropped: int = 0
+    prefix_disk_corrupt: int = 0  # entries that failed their check (deleted, recomputed)
+    prefix_disk_evictions: int = 0
     last_step_tokens: int = 0
     max_batch_tokens: int = 0  # the effective step budget (lowered by out-of-memory recoveries)
     memory_resizes: int = 0  # budgets changed at run time (set_memory, memory="follow")
@@ -259,7 +269,9 @@ class LLMEngine:
         return released
 
     def close(self) -> None:
-        """Ends the other ranks of a split model (nothing to do for one process)."""
+        """Writes the disk tier's queued blocks; ends the other ranks of a split model."""
+        if self.blocks.disk is not None:
+            self.blocks.disk.close()
         if self.ranks is not None:
             self.ranks.close()
 
@@ -352,6 +364,7 @@ class LLMEngine:
             prefix_cache_hit_tokens=prefix.hit_tokens,
             prefix_cache_evictions=prefix.evictions,
             **self._checkpoint_stats(),
+            **self._disk_tier_stats(),
             last_step_tokens=step_tokens,
             max_batch_tokens=s.max_batch_tokens,
             memory_resizes=self.elastic.resizes,
@@ -366,6 +379,23 @@ class LLMEngine:
             return {}
         c = checkpoints.stats
         return dict(state_checkpoints_taken=c.taken, state_checkpoint_hits=c.hits, state_checkpoint_evictions=c.evicted)
+
+    def _disk_tier_stats(self) -> dict:
+        disk = self.blocks.disk
+        if disk is None:
+            return {}
+        d = disk.stats
+        return {
+            "prefix_disk_budget_bytes": disk.budget,
+            "prefix_disk_bytes": d.disk_bytes,
+            "prefix_disk_hit_blocks": d.hit_blocks,
+            "prefix_disk_misses": d.misses,
+            "prefix_disk_bytes_read": d.bytes_read,
+            "prefix_disk_bytes_written": d.bytes_written,
+            "prefix_disk_writes_dropped": d.writes_dropped,
+            "prefix_disk_corrupt": d.corrupt,
+            "prefix_disk_evictions": d.evicted,
+        }
 
     def _layer_stream_stats(self) -> dict:
         stream = self.loaded.model.layer_stream

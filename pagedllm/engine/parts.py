@@ -21,9 +21,12 @@ from ..memory.budget import total_memory
 from ..memory.footprint import RoutedExperts, window_pool_blocks
 from ..memory.machine import resident_bytes
 from ..memory.planner import AUTO_MAX_BATCH_TOKENS, AUTO_MAX_NUM_SEQS, MemoryPlan, plan_engine
+from ..sizes import parse_memory
 from ..structured import Grammars
 from .block_pools import BlockPools
 from .detokenizer import Detokenizer
+from .disk_prefix_cache import VERSION as DISK_FORMAT_VERSION
+from .disk_prefix_cache import DiskPrefixCache, namespace_of
 from .drafter import DraftModel, draft_facts, load_draft
 from .elastic import ElasticMemory
 from .model_runner import ModelRunner
@@ -87,6 +90,8 @@ def assemble(
         state_slots=blocks.state_slots,
         checkpoint_slots=blocks.checkpoints.slots if blocks.checkpoints is not None else 0,
     )
+    if config.prefix_cache_dir is not None:
+        blocks.attach_disk(disk_tier(loaded, config, plan, kv_cache))
     memory = EngineMemory(
         plan, config, kv_cache, blocks, limits, scheduler, replanner(loaded, backend), loaded.model.expert_cache
     )
@@ -104,6 +109,27 @@ def assemble(
         threads=backend.thread_policy(config.threads or (len(cpus) if cpus else None), cpus=cpus),
         eos_token_ids=eos,
     )
+
+
+def disk_tier(loaded: LoadedModel, config: EngineConfig, plan: MemoryPlan, kv_cache) -> DiskPrefixCache:
+    """The prefix cache's disk tier for this model and these settings (``disk_prefix_cache``)."""
+    cfg = loaded.config
+    if len(cfg.kv_pools) > 1 or cfg.state_bytes_per_sequence():
+        raise UnsupportedModelError(
+            f"{cfg.architecture}: the prefix cache's disk tier keeps blocks of full attention only; this model has "
+            "sliding-window layers or layers that keep a state per sequence (not implemented yet)"
+        )
+    settings = {
+        "dtype": config.dtype,
+        "kv_dtype": plan.kv_dtype,
+        "block_size": plan.block_size,
+        "quantization": config.quantization,
+        "block_bytes": kv_cache.block_nbytes(0),
+        "format": DISK_FORMAT_VERSION,
+    }
+    namespace = namespace_of(loaded.path, settings)
+    assert config.prefix_cache_dir is not None
+    return DiskPrefixCache(config.prefix_cache_dir, parse_memory(config.prefix_cache_disk), namespace, kv_cache)
 
 
 def _budget_fixed(ranks: Ranks | None, drafter) -> str | None:

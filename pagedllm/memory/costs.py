@@ -30,9 +30,14 @@ EXPERT_CACHE_CONTEXT = 4096
 STATE_CHECKPOINTS_PER_SEQUENCE = 1
 
 
+# the prefix cache's disk tier (engine.disk_prefix_cache): blocks copied out, not yet written, at most
+DISK_TIER_WRITE_BUFFER_BYTES = 32 * 1024**2
+
+
 def overhead(s: EngineSettings) -> int:
-    """OVERHEAD_BYTES, plus structured output's grammar caches at their bound when it is on."""
-    return OVERHEAD_BYTES + s.grammar_cache_bytes
+    """OVERHEAD_BYTES, plus structured output's grammar caches at their bound when it is on and
+    the disk tier's buffers when there is one."""
+    return OVERHEAD_BYTES + s.grammar_cache_bytes + s.disk_tier_bytes
 
 
 AUTO_MAX_NUM_SEQS = 64

@@ -263,6 +263,7 @@ class EngineSettings:
     # QUANT_KERNEL_MAX_ROWS do
     quant_float_max_rows: int = ANY_ROWS
     grammar_cache_bytes: int = 0  # structured output's compiled-grammar caches, at their bound
+    disk_tier_bytes: int = 0  # the prefix cache's disk tier: its write buffer's bound and a read buffer
     # Tensor parallelism (distributed.shards): the config is one rank's; the row-parallel outputs
     # are summed across ranks (a communication buffer of their size while they are), and the
     # driver gathers every rank's logits, ``gathered_vocab`` wide, to sample from.

@@ -30,9 +30,10 @@ class MemoryPlan:
     kv_cache_bytes: int
     kv_bytes_per_block: int
     activation_bytes: int
-    overhead_bytes: int
+    overhead_bytes: int  # OVERHEAD_BYTES + grammar caches + the disk tier's buffers (``disk_tier_bytes``)
     loader_bytes: int  # what loading holds above the weights, freed before the cache exists
     weights_format: str = ""  # e.g. "int4 weights, bfloat16 activations"; empty: plain dtype
+    disk_tier_bytes: int = 0  # the prefix cache's disk tier's buffers, in overhead_bytes
     api_process_bytes: int = 0  # the server's API process, in the baseline (engine in its own process)
     tensor_parallel_size: int = 1  # above 1: this is one rank's plan (the driver's, which bounds them all)
     # speculative decoding's draft model, included in weights_bytes and kv_bytes_per_block
@@ -178,6 +179,15 @@ class MemoryPlan:
             )
         return rows
 
+    def _overhead_parts(self) -> str:
+        """The overhead beyond OVERHEAD_BYTES, named: grammar caches, the disk tier's buffers."""
+        mib = 1024**2
+        grammar = self.overhead_bytes - OVERHEAD_BYTES - self.disk_tier_bytes
+        parts = [f"{grammar // mib} MiB of grammar caches"] if grammar > 0 else []
+        if self.disk_tier_bytes:
+            parts.append(f"{self.disk_tier_bytes // mib} MiB of the prefix cache's disk writes")
+        return "".join(", " + p for p in parts)
+
     def table(self) -> str:
         rows = [("model", self.model)]
         if self.tensor_parallel_size > 1:
@@ -210,12 +220,7 @@ class MemoryPlan:
             ),
             (
                 "overhead",
-                f"{gib(self.overhead_bytes, 8)}  (allocator, requests, buffers"
-                + (
-                    f", {(self.overhead_bytes - OVERHEAD_BYTES) // 1024**2} MiB of grammar caches)"
-                    if self.overhead_bytes > OVERHEAD_BYTES
-                    else ")"
-                ),
+                f"{gib(self.overhead_bytes, 8)}  (allocator, requests, buffers{self._overhead_parts()})",
             ),
             ("total", f"{gib(self.total_bytes, 8)}  (peak under load)"),
             (

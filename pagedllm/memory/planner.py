@@ -26,6 +26,7 @@ from .budget import resolve_budget
 from .costs import (
     AUTO_MAX_BATCH_TOKENS,
     AUTO_MAX_NUM_SEQS,
+    DISK_TIER_WRITE_BUFFER_BYTES,
     ESTIMATED_BASELINE_BYTES,
     OVERHEAD_BYTES,
     Costs,
@@ -144,6 +145,7 @@ def _result(costs: Costs, solved: tuple[int, int, int], names: tuple[str, int, s
         overhead(s),
         costs.loader,
         _weights_format(s),
+        disk_tier_bytes=s.disk_tier_bytes,
         draft_weights_bytes=s.draft_weights_bytes,
         draft_kv_bytes_per_block=s.draft_kv_bytes_per_block,
         window_pools=tuple((w, n_w, b) for (w, b), n_w in zip(costs.windows, costs.window_blocks(n, m))),
@@ -340,6 +342,12 @@ def _solved(
     )
 
 
+def disk_tier_bytes(c: EngineConfig) -> int:
+    """What the prefix cache's disk tier holds in RAM: its write buffer at its bound and the
+    block it reads into (at most 16 MiB; a block is under 1 MiB for models up to 8B at block size 16)."""
+    return DISK_TIER_WRITE_BUFFER_BYTES + 16 * 1024**2 if c.prefix_cache_dir is not None else 0
+
+
 def _settings(
     c: EngineConfig,
     backend: PlanFacts | None,
@@ -369,6 +377,7 @@ def _settings(
         quant_float_max_rows=facts.quant_float_max_rows,
         grammar_cache_bytes=grammar_cache_bytes,
         state_checkpoints=c.state_checkpoints,
+        disk_tier_bytes=disk_tier_bytes(c),
         **split,
     )
     return settings

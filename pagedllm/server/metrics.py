@@ -105,6 +105,11 @@ class _EngineCollector:
                 "Prompt tokens served from the prefix cache / looked up",
                 s.prefix_cache_hit_tokens / max(1, s.prefix_cache_queried_tokens),
             ),
+            "pagedllm_prefix_disk_bytes": ("The prefix cache's disk tier: bytes of its entries", s.prefix_disk_bytes),
+            "pagedllm_prefix_disk_budget_bytes": (
+                "The prefix cache's disk tier: its bound (--prefix-cache-disk; 0: no disk tier)",
+                s.prefix_disk_budget_bytes,
+            ),
             "pagedllm_generation_tokens_per_second": ("Generated tokens per second, last 10 s", self.throughput.rate()),
             "pagedllm_spec_decode_mean_acceptance_length": (
                 "Tokens a step carrying speculative guesses gave a request: 1 + accepted / such steps (vLLM's)",
@@ -140,6 +145,7 @@ class _EngineCollector:
                 s.prefix_cache_hit_tokens,
             ),
             "pagedllm_prefix_cache_evictions": ("Cached blocks evicted for new ones", s.prefix_cache_evictions),
+            **{name: (help, getattr(s, field)) for name, (help, field) in DISK_TIER_COUNTERS.items()},
             "pagedllm_state_checkpoints_taken": (
                 "States kept at prompt block boundaries for later prefixes (recurrent layers)",
                 s.state_checkpoints_taken,
@@ -166,6 +172,30 @@ class _EngineCollector:
                 s.streamed_layer_bytes_read,
             ),
         }
+
+
+# the prefix cache's disk tier (engine.disk_prefix_cache): metric -> (help, EngineStats field)
+DISK_TIER_COUNTERS = {
+    "pagedllm_prefix_disk_hit_blocks": (
+        "KV blocks read back from the prefix cache's disk tier instead of computed",
+        "prefix_disk_hit_blocks",
+    ),
+    "pagedllm_prefix_disk_misses": (
+        "Admissions whose prefix went past the KV pool's and found no block on disk",
+        "prefix_disk_misses",
+    ),
+    "pagedllm_prefix_disk_read_bytes": ("Bytes read from the prefix cache's disk tier", "prefix_disk_bytes_read"),
+    "pagedllm_prefix_disk_written_bytes": ("Bytes written to the disk tier", "prefix_disk_bytes_written"),
+    "pagedllm_prefix_disk_writes_dropped": (
+        "Blocks not written to disk: the writer was its buffer behind",
+        "prefix_disk_writes_dropped",
+    ),
+    "pagedllm_prefix_disk_corrupt": (
+        "Disk entries that failed their check (deleted; their tokens computed again)",
+        "prefix_disk_corrupt",
+    ),
+    "pagedllm_prefix_disk_evictions": ("Disk entries deleted to stay in --prefix-cache-disk", "prefix_disk_evictions"),
+}
 
 
 def resident_total(pids: list[int]) -> int:

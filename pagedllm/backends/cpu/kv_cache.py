@@ -158,6 +158,27 @@ class KVCache:
             for cache in self._tensors(pool):
                 cache[:, dst * bs : (dst + 1) * bs].copy_(cache[:, src * bs : (src + 1) * bs])
 
+    def block_nbytes(self, pool: int) -> int:
+        """Bytes of one block of the pool in every layer (K, V and 8-bit scales): a disk entry's."""
+        return sum(_block_slice(t, 0, self.block_size).numel() for t in self._tensors(pool))
+
+    def read_block(self, pool: int, block: int) -> bytes:
+        """One block of every layer of the pool as stored (the disk tier's entry), tensor after
+        tensor in ``_tensors``' order."""
+        parts = [_block_slice(t, block, self.block_size).reshape(-1) for t in self._tensors(pool)]
+        return torch.cat(parts).cpu().numpy().tobytes()
+
+    def write_block(self, pool: int, block: int, data: bytes | bytearray | memoryview) -> None:
+        """``read_block``'s bytes back into a block (of a cache of the same layout)."""
+        flat = torch.frombuffer(bytearray(data) if isinstance(data, bytes) else data, dtype=torch.uint8)  # (no copy)
+        at = 0
+        for t in self._tensors(pool):
+            target = _block_slice(t, block, self.block_size)
+            target.copy_(flat[at : at + target.numel()].view(target.shape))
+            at += target.numel()
+        if at != flat.numel():
+            raise ValueError(f"{flat.numel()} bytes for a block of {at}")
+
     def copy_states(self, copies: list[tuple[int, int]]) -> None:
         """Every state-keeping layer's state of slot ``src`` into slot ``dst`` (a forked sample's)."""
         for src, dst in copies:
@@ -254,6 +275,13 @@ class KVCache:
         tensor = torch.frombuffer(buffer, dtype=dtype, count=nbytes // dtype.itemsize).view(shape)
         self._maps[tensor.data_ptr()] = buffer
         return tensor
+
+
+def _block_slice(cache: torch.Tensor, block: int, block_size: int) -> torch.Tensor:
+    """A block's slots of one head-major tensor ([KVH, slots, D] values or [KVH, slots] scales),
+    as bytes: [KVH, block_size, bytes per slot] (fp8 has no CPU copy of its own; bytes do)."""
+    as_bytes = (cache if cache.dim() == 3 else cache.unsqueeze(-1)).view(torch.uint8)
+    return as_bytes[:, block * block_size : (block + 1) * block_size]
 
 
 def _state_pool(cfg: ModelConfig, device, slots: int) -> dict[int, dict[str, torch.Tensor]]:
