@@ -243,3 +243,19 @@ def test_a_model_with_window_layers_is_refused_with_the_reason(tiny_checkpoints,
 
     with pytest.raises(UnsupportedModelError, match="full attention only"):
         LLM(tiny_checkpoints["gemma3"][0], prefix_cache_dir=str(tmp_path), **SIZES)
+
+
+@pytest.mark.parametrize(
+    "options, field",
+    [
+        (dict(prefix_cache_dir="d", prefix_cache_disk="lots"), "prefix_cache_disk"),
+        (dict(prefix_cache_dir="d", enable_prefix_caching=False), "prefix_cache_dir"),
+        (dict(prefix_cache_dir="d", tensor_parallel_size=2), "prefix_cache_dir"),
+    ],
+)
+def test_settings_that_cannot_work_are_refused_by_name(options, field):
+    from pagedllm.engine_config import ConfigError, EngineConfig
+
+    with pytest.raises(ConfigError) as e:
+        EngineConfig(**options)
+    assert e.value.field == field

@@ -163,6 +163,24 @@ def test_the_expert_cache_line_shows_the_metrics_it_is_given(server, browser):
     ]
 
 
+def test_the_disk_tier_line_shows_the_metrics_it_is_given(server, browser):
+    """With --prefix-cache-dir: the panel says the tier's bytes of its bound, blocks read back,
+    misses and bytes written, as /metrics gives them (figures written by the test); hidden
+    without a tier (the server here has none)."""
+    assert browser.execute_script("return document.getElementById('disk-tier').hidden;")
+    shown = browser.execute_script(
+        "showDiskTier({pagedllm_prefix_disk_budget_bytes: 8 * 2 ** 30, pagedllm_prefix_disk_bytes: 2 ** 29,"
+        " pagedllm_prefix_disk_hit_blocks_total: 187, pagedllm_prefix_disk_misses_total: 3,"
+        " pagedllm_prefix_disk_written_bytes_total: 2 ** 28});"
+        "const line = document.getElementById('disk-tier');"
+        "return [line.hidden, line.innerText];"
+    )
+    assert shown == [
+        False,
+        "prefix cache on disk: 0.500 GiB of 8.000 GiB, 187 blocks read back, 3 misses, 0.250 GiB written",
+    ]
+
+
 def test_shift_enter_is_a_new_line_and_enter_sends_a_streamed_answer(server, browser):
     from selenium.webdriver.common.keys import Keys
 

@@ -280,6 +280,18 @@ function showExperts(plan, m) {
   $("experts-read").textContent = gib(m.pagedllm_expert_cache_read_bytes_total || 0);
 }
 
+// The prefix cache's disk tier (--prefix-cache-dir): its files against their bound, and what it
+// saved (blocks read back instead of computed) and cost (bytes written).
+function showDiskTier(m) {
+  const budget = m.pagedllm_prefix_disk_budget_bytes || 0;
+  $("disk-tier").hidden = budget === 0;
+  $("disk-used").textContent = gib(m.pagedllm_prefix_disk_bytes || 0);
+  $("disk-budget").textContent = gib(budget);
+  $("disk-hits").textContent = m.pagedllm_prefix_disk_hit_blocks_total || 0;
+  $("disk-misses").textContent = m.pagedllm_prefix_disk_misses_total || 0;
+  $("disk-written").textContent = gib(m.pagedllm_prefix_disk_written_bytes_total || 0);
+}
+
 function showMetrics(m, budget) {
   const total = m.pagedllm_kv_blocks_total || 0;
   const used = m.pagedllm_kv_blocks_used || 0;
@@ -313,6 +325,7 @@ async function refresh() {
     const metrics = parseMetrics(await (await api("/metrics")).text());
     showMetrics(metrics, plan.budget_bytes);
     showExperts(plan, metrics);
+    showDiskTier(metrics);
   } catch (e) {
     // shown again on the next tick: a missing key opens the key box, a restart passes
   }
