@@ -129,6 +129,26 @@ def test_files_are_named_by_a_hash_of_the_tokens_that_any_process_computes(model
     assert len(block_files(tmp_path, prompt)) == reusable(prompt)
 
 
+def test_a_queued_request_has_its_chain_read_ahead_up_to_the_first_missing_file(model, tmp_path, monkeypatch):
+    prompt = prompt_of(60, seed=15)
+    run_and_close(fresh(model, tmp_path), [prompt])
+    files = block_files(tmp_path, prompt)
+    files[4].unlink()
+    advised = []
+    real = os.posix_fadvise
+
+    def advise(fd, offset, length, advice):
+        advised.append((Path(os.readlink(f"/proc/self/fd/{fd}")), advice))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", advise)
+    second = fresh(model, tmp_path)
+    second.generate([prompt], GREEDY)
+    second.engine.blocks.disk.flush()
+    assert advised[:4] == [(f, os.POSIX_FADV_WILLNEED) for f in files[:4]] and len(advised) == 4
+    assert second.stats.prefix_disk_hit_blocks == 4
+
+
 @pytest.mark.parametrize("damage", ["flip a payload byte", "truncate", "empty", "another block's bytes"])
 def test_a_damaged_file_is_deleted_and_recomputed_never_used(model, plain, tmp_path, damage):
     prompt = prompt_of(60, seed=9)

@@ -240,6 +240,12 @@ class BlockPools:
             self.checkpoints.stats.hit_tokens += n * self.block_size
         return n * self.block_size
 
+    def read_ahead(self, tokens: list[int]) -> None:
+        """A request entered the queue: the disk tier starts reading its prompt's blocks into the
+        OS's page cache while steps run, so its admission reads them from RAM."""
+        assert self.disk is not None
+        self.disk.read_ahead([key[0] for key in prefix_keys(tokens, self.block_size)])
+
     def _adopt_from_disk(self, seq_id: int, tokens: list[int], n: int, now: int) -> int:
         """The chain of ``tokens``' blocks past the ``n`` the pool had, read from the disk tier
         while its next block is there, reads back whole and a block is free. Returns the blocks

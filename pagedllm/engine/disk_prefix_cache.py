@@ -13,10 +13,12 @@ copies the block out (one block's bytes, microseconds) and a writer thread check
 it, so a step never waits for the disk; when the writer falls more than ``WRITE_BUFFER_BYTES``
 behind, blocks are dropped (counted), never queued without bound.
 
-When a block is read: at admission, where the pool's chain of cached blocks ends, the chain goes
-on on disk: each next block found there is read into a free block of the pool, checked, and
-adopted as a cached block (``BlockManager.adopt_filled``). A block that fails its check is deleted
-and the chain stops there: its tokens are computed again, never read wrong.
+When a block is read: as a request enters the queue, the writer's thread asks the OS to read its
+chain's files into the page cache (``read_ahead``: the disk works while steps run); at admission,
+where the pool's chain of cached blocks ends, the chain goes on on disk: each next block found
+there is read into a free block of the pool, checked, and adopted as a cached block
+(``BlockManager.adopt_filled``). A block that fails its check is deleted and the chain stops
+there: its tokens are computed again, never read wrong.
 
 Safety (files outlive the process, and another process may share the directory):
 
@@ -84,7 +86,8 @@ class DiskPrefixCache:
         self.kv_cache, self.pool = kv_cache, pool
         self.entry_bytes = HEADER.size + kv_cache.block_nbytes(pool)
         self.stats = DiskTierStats()
-        self._queue: queue.Queue[tuple[bytes, bytes, int] | None] = queue.Queue()
+        # (hash, payload, used) to write; ("read ahead", hashes); None: stop
+        self._queue: queue.Queue[tuple | None] = queue.Queue()
         self._queued_bytes = 0
         self._lock = threading.Lock()
         self._written: set[bytes] = set()  # hashes this process wrote or found (not written again)
@@ -133,6 +136,13 @@ class DiskPrefixCache:
         for i, block_hash in enumerate(hashes):
             _stamp(self.path(block_hash), now_ns - i)
 
+    def read_ahead(self, hashes: list[bytes]) -> None:
+        """Asks the writer's thread to have the OS read a chain's entries (from its head, up to
+        the first missing) into its page cache: the admission's reads then wait for no disk.
+        (Page cache, not this process's memory: the plan is untouched.)"""
+        if hashes and self._writer.is_alive() and hasattr(os, "posix_fadvise"):  # (Linux; not macOS)
+            self._queue.put(("read ahead", hashes))
+
     # ---- writes: copied out on the engine thread, written on the writer's -----------------------
 
     def store(self, block_hash: bytes, block: int, used_ns: int) -> None:
@@ -165,11 +175,14 @@ class DiskPrefixCache:
             try:
                 if item is None:
                     return
-                self._write(*item)
+                if item[0] == "read ahead":
+                    self._read_ahead(item[1])
+                else:
+                    self._write(*item)
             except OSError as e:  # a full or read-only disk: the block is only not kept
                 log.warning("prefix cache on disk: could not write a block: %s", e)
             finally:
-                if item is not None:
+                if item is not None and item[0] != "read ahead":
                     with self._lock:
                         self._queued_bytes -= self.entry_bytes
                 self._queue.task_done()
@@ -192,6 +205,17 @@ class DiskPrefixCache:
         self.stats.disk_bytes += len(header) + len(payload)
         if self.stats.disk_bytes > self.budget:
             self._evict()
+
+    def _read_ahead(self, hashes: list[bytes]) -> None:
+        for block_hash in hashes:
+            try:
+                fd = os.open(self.path(block_hash), os.O_RDONLY)
+            except OSError:
+                return  # the chain ends here
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
 
     def _evict(self) -> None:
         """Deletes the least recently used entries of the whole directory down to LOW_WATER of the

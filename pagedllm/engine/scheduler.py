@@ -113,6 +113,8 @@ class Scheduler:
         self.requests[seq.request_id] = seq
         self.live[seq.seq_id] = seq
         self.waiting.append(seq)
+        if self.blocks.disk is not None:  # its blocks on disk start coming into the page cache
+            self.blocks.read_ahead(seq.tokens(0, min(seq.num_tokens, seq.prefix_cache_limit + 1)))
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
