@@ -2,7 +2,7 @@
 below starts a new process, as a restarted server does, so nothing but the directory carries over.
 
     .venv/bin/python benchmarks/disk_prefix_cache.py [--model PATH] [--tokens 3000] [--turns 10]
-        [--llama-python PEER_VENV/bin/python] [--chat-only]
+        [--llama-python PEER_VENV/bin/python] [--chat-only | --restart-only]
 
 1. restart: a ~3000-token prompt's first token in a new process, cold (an empty directory) and
    after a process that ran it (the directory kept); tokens compared.
@@ -130,10 +130,12 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--llama-python", default=None, help="a Python with llama-cpp-python: its disk cache beside")
     parser.add_argument("--chat-only", action="store_true")
+    parser.add_argument("--restart-only", action="store_true")
     args = parser.parse_args()
     if not args.chat_only:
         restart(args.model, args.tokens)
-    chat(args.model, args.turns, args.llama_python)
+    if not args.restart_only:
+        chat(args.model, args.turns, args.llama_python)
 
 
 if __name__ == "__main__":
