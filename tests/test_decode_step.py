@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import ARCHS, MOE_ARCHS
+from tiny_models import ARCHS, MOE_ARCHS, save_tiny_model, save_tiny_qwen35_gguf
 
 from pagedllm.backends.cpu.attention import SequenceSlice, StepLayout
 from pagedllm.backends.cpu.kv_cache import KVCache
@@ -32,9 +32,14 @@ CASES = [
 
 def prefilled(model, cfg, kv_dtype, vocab):
     """A cache holding every prompt's K/V (one flat prefill step through the Python loop), and
-    the decode step that follows: one new token per sequence."""
+    the decode step that follows: one new token per sequence. A model with state layers: each
+    sequence's state in a slot after the first (which holds noise no sequence reads)."""
     g = torch.Generator().manual_seed(3)
-    cache = KVCache(cfg, num_blocks=32, block_size=BLOCK, dtype=kv_dtype)
+    cache = KVCache(cfg, num_blocks=32, block_size=BLOCK, dtype=kv_dtype, state_slots=len(PROMPTS) + 1)
+    slots = torch.arange(len(PROMPTS)) + 1
+    for tensors in cache.states.values():
+        for t in tensors.values():
+            t.normal_(generator=g)
     prefill, decode, ids, positions, new_ids, block = [], [], [], [], [], 0
     for i, n in enumerate(PROMPTS):
         table = list(range(block, block + -(-(n + 1) // BLOCK)))
@@ -46,29 +51,44 @@ def prefilled(model, cfg, kv_dtype, vocab):
         new_ids.append(int(torch.randint(1, vocab, (1,), generator=g)))
     group = cfg.num_heads // cfg.num_kv_heads
     layout = StepLayout.from_slices(prefill, BLOCK, group)
+    layout.state_slots = slots
     model(
         torch.tensor(ids), torch.tensor(positions), model.backend.attention(cache, layout), torch.tensor([len(ids) - 1])
     )
-    step = (torch.tensor(new_ids), torch.tensor(PROMPTS), StepLayout.from_slices(decode, BLOCK, group))
-    return cache, step
+    layout = StepLayout.from_slices(decode, BLOCK, group)
+    layout.state_slots = slots
+    return cache, (torch.tensor(new_ids), torch.tensor(PROMPTS), layout)
 
 
-def decode_logits(model, cache, step, program: bool) -> torch.Tensor:
+def states_of(cache) -> list[torch.Tensor]:
+    return [t.clone() for tensors in cache.states.values() for t in tensors.values()]
+
+
+def decode_logits(model, cache, step, program: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The step's logits and the states it leaves, from the states the prefill left (put back after)."""
     ids, positions, layout = step
+    before = states_of(cache)
     model.use_decode_program = program
     try:
-        return model(ids, positions, model.backend.attention(cache, layout), torch.arange(len(ids)))
+        logits = model(ids, positions, model.backend.attention(cache, layout), torch.arange(len(ids)))
+        return logits, states_of(cache)
     finally:
         model.use_decode_program = True
+        for t, saved in zip((t for tensors in cache.states.values() for t in tensors.values()), before):
+            t.copy_(saved)
 
 
 def assert_program_equals_loop(loaded, kv_dtype):
     model, cfg = loaded.model, loaded.config
     cache, step = prefilled(model, cfg, kv_dtype, min(cfg.vocab_size, 300))
     assert model.decode_program() is not None, "the compiled decode step must take this model"
-    ours = decode_logits(model, cache, step, program=True)
-    reference = decode_logits(model, cache, step, program=False)
+    ours, our_states = decode_logits(model, cache, step, program=True)
+    reference, states = decode_logits(model, cache, step, program=False)
     assert torch.equal(ours, reference), f"largest difference {(ours - reference).abs().max():.3g}"
+    assert len(states) == len(our_states) and all(torch.equal(a, b) for a, b in zip(our_states, states))
+    if states:  # the step moved every sequence's states, and no other slot's
+        moved = [not torch.equal(a[1:], b[1:]) for a, b in zip(states, states_of(cache))]
+        assert all(moved) and all(torch.equal(a[0], b[0]) for a, b in zip(states, states_of(cache)))
 
 
 @pytest.mark.parametrize("dtype, quantization, kv_dtype", CASES)
@@ -92,9 +112,60 @@ def test_long_prefill_and_mixed_steps_take_the_layer_loop(tiny_checkpoints, ops)
     loaded = load(tiny_checkpoints["llama"][0], "float32")
     program = loaded.model.decode_program()
     assert program is not None
-    assert program.takes(tokens=200, sequences=200, dtype=torch.float32)
-    assert program.takes(tokens=SMALL_STEP_TOKENS, sequences=4, dtype=torch.float32)
-    assert not program.takes(tokens=SMALL_STEP_TOKENS + 1, sequences=4, dtype=torch.float32)
+    assert program.takes(tokens=200, sequences=200, dtype=torch.float32, layout=None)
+    assert program.takes(tokens=SMALL_STEP_TOKENS, sequences=4, dtype=torch.float32, layout=None)
+    assert not program.takes(tokens=SMALL_STEP_TOKENS + 1, sequences=4, dtype=torch.float32, layout=None)
+
+
+# Qwen3.5 and its mixtures: Gated DeltaNet layers beside gated attention with partial rotary
+DELTA_RULE_CASES = [
+    ("qwen3_5", "float32", None, "float32"),
+    ("qwen3_5", "bfloat16", "int8", "bfloat16"),
+    ("qwen3_5", "float32", "w8a8", "int8"),
+    ("qwen3_5-moe", "float32", "int4", "float32"),
+    ("qwen3-next", "bfloat16", "int8", "float32"),
+]
+
+
+@pytest.mark.parametrize("arch, dtype, quantization, kv_dtype", DELTA_RULE_CASES)
+def test_decode_step_runs_delta_rule_layers_as_the_layer_loop(tmp_path, arch, dtype, quantization, kv_dtype, ops):
+    """A decode step of Qwen3.5's layers in the program: each delta-rule layer's state updated
+    in its own slot (the slot before, dirty, untouched), the attention layers' output gate and
+    quarter rotary; logits and states bit-identical to the loop's."""
+    save_tiny_model(arch, tmp_path)
+    assert_program_equals_loop(load(tmp_path, dtype, quantization=quantization), kv_dtype)
+
+
+def test_decode_step_runs_a_qwen35_gguf_as_stored(tmp_path, ops):
+    """Q8_0 blocks, and the value heads regrouped by llama.cpp's converter (value head j is key
+    head j mod key_heads's)."""
+    save_tiny_qwen35_gguf("qwen3_5", tmp_path / "q.gguf", weights="Q8_0")
+    loaded = load(tmp_path / "q.gguf", "float32")
+    assert loaded.config.delta_rule is not None and loaded.config.delta_rule.value_heads_tiled
+    assert_program_equals_loop(loaded, "float32")
+
+
+def test_a_step_with_a_state_to_start_or_copy_takes_the_layer_loop(tmp_path, ops):
+    """With state layers the program runs only steps whose every row decodes a state it continues;
+    a prompt's step (its state started, checkpoints copied) keeps the loop."""
+    save_tiny_model("qwen3_5", tmp_path)
+    model = load(tmp_path, "float32").model
+    program = model.decode_program()
+    assert program is not None
+
+    def layout(*slices, checkpoints=None):
+        lay = StepLayout.from_slices([SequenceSlice(*s) for s in slices], BLOCK, 1)
+        lay.state_slots = torch.tensor([3, 1])
+        if checkpoints is not None:
+            lay.checkpoints = torch.tensor(checkpoints)
+        return lay
+
+    assert program.takes(2, 2, torch.float32, layout((0, 1, 6, [0]), (1, 1, 3, [1])))
+    assert not program.takes(4, 2, torch.float32, layout((0, 1, 6, [0]), (1, 3, 3, [1])))
+    # a one-token prompt starts its state
+    assert not program.takes(2, 2, torch.float32, layout((0, 1, 6, [0]), (1, 1, 1, [1])))
+    copied = layout((0, 1, 6, [0]), (1, 1, 3, [1]), checkpoints=[[1, 3, 0]])
+    assert not program.takes(2, 2, torch.float32, copied)
 
 
 # Mixtures whose sparse layers the program runs: a plain softmax router over top_k, no shared expert

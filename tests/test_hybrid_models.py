@@ -33,6 +33,9 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 # the tiny Qwen3.5, and as near float64's as it, but this random model carries a 1e-6 relative
 # change of those outputs to 5e-5 of its logits and 1e-5 to 8e-4 (measured), so the logits land
 # 2.9e-4 from float64 transformers' (float32 transformers: 8.4e-5; the PyTorch path: 9.5e-5).
+# On a 2-core AMD EPYC (AVX-512, no AMX) the PyTorch path's own float32 GEMMs sum in yet another
+# order and the delta-rule models' logits land 1.5e-4 to 3.3e-4 away on it too (measured), so
+# those models take this bound on both paths.
 COMPILED_ATOL = 5e-4
 
 
@@ -307,8 +310,8 @@ def test_logits_of_a_mixed_step_equal_transformers_in_fp32(hybrid, arch, kernels
     logits = loaded.model(torch.tensor(ids), torch.tensor(positions), attn, torch.arange(len(ids)))
     with torch.no_grad():
         want = torch.cat([hf(torch.tensor([p])).logits[0].float() for p in batch])
-    compiled = kernels == "compiled" and (
-        loaded.config.moe is not None or loaded.config.delta_rule is not None or loaded.config.mamba2 is not None
+    compiled = loaded.config.delta_rule is not None or (
+        kernels == "compiled" and (loaded.config.moe is not None or loaded.config.mamba2 is not None)
     )
     torch.testing.assert_close(logits.float(), want, atol=COMPILED_ATOL if compiled else 1e-4, rtol=0)
 
@@ -511,7 +514,10 @@ def test_a_gguf_file_as_llama_cpp_writes_it_equals_transformers(tmp_path, arch, 
     # the compiled Q8_0 GEMM sums each block's products in its own order (as the compiled float32
     # mixture does: COMPILED_ATOL): 2.4e-4 at most here, the PyTorch path within 1e-4; the compiled
     # recurrences run a prompt token after token (COMPILED_ATOL's note): 1.1e-4 for Qwen3.5 in F32
-    compiled_order = arch in ("qwen3_5-moe", "qwen3-next", "granite-h") or (kernels == "compiled" and arch != "lfm2")
+    # (and the delta-rule models on the PyTorch path, on the AMD EPYC: COMPILED_ATOL's note)
+    compiled_order = arch in ("qwen3_5", "qwen3_5-moe", "qwen3-next", "granite-h") or (
+        kernels == "compiled" and arch != "lfm2"
+    )
     torch.testing.assert_close(logits.float(), want, atol=COMPILED_ATOL if compiled_order else 1e-4, rtol=0)
 
 

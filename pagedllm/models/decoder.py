@@ -252,7 +252,7 @@ class DecoderLM(nn.Module):
         h = self.embed(input_ids)  # the residual stream: this step's own buffer, added to in place
         ropes = body.rope_tables(positions, h.dtype, attn.layout)
         program = self.decode_program()
-        if program is not None and program.takes(h.shape[0], attn.layout.query_start.numel() - 1, h.dtype):
+        if program is not None and program.takes(h.shape[0], attn.layout.query_start.numel() - 1, h.dtype, attn.layout):
             return program.run(h, ropes, attn)
         return self.layer_loop(h, ropes, attn)
 

@@ -10,8 +10,12 @@ one call with the kernels the layers call, in the same order. A sparse layer run
 the backend's expert kernel would run it (``moe_quant_experts``: every expert quantized in one
 format; gpt-oss's biases and clamp included), its router a softmax over top_k (Qwen3-MoE,
 Mixtral, OLMoE, whose q/k norm over the whole projection the program computes as the layer does,
-Qwen2-MoE with its gated shared expert) or gpt-oss's biased top_k softmaxed; q/k/v clipping
-(``clip_qkv``) keeps the loop.
+Qwen2-MoE with its gated shared expert) or gpt-oss's biased top_k softmaxed; Qwen3.5's
+attention (an output gate per head, rotary on a quarter of each head) and its Gated DeltaNet
+layers (in_proj, then ``gated_deltanet_layer_decode`` on each sequence's state slot in place,
+then out_proj), in steps whose every row decodes a state it continues. q/k/v clipping
+(``clip_qkv``), Granite's multipliers and the other state kinds (short convolutions, Mamba-2)
+keep the loop.
 It runs a step whose every row decodes (one new token per sequence) or of at most
 ``SMALL_STEP_TOKENS`` tokens (rows with speculative guesses, a short prompt); longer steps, the
 PyTorch backend and a split model keep the Python layer loop, which stays the reference.
@@ -24,9 +28,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ... import env
+from ...kinds.attention.forward import Attention
+from ...kinds.gated_deltanet.forward import GatedDeltaNet
 from ...kinds.sparse_moe.forward import SparseMoE
 from ...layers.linear import Linear
 from ...layers.quantized import QuantizedLinear
+from ...layers.recurrence import StepRuns
 from .expert_kernel import quantized_expert_arguments
 
 if TYPE_CHECKING:
@@ -44,7 +51,7 @@ ROPE_KINDS = {None: 0, "global": 1, "local": 2}
 
 
 # (mixer, feed-forward) of the layer kinds the compiled step runs (``kinds``)
-PROGRAMMED_KINDS = (("attention", "dense_mlp"), ("attention", "sparse_moe"))
+PROGRAMMED_KINDS = tuple((m, f) for m in ("attention", "gated_deltanet") for f in ("dense_mlp", "sparse_moe"))
 
 
 class NotProgrammable(Exception):
@@ -110,30 +117,26 @@ class DecodeProgram:
         cfg = model.config
         if cfg.qkv_clip is not None:
             raise NotProgrammable("q/k/v clipped (clip_qkv)")
-        if cfg.attention_output_gate or cfg.rotary_dim != cfg.head_dim:
-            raise NotProgrammable("attention output gated, or rotary on part of each head")
         if cfg.residual_multiplier != 1.0:
             raise NotProgrammable("sub-layer outputs scaled before their residual adds (Granite)")
         kinds = {(k.mixer, k.feed_forward) for k in cfg.layer_kinds} - set(PROGRAMMED_KINDS)
         if kinds:  # a kind is in the program once its entry is (kernels/csrc/decode_step.cpp)
             raise NotProgrammable(f"layers of kinds {sorted(kinds)}")
         layers = model.model.decoder_layers()
-        attn0 = layers[0].mixer
+        attn0 = next((layer.mixer for layer in layers if isinstance(layer.mixer, Attention)), None)
+        if attn0 is None:
+            raise NotProgrammable("no attention layer")
         self.step = step_class(
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, attn0.scale, cfg.activation == "gelu_tanh"
         )
+        self.step.set_attention_gate(cfg.attention_output_gate, cfg.rotary_dim)
         self.backend = model.backend
         self.packed_quantized = False  # any layer on quant_linear, whose row rule the backend keeps
-        none = torch.empty(0)
+        # a model with state layers runs a step only where each of its rows decodes (``all_decode``)
+        self.stateful = any(isinstance(layer.mixer, GatedDeltaNet) for layer in layers)
         for layer in layers:
-            a = layer.mixer
-            norms = [layer.input_layernorm.weight.data, layer.mlp_norm.weight.data]
-            optional = (a.q_norm, a.k_norm, layer.attn_out_norm, layer.post_feedforward_layernorm)
-            norms += [n.weight.data if n is not None else none for n in optional]
-            norms.append(a.sinks.data.float() if a.sinks is not None else none)  # as Attention.forward widens them
-            self.step.add_layer(norms, a.window or 0, ROPE_KINDS[a.rope])
+            linears = self._add_mixer(layer)
             mlp: Any = layer.mlp
-            linears = [a.qkv_proj, a.o_proj]
             if isinstance(mlp, SparseMoE):
                 if mlp.shared_expert is not None and mlp.shared_expert_gate is None:
                     raise NotProgrammable("a shared expert without a gate (Granite)")
@@ -150,12 +153,32 @@ class DecodeProgram:
                 self.step.add_linear(which, kind, tensors, ints, bias)
         self.step.set_final_norm(model.model.norm.weight.data)
 
-    def takes(self, tokens: int, sequences: int, dtype: torch.dtype) -> bool:
+    def _add_mixer(self, layer) -> list:
+        """The layer's norms and its mixer's own parameters into the program; returns the mixer's
+        two linear layers (the program's qkv and o slots)."""
+        none, a = torch.empty(0), layer.mixer
+        norms = [layer.input_layernorm.weight.data, layer.mlp_norm.weight.data]
+        if isinstance(a, GatedDeltaNet):
+            norms += [none, none] + [n.weight.data if n is not None else none for n in _sub_layer_norms(layer)]
+            self.step.add_layer(norms + [none], 0, ROPE_KINDS[None])
+            params = [a.conv1d.weight.data.reshape(a.conv1d.weight.shape[0], -1), a.A_log, a.dt_bias, a.norm.weight]
+            self.step.add_delta_rule([t.data for t in params], a.widths[:3] + [a.key_heads], a.value_heads_tiled)
+            return [a.in_proj, a.out_proj]
+        optional = (a.q_norm, a.k_norm, *_sub_layer_norms(layer))
+        norms += [n.weight.data if n is not None else none for n in optional]
+        norms.append(a.sinks.data.float() if a.sinks is not None else none)  # as Attention.forward widens them
+        self.step.add_layer(norms, a.window or 0, ROPE_KINDS[a.rope])
+        return [a.qkv_proj, a.o_proj]
+
+    def takes(self, tokens: int, sequences: int, dtype: torch.dtype, layout: Any) -> bool:
         """Whether the program runs this step: every row decodes, or the step is small (rows
         with speculative guesses, a short prompt), and quantized layers would take the
         packed-weight kernel at this many rows (the backend's own rule; w8a8 and float layers
-        run the same op at any count)."""
+        run the same op at any count). A model with state layers: every row a decode row of a
+        state continued, with no checkpoint to copy (``layers.recurrence.all_decode``)."""
         small = tokens == sequences or tokens <= SMALL_STEP_TOKENS
+        if self.stateful and (tokens != sequences or StepRuns.of(layout).decodes != list(range(sequences))):
+            return False
         return small and (not self.packed_quantized or self.backend.quant_kernel_takes(tokens, dtype))
 
     def run(
@@ -168,6 +191,8 @@ class DecodeProgram:
         scales = (cache.k_scale, cache.v_scale) if cache.quantized else ([], [])
         none = torch.empty(0)
         local_cos, local_sin = ropes.get("local", (none, none))
+        states = [cache.states.get(i, {}) for i in range(len(cache.layer_pool))]
+        slots = StepRuns.of(lay).index if self.stateful else none
         return self.step.run(
             h,
             *ropes["global"],
@@ -178,10 +203,18 @@ class DecodeProgram:
             *scales,
             lay.query_start,
             lay.context_lens,
-            [lay.tables(pool) for pool in cache.layer_pool],
+            [lay.tables(pool) if pool is not None else none for pool in cache.layer_pool],
             lay.block_size,
             lay.pairs_budget,
+            [s.get("conv", none) for s in states],
+            [s.get("recurrent", none) for s in states],
+            slots,
         )
+
+
+def _sub_layer_norms(layer) -> tuple:
+    """Gemma's norms of each sub-layer's output before its add (None where the model has none)."""
+    return layer.attn_out_norm, layer.post_feedforward_layernorm
 
 
 def build(model: DecoderLM, step_class: Any) -> DecodeProgram | None:

@@ -58,6 +58,16 @@ struct ExpertsW {
   double swiglu_limit = 0, swiglu_alpha = 1;  // limit 0: plain SwiGLU
 };
 
+// A Gated DeltaNet layer (kinds/gated_deltanet): its in_proj (the qkv slot: [q/k/v | z | b | a]
+// rows) and out_proj (the o slot) around gated_deltanet_layer_decode, the state updated in place
+// in its slot. Its float32 parameters are widened once here, where the Python path widens them
+// per call (compiled_backend.gated_deltanet_layer_decode).
+struct DeltaRuleW {
+  Tensor conv_taps, A_log, dt_bias, norm;  // float32: [channels, taps], [heads], [heads], [value_dim]
+  int64_t channels = 0, values = 0, heads = 0, key_heads = 0;
+  bool tiled = false;  // value head j is key head j mod key_heads's (llama.cpp's regrouping)
+};
+
 // Which rotary tables a layer's q and k take (ModelConfig.rope_of_layer).
 enum RopeKind : int64_t { kNoRope = 0, kGlobalRope = 1, kLocalRope = 2 };
 
@@ -72,6 +82,7 @@ struct LayerW {
   LinearW shared_gate;  // Qwen2-MoE: the shared expert's sigmoid gate [1, hidden]
   c10::optional<ExpertsW> experts;
   bool shared_expert = false;
+  c10::optional<DeltaRuleW> delta_rule;  // set: the mixer is a Gated DeltaNet, not attention
 };
 
 // layers/pointwise.py's rms_norm, op for op: in float32, then cast, the weight multiplied in place.
@@ -128,12 +139,43 @@ struct DecodeStep : torch::CustomClassHolder {
   int64_t heads, kv_heads, head_dim;
   double eps, scale;
   bool gelu;  // the MLP's gate through GELU (tanh; Gemma), else SiLU
+  bool output_gate = false;  // Qwen3.5: each head's q rows followed by its output gate's
+  int64_t rotary_dim;  // the first dims of each head that rotate (Qwen3.5: a quarter)
   std::vector<LayerW> layers;
   Tensor final_norm;
 
   // scale: the attention's (the model's own, as Python computes it)
   DecodeStep(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale, bool gelu)
-      : heads(heads), kv_heads(kv_heads), head_dim(head_dim), eps(eps), scale(scale), gelu(gelu) {}
+      : heads(heads), kv_heads(kv_heads), head_dim(head_dim), eps(eps), scale(scale), gelu(gelu),
+        rotary_dim(head_dim) {}
+
+  // Qwen3.5's attention: an output gate per head (sigmoid, times the attention's output) and
+  // rotary on the first rotary_dim dims of each head.
+  void set_attention_gate(bool gated, int64_t rotary) {
+    TORCH_CHECK(rotary > 0 && rotary <= head_dim && rotary % 2 == 0,
+                "set_attention_gate: 0 < rotary_dim <= head_dim, even");
+    output_gate = gated;
+    rotary_dim = rotary;
+  }
+
+  // The last layer added is a Gated DeltaNet: params [conv taps [channels, taps], A_log, dt_bias,
+  // the gated norm's weight], widened to float32 here; sizes [channels, values, heads, key_heads].
+  void add_delta_rule(std::vector<Tensor> params, std::vector<int64_t> sizes, bool tiled) {
+    TORCH_CHECK(!layers.empty() && params.size() == 4 && sizes.size() == 4,
+                "add_delta_rule: add a layer first; four tensors, four sizes");
+    DeltaRuleW d;
+    d.conv_taps = params[0].to(at::kFloat).contiguous();
+    d.A_log = params[1].to(at::kFloat).contiguous();
+    d.dt_bias = params[2].to(at::kFloat).contiguous();
+    d.norm = params[3].to(at::kFloat).contiguous();
+    d.channels = sizes[0];
+    d.values = sizes[1];
+    d.heads = sizes[2];
+    d.key_heads = sizes[3];
+    d.tiled = tiled;
+    TORCH_CHECK(d.conv_taps.dim() == 2 && d.conv_taps.size(0) == d.channels, "add_delta_rule: taps [channels, taps]");
+    layers.back().delta_rule = std::move(d);
+  }
 
   // norms: [input, mlp, q_norm, k_norm, attn_out_norm, mlp_out_norm, sinks (gpt-oss's, float32
   // [heads])], an empty tensor for one the layer lacks; rope: a RopeKind. Then the layer gets its linears.
@@ -228,6 +270,8 @@ struct DecodeStep : torch::CustomClassHolder {
     const Tensor &query_start, &context_lens;
     const std::vector<Tensor>& block_tables;  // per layer: its KV pool's (engine/block_pools.py)
     int64_t block_size, pairs_budget;
+    const std::vector<Tensor>&conv_states, &recurrent_states;  // per layer; empty but for delta-rule layers
+    const Tensor& state_slots;  // each sequence's state slot (every row a decode row)
   };
 
   // Layer i's attention of x [T, hidden]: q/k/v, Qwen3's norms, rotary, the paged cache; its
@@ -235,10 +279,18 @@ struct DecodeStep : torch::CustomClassHolder {
   Tensor attention(int64_t i, const Tensor& x, const Ropes& r, const Cache& c) const {
     const LayerW& l = layers[i];
     const int64_t t = x.size(0), dq = heads * head_dim, dk = kv_heads * head_dim;
+    const int64_t q_rows = output_gate ? 2 * dq : dq;
     const Tensor qkv = apply(l.qkv, x);
-    Tensor q = qkv.narrow(1, 0, dq).view({t, heads, head_dim});
-    Tensor k = qkv.narrow(1, dq, dk).view({t, kv_heads, head_dim});
-    Tensor v = qkv.narrow(1, dq + dk, dk).view({t, kv_heads, head_dim});
+    Tensor q, gate;
+    if (output_gate) {  // [q of head 0, gate of head 0, q of head 1, ...]
+      const Tensor q_and_gate = qkv.narrow(1, 0, q_rows).view({t, heads, 2, head_dim});
+      q = q_and_gate.select(2, 0).contiguous();
+      gate = q_and_gate.select(2, 1).reshape({t, dq});
+    } else {
+      q = qkv.narrow(1, 0, dq).view({t, heads, head_dim});
+    }
+    Tensor k = qkv.narrow(1, q_rows, dk).view({t, kv_heads, head_dim});
+    Tensor v = qkv.narrow(1, q_rows + dk, dk).view({t, kv_heads, head_dim});
     if (l.q_norm.has_value() && l.q_norm->size(0) == dq) {  // OLMoE: over the whole projection,
       // in float32 as the Python layer runs it (its rows are strided views, which the kernel does not take)
       q = float32_rms_norm(q.reshape({t, dq}), *l.q_norm, eps).view({t, heads, head_dim});
@@ -247,8 +299,18 @@ struct DecodeStep : torch::CustomClassHolder {
       q = rms_norm(q.contiguous().view({t * heads, head_dim}), *l.q_norm, eps).view({t, heads, head_dim});
       k = rms_norm(k.contiguous().view({t * kv_heads, head_dim}), *l.k_norm, eps).view({t, kv_heads, head_dim});
     }
-    if (l.rope == kGlobalRope) rotary(q, k, r.cos, r.sin);
-    if (l.rope == kLocalRope) rotary(q, k, r.local_cos, r.local_sin);
+    if (l.rope != kNoRope) {
+      const Tensor& cos = l.rope == kGlobalRope ? r.cos : r.local_cos;
+      const Tensor& sin = l.rope == kGlobalRope ? r.sin : r.local_sin;
+      if (rotary_dim < head_dim) {  // the first dims only, on contiguous copies put back (this step's own tensors)
+        Tensor q_part = q.narrow(2, 0, rotary_dim).contiguous(), k_part = k.narrow(2, 0, rotary_dim).contiguous();
+        rotary(q_part, k_part, cos, sin);
+        q.narrow(2, 0, rotary_dim).copy_(q_part);
+        k.narrow(2, 0, rotary_dim).copy_(k_part);
+      } else {
+        rotary(q, k, cos, sin);
+      }
+    }
     const bool eight_bit = !c.k_scales.empty();
     const auto cache_dtype = c.k[i].scalar_type();
     if (!eight_bit && cache_dtype != x.scalar_type()) {  // the kernel computes in the cache's dtype
@@ -260,7 +322,23 @@ struct DecodeStep : torch::CustomClassHolder {
                                        c.block_size, scale, l.window, c.pairs_budget,
                                        eight_bit ? c10::optional<Tensor>(c.k_scales[i]) : c10::nullopt,
                                        eight_bit ? c10::optional<Tensor>(c.v_scales[i]) : c10::nullopt, l.sinks);
+    if (output_gate) return out.to(x.scalar_type()).view({t, dq}).mul(at::sigmoid(gate));
     return out.to(x.scalar_type()).view({t, dq});
+  }
+
+  // Layer i's Gated DeltaNet of x [T, hidden], every row a decode row: in_proj, then the
+  // convolution step, gates, rule and gated norm in one kernel on each sequence's state slot (in
+  // place), as GatedDeltaNet.forward's decode branch; [T, values] in x's dtype, before out_proj.
+  Tensor delta_rule(int64_t i, const Tensor& x, const Cache& c) const {
+    const DeltaRuleW& d = *layers[i].delta_rule;
+    const Tensor proj = apply(layers[i].qkv, x);
+    auto part = [&](int64_t start, int64_t width) { return proj.narrow(1, start, width).to(at::kFloat).contiguous(); };
+    const int64_t cv = d.channels + d.values;
+    const Tensor out = gated_deltanet_layer_decode(c.conv_states[i], c.recurrent_states[i], c.state_slots,
+                                                   part(0, d.channels), d.conv_taps, part(cv, d.heads),
+                                                   part(cv + d.heads, d.heads), d.A_log, d.dt_bias,
+                                                   part(d.channels, d.values), d.norm, eps, d.key_heads, d.tiled);
+    return out.to(x.scalar_type());
   }
 
   // h: the step's embeddings [T, hidden], the residual stream (added to in place). Returns the
@@ -269,19 +347,22 @@ struct DecodeStep : torch::CustomClassHolder {
   Tensor run(Tensor h, const Tensor& cos, const Tensor& sin, const Tensor& local_cos, const Tensor& local_sin,
              std::vector<Tensor> k_cache, std::vector<Tensor> v_cache,
              std::vector<Tensor> k_scales, std::vector<Tensor> v_scales, const Tensor& query_start,
-             const Tensor& context_lens, std::vector<Tensor> block_tables, int64_t block_size, int64_t pairs_budget) {
+             const Tensor& context_lens, std::vector<Tensor> block_tables, int64_t block_size, int64_t pairs_budget,
+             std::vector<Tensor> conv_states, std::vector<Tensor> recurrent_states, const Tensor& state_slots) {
     const int64_t n = int64_t(layers.size());
     TORCH_CHECK(final_norm.defined() && int64_t(k_cache.size()) == n && int64_t(v_cache.size()) == n &&
-                    int64_t(block_tables.size()) == n,
-                "run: one K and one V cache and one block table per layer, and the final norm set");
-    const Cache cache{k_cache, v_cache, k_scales, v_scales, query_start, context_lens, block_tables, block_size,
-                      pairs_budget};
+                    int64_t(block_tables.size()) == n && int64_t(conv_states.size()) == n &&
+                    int64_t(recurrent_states.size()) == n,
+                "run: per layer one K and one V cache, one block table and two states (empty where none), "
+                "and the final norm set");
+    const Cache cache{k_cache,    v_cache,      k_scales,    v_scales,        query_start,      context_lens,
+                      block_tables, block_size, pairs_budget, conv_states, recurrent_states, state_slots};
     const Ropes ropes{cos, sin, local_cos, local_sin};
     Tensor x = rms_norm(h, layers[0].input_norm, eps);
     for (int64_t i = 0; i < n; ++i) {
       const LayerW& l = layers[i];
       {  // the attention's output goes before the MLP runs
-        Tensor attended = apply(l.o, attention(i, x, ropes, cache));
+        Tensor attended = apply(l.o, l.delta_rule.has_value() ? delta_rule(i, x, cache) : attention(i, x, ropes, cache));
         if (l.attn_out_norm.has_value()) attended = rms_norm(attended, *l.attn_out_norm, eps);
         x = add_rms_norm(h, attended, l.mlp_norm, eps);
       }
@@ -339,6 +420,8 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
       .def("add_layer", &pagedllm::DecodeStep::add_layer)
       .def("add_linear", &pagedllm::DecodeStep::add_linear)
       .def("add_experts", &pagedllm::DecodeStep::add_experts)
+      .def("add_delta_rule", &pagedllm::DecodeStep::add_delta_rule)
+      .def("set_attention_gate", &pagedllm::DecodeStep::set_attention_gate)
       .def("set_final_norm", &pagedllm::DecodeStep::set_final_norm)
       .def("run", &pagedllm::DecodeStep::run);
 }

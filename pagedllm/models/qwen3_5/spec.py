@@ -15,8 +15,9 @@ config (``linear_value_heads_tiled``) and the layer pairs the heads that way, th
 file has them. Its rotary is "MRoPE" in sections, which for text (one position per token) is the
 plain rotary. Multi-token-prediction layers in the file are skipped.
 
-Not yet: a split over ranks, speculative decoding, and compiled kernels for the delta rule
-(the PyTorch path runs)."""
+Not yet: a split over ranks and speculative decoding. The compiled kernels run the delta rule
+(``kernels/csrc/delta_rule.cpp``) and a decode step's every layer in one call
+(``backends/cpu/decode_program.py``)."""
 
 from ..family import DENSE_LAYER_NAMES, VALUE_HEADS_TILED_KEY, Family
 
