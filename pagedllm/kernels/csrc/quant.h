@@ -78,8 +78,12 @@ struct QuantMatrix {
 // How far ahead of the weights a kernel asks for them: its rows are read once, in order, and
 // the hardware's prefetcher alone left a one-row product with a Q8_0 head of 262,144 x 640 (178
 // MB) at 13.5 GB/s where a float sum streams 21-23; 4 KiB ahead took its VNNI path to 19-20.5
-// (2 to 16 KiB measured alike). Each kernel asks once per 64-byte line it reads.
-constexpr int64_t PREFETCH_BYTES = 4096;
+// (2 to 16 KiB measured alike on that Xeon). On a 2-core AMD EPYC (32 MiB L3, 41.8 GB/s read)
+// 4 KiB was too near: a decode step's 97 Q8_0 matrices of a Qwen3.5-0.8B (807 MB) one row each
+// streamed 21.3-23.4 GB/s at 4 KiB, 24.2-24.6 at 12, 26.1-26.7 at 32, 27.1-27.6 at 64 and
+// 24.2-24.9 at 128 KiB; its 270 MB head alone 23.9, 24.4, 30.1, 29.5, 29.1. 32 KiB: the far
+// side of the Xeon's flat range, near the EPYC's best. Each kernel asks once per 64-byte line.
+constexpr int64_t PREFETCH_BYTES = 32768;
 
 inline void prefetch_ahead(const uint8_t* p) { __builtin_prefetch(p + PREFETCH_BYTES, 0, 3); }
 
