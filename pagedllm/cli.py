@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import sys
 import time
 from dataclasses import replace
@@ -114,6 +115,11 @@ def cmd_serve(args) -> int:
         return 0  # (build_engine ends such a rank's process itself)
 
     api_key = args.api_key or env.API_KEY.get() or None
+    if args.fleet_models or args.models_dir:  # several models under one budget (server/fleet)
+        from .server.fleet.run import serve_fleet
+
+        args.api_key = api_key
+        return serve_fleet(args, args.fleet_models)
     app = create_app(
         _served_model(args),
         served_model_name=args.served_model_name,
@@ -314,6 +320,19 @@ def _bench_flags(bench: argparse.ArgumentParser) -> None:
     )
 
 
+def _fleet_flags(serve: argparse.ArgumentParser) -> None:
+    """``serve``'s flags for several models (``server/fleet``)."""
+    fleet = serve.add_argument_group(
+        "several models (--model NAME=PATH, given more than once, or --models-dir), under one --memory"
+    )
+    fleet.add_argument("--models-dir", default=None, help="serve every model directory and .gguf file in DIR")
+    fleet.add_argument("--pin", action="append", help="a model loaded at start and never unloaded (repeatable)")
+    fleet.add_argument("--keep-alive", type=float, default=None, help="unload a model idle this many seconds")
+    fleet.add_argument(
+        "--load-timeout", type=float, default=300.0, help="seconds a request waits for its model to load, then 503"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log the engine's decisions")
@@ -360,8 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="step the engine on a thread of the server's process instead of a process of its own "
         "(one interpreter for HTTP and the engine: slower under load)",
     )
+    _fleet_flags(serve)
     add_engine_flags(serve, "serve")
-    serve.set_defaults(func=cmd_serve)
+    serve.set_defaults(func=cmd_serve, fleet_models=[])
 
     bench = sub.add_parser("bench", help="offline throughput, against peers on the same workload")
     _bench_flags(bench)
@@ -375,8 +395,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _fleet_models(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``serve``'s ``--model`` values where it names several models (given more than once, or as
+    NAME=PATH), taken out of ``argv``; else none, and ``argv`` as it is."""
+    if "serve" not in argv:
+        return [], argv
+    at = argv.index("serve")
+    models, rest, i = [], argv[: at + 1], at + 1
+    while i < len(argv):
+        if argv[i] == "--model" and i + 1 < len(argv):
+            models.append(argv[i + 1])
+            i += 2
+            continue
+        if argv[i].startswith("--model="):
+            models.append(argv[i].partition("=")[2])
+        else:
+            rest.append(argv[i])
+        i += 1
+    if len(models) > 1 or any("=" in m and not os.path.exists(m) for m in models):
+        return models, rest
+    return [], argv
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    fleet_models, argv = _fleet_models(argv)
     args = build_parser().parse_args(argv)
+    if fleet_models:
+        args.fleet_models = fleet_models
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )

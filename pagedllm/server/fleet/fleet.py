@@ -1,0 +1,270 @@
+"""The fleet: which models are resident, each as its own ``pagedllm serve`` on a loopback port,
+and the one budget they share with the front.
+
+Invariant: ``reserve + sum(share of each resident model) <= budget``, where a model's share is
+the ``--memory`` its server was started with (or shrunk to), and a server's whole process tree
+stays within its ``--memory`` (the single-model server's promise). Loads and unloads happen one
+at a time under ``_lock``; a request for a resident model takes no lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from .models import ModelSpec
+from .planning import LAUNCH, ModelPlan
+
+log = logging.getLogger(__name__)
+
+
+class FleetError(Exception):
+    """A request the fleet cannot serve now (a 503 to the client, with the reason)."""
+
+
+@dataclass
+class Resident:
+    """A model's running server."""
+
+    proc: subprocess.Popen
+    url: str
+    share: int
+    log_path: str
+    in_flight: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Entry:
+    spec: ModelSpec
+    plan: ModelPlan
+    pinned: bool = False
+    state: str = "on disk"  # "loading", "resident", "unloading"
+    resident: Resident | None = None
+    loads: int = 0
+    last_switch_s: float = 0.0  # the last load's time: room made, server started, healthy
+
+
+class Fleet:
+    def __init__(
+        self,
+        entries: list[Entry],
+        budget: int,
+        reserve: int,
+        child_flags: list[str],
+        *,
+        keep_alive: float | None = None,
+        load_timeout: float = 300.0,
+        shutdown_timeout: float = 30.0,
+    ):
+        """``reserve``: the front's own memory, out of ``budget``; ``child_flags``: the engine and
+        server flags every model's server gets; ``keep_alive``: seconds idle before an unpinned
+        model is unloaded (None: only to make room)."""
+        self.entries = {e.spec.name: e for e in entries}
+        self.budget, self.reserve, self.child_flags = budget, reserve, child_flags
+        self.keep_alive, self.load_timeout, self.shutdown_timeout = keep_alive, load_timeout, shutdown_timeout
+        self._lock = asyncio.Lock()
+        self.unloads = 0
+        self.api_key: str | None = None  # the servers' key (the front's own), for the fleet's own calls
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    async def acquire(self, name: str) -> Resident:
+        """The model's server, resident (loaded first where it is not); counted in flight until
+        ``release``. FleetError where it cannot be loaded within ``load_timeout``."""
+        entry = self.entries[name]
+        deadline = time.monotonic() + self.load_timeout
+        while True:
+            if entry.state == "resident" and entry.resident is not None:
+                entry.resident.in_flight += 1
+                entry.resident.last_used = time.monotonic()
+                return entry.resident
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise FleetError(f"model {name!r} was not loaded within {self.load_timeout:.0f} s")
+            try:
+                await asyncio.wait_for(self._load(entry, deadline), remaining)
+            except asyncio.TimeoutError:
+                raise FleetError(f"model {name!r} was not loaded within {self.load_timeout:.0f} s") from None
+
+    def release(self, resident: Resident) -> None:
+        resident.in_flight -= 1
+        resident.last_used = time.monotonic()
+
+    # ---- residency ---------------------------------------------------------------------------
+
+    @property
+    def free_bytes(self) -> int:
+        return self.budget - self.reserve - sum(e.resident.share for e in self.entries.values() if e.resident)
+
+    async def _load(self, entry: Entry, deadline: float) -> None:
+        async with self._lock:
+            if entry.state == "resident":
+                return
+            started = time.monotonic()
+            await self._make_room(entry, deadline)
+            entry.state, share = "loading", self.free_bytes
+            try:
+                entry.resident = await self._start(entry, share, deadline)
+            except BaseException:
+                entry.state = "on disk"
+                raise
+            entry.state, entry.loads = "resident", entry.loads + 1
+            entry.last_switch_s = time.monotonic() - started
+            log.warning(
+                "loaded %s in %.1f s (share %d bytes)", entry.spec.name, entry.last_switch_s, entry.resident.share
+            )
+
+    async def _make_room(self, entry: Entry, deadline: float) -> None:
+        """Until ``entry`` fits: the other resident models shrunk to their need (elastic), then the
+        least recently used unpinned one unloaded, after its requests finish."""
+        need = entry.plan.need_bytes
+        if self.free_bytes >= need:
+            return
+        for other in self._residents(exclude=entry):
+            if self.free_bytes >= need:
+                return
+            await self._shrink(other)
+        while self.free_bytes < need:
+            victims = [e for e in self._residents(exclude=entry) if not e.pinned]
+            if not victims:
+                raise FleetError(
+                    f"model {entry.spec.name!r} needs {need} bytes; {self.free_bytes} are free and every "
+                    "other resident model is pinned"
+                )
+            await self._unload(min(victims, key=_last_used), deadline)
+
+    def _residents(self, exclude: Entry) -> list[Entry]:
+        return [e for e in self.entries.values() if e is not exclude and e.resident is not None]
+
+    async def _shrink(self, entry: Entry) -> None:
+        resident = entry.resident
+        assert resident is not None
+        need = entry.plan.need_bytes
+        if resident.share <= need:
+            return
+        async with httpx.AsyncClient(timeout=60) as client:
+            answer = await client.post(resident.url + "/v1/memory", json={"memory": need}, headers=self._key())
+        if answer.status_code == 200:
+            log.warning("shrank %s from %d to %d bytes", entry.spec.name, resident.share, need)
+            resident.share = need
+        else:  # it stays as it is; unloading is the next way to make room
+            log.warning("could not shrink %s: %s", entry.spec.name, answer.text[:200])
+
+    async def _unload(self, entry: Entry, deadline: float | None = None) -> None:
+        """New requests for it wait (``acquire`` sees it not resident); those in flight finish."""
+        resident = entry.resident
+        assert resident is not None
+        entry.state = "unloading"
+        while resident.in_flight and (deadline is None or time.monotonic() < deadline):
+            await asyncio.sleep(0.02)
+        await asyncio.to_thread(_stop, resident.proc, self.shutdown_timeout)
+        entry.resident, entry.state = None, "on disk"
+        self.unloads += 1
+        log.warning("unloaded %s", entry.spec.name)
+
+    async def _start(self, entry: Entry, share: int, deadline: float) -> Resident:
+        port_file = tempfile.NamedTemporaryFile(prefix="pagedllm-fleet-port-", delete=False).name
+        os.unlink(port_file)
+        log_file = tempfile.NamedTemporaryFile("w", prefix=f"pagedllm-fleet-{entry.spec.name}-", delete=False)
+        flags = ["--model", entry.spec.path, "--served-model-name", entry.spec.name, "--memory", str(share)]
+        command = [sys.executable, *LAUNCH, "serve", *flags, "--port", "0", "--port-file", port_file]
+        proc = subprocess.Popen(command + self.child_flags, stdout=log_file, stderr=subprocess.STDOUT)
+        log_file.close()
+        url = ""
+        async with httpx.AsyncClient(timeout=2) as client:
+            while time.monotonic() < deadline:
+                if proc.poll() is not None:
+                    raise FleetError(f"model {entry.spec.name!r} failed to start: {_tail(log_file.name)}")
+                if not url and os.path.exists(port_file) and open(port_file).read().endswith("\n"):
+                    url = f"http://127.0.0.1:{int(open(port_file).read())}"
+                    os.unlink(port_file)
+                if url:
+                    try:
+                        if (await client.get(url + "/health")).status_code == 200:
+                            return Resident(proc, url, share, log_file.name)
+                    except httpx.HTTPError:
+                        pass
+                await asyncio.sleep(0.1)
+        await asyncio.to_thread(_stop, proc, 5)
+        raise FleetError(f"model {entry.spec.name!r} did not start in time: {_tail(log_file.name)}")
+
+    def _key(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    # ---- life --------------------------------------------------------------------------------
+
+    async def keep_alive_loop(self) -> None:
+        """Unloads unpinned models idle for longer than ``keep_alive``."""
+        if self.keep_alive is None:
+            return
+        while True:
+            await asyncio.sleep(min(1.0, self.keep_alive / 4))
+            now = time.monotonic()
+            for entry in list(self.entries.values()):
+                r = entry.resident
+                if r is not None and not entry.pinned and not r.in_flight and now - r.last_used > self.keep_alive:
+                    async with self._lock:
+                        if entry.resident is r and not r.in_flight:
+                            await self._unload(entry)
+
+    async def stop_all(self) -> None:
+        """Every resident model's server drained (SIGTERM: what is in flight finishes) and gone."""
+        procs = [e.resident.proc for e in self.entries.values() if e.resident is not None]
+        await asyncio.gather(*(asyncio.to_thread(_stop, proc, self.shutdown_timeout) for proc in procs))
+        for e in self.entries.values():
+            e.resident, e.state = None, "on disk"
+
+    def pids(self) -> list[int]:
+        return [e.resident.proc.pid for e in self.entries.values() if e.resident is not None]
+
+    def listing(self) -> list[dict]:
+        return [
+            {
+                "id": e.spec.name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "pagedllm",
+                "state": e.state,
+                "pinned": e.pinned,
+                "max_model_len": e.plan.max_model_len,
+                "planned_bytes": e.plan.full_bytes,
+                "need_bytes": e.plan.need_bytes,
+                "weights_bytes": e.plan.weights_bytes,
+                "share_bytes": e.resident.share if e.resident else 0,
+                "loads": e.loads,
+                "last_switch_seconds": round(e.last_switch_s, 3),
+            }
+            for e in self.entries.values()
+        ]
+
+
+def _last_used(entry: Entry) -> float:
+    return entry.resident.last_used if entry.resident is not None else 0.0
+
+
+def _stop(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM (the server drains), then SIGKILL if it outlives ``timeout`` (+ its engine's exit)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout + 15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _tail(path: str, chars: int = 600) -> str:
+    try:
+        return " ".join(open(path).read().split())[-chars:]
+    except OSError:
+        return ""

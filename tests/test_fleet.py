@@ -1,0 +1,184 @@
+"""Several models behind one server under one budget (``pagedllm serve --model NAME=PATH ...``,
+``server/fleet``): requests routed by ``model``, models loaded on demand and unloaded to make
+room, the whole process tree under ``--memory``, a model that cannot fit refused at start, a
+missing file an error for its model only, SIGTERM draining everything."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from server_process import ServerProcess
+
+from pagedllm.cli import _fleet_models
+from pagedllm.engine_config import ConfigError
+from pagedllm.loading import default_gguf_path
+from pagedllm.server.fleet.models import parse_specs
+from pagedllm.sizes import parse_memory
+
+# Two copies of the default model (0.75 GiB needed each, as its planner says) cannot be resident
+# together in 1.1 GiB with the front's own memory: every switch unloads one.
+BUDGET = "1.1GiB"
+GREEDY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
+
+
+def tree_rss(pid: int) -> int:
+    """The resident bytes of ``pid`` and every process under it."""
+    total, stack = 0, [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            with open(f"/proc/{p}/status") as f:
+                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+            for task in os.listdir(f"/proc/{p}/task"):
+                stack += [int(c) for c in open(f"/proc/{p}/task/{task}/children").read().split()]
+        except (OSError, StopIteration):
+            continue
+    return total
+
+
+class PeakSampler(threading.Thread):
+    def __init__(self, pid: int):
+        super().__init__(daemon=True)
+        self.pid, self.peak, self.done = pid, 0, threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            self.peak = max(self.peak, tree_rss(self.pid))
+            time.sleep(0.02)
+
+
+def complete(url: str, model: str, prompt: str = "The capital of France is") -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json={"model": model, "prompt": prompt, **GREEDY}, timeout=300)
+
+
+@pytest.mark.serial  # peak resident memory of the process tree against the budget: measured alone
+def test_two_models_take_turns_under_one_budget_and_sigterm_drains_them(tmp_path):
+    second = tmp_path / "b.gguf"
+    shutil.copy(default_gguf_path(), second)
+    server = ServerProcess(
+        "--model", f"a={default_gguf_path()}", "--model", f"b={second}", "--memory", BUDGET, "--max-model-len", "512"
+    )
+    sampler = PeakSampler(server.pid)
+    sampler.start()
+    try:
+        listed = httpx.get(server.url + "/v1/models").json()["data"]
+        assert [(m["id"], m["state"]) for m in listed] == [("a", "on disk"), ("b", "on disk")]
+        assert 2 * listed[0]["need_bytes"] > parse_memory(BUDGET) - 48 * 2**20, "the two must not fit together"
+        answers = [complete(server.url, m) for m in ("a", "b", "a", "b")]
+        assert [r.status_code for r in answers] == [200] * 4, answers[-1].text
+        texts = [r.json()["choices"][0]["text"] for r in answers]
+        assert texts[0] == texts[2] and texts[1] == texts[3], "a model's answer must not change with the switching"
+        assert texts[0] == texts[1], "the two copies of one model answer alike"
+        listed = {m["id"]: m for m in httpx.get(server.url + "/v1/models").json()["data"]}
+        assert listed["a"]["loads"] == 2 and listed["b"]["loads"] == 2
+        assert (listed["a"]["state"], listed["b"]["state"]) == ("on disk", "resident")
+        assert listed["a"]["last_switch_seconds"] > 0
+        # the promise as arithmetic: the front's own peak plus every resident model's budget
+        front_peak = next(int(line.split()[1]) * 1024 for line in open(f"/proc/{server.pid}/status") if "VmHWM" in line)
+        assert front_peak + sum(m["share_bytes"] for m in listed.values()) <= parse_memory(BUDGET)
+        assert server.metric("pagedllm_fleet_unloads_total") == 3
+
+        missing = httpx.post(server.url + "/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=30)
+        assert missing.status_code == 404 and "nope" in missing.json()["error"]["message"]
+
+        stream = threading.Thread(target=lambda: results.append(complete(server.url, "b", "Once upon a time")))
+        results: list[httpx.Response] = []
+        stream.start()
+        time.sleep(0.3)
+        assert server.stop(timeout=90, keep_log=True) == 0, server.log_tail()
+        stream.join(60)
+        assert results and results[0].status_code == 200, "the request in flight finishes before the server exits"
+    finally:
+        sampler.done.set()
+        sampler.join()
+        server.stop()
+    assert 0 < sampler.peak <= parse_memory(BUDGET), f"peak {sampler.peak / 2**20:.0f} MiB over {BUDGET}"
+    assert not [p for p in os.listdir("/proc") if p.isdigit() and _is_fleet_child(int(p), second)]
+
+
+def _is_fleet_child(pid: int, path: Path) -> bool:
+    try:
+        return str(path) in open(f"/proc/{pid}/cmdline").read()
+    except OSError:
+        return False
+
+
+@pytest.mark.serial
+def test_an_idle_model_is_unloaded_and_a_file_gone_fails_that_model_only(tmp_path):
+    """``--keep-alive``: a model idle that long is unloaded; a model file deleted while its model
+    is unloaded: a 503 naming it, and the other model serves on."""
+    second = tmp_path / "b.gguf"
+    shutil.copy(default_gguf_path(), second)
+    server = ServerProcess(
+        "--model", f"a={default_gguf_path()}", "--model", f"b={second}", "--memory", BUDGET, "--keep-alive", "1"
+    )
+    try:
+        assert complete(server.url, "a").status_code == 200
+        time.sleep(3)
+        assert {m["id"]: m["state"] for m in httpx.get(server.url + "/v1/models").json()["data"]}["a"] == "on disk"
+        second.unlink()
+        gone = complete(server.url, "b")
+        assert gone.status_code == 503 and "'b'" in gone.json()["error"]["message"], gone.text
+        again = complete(server.url, "a")
+        assert again.status_code == 200, again.text
+    finally:
+        server.stop()
+
+
+@pytest.mark.serial
+def test_a_pinned_model_stays_and_a_model_with_no_room_left_is_a_503(tmp_path):
+    """``--pin a``: loaded at start, never unloaded; b, which fits only without a, is refused
+    with the reason, and a keeps serving."""
+    second = tmp_path / "b.gguf"
+    shutil.copy(default_gguf_path(), second)
+    server = ServerProcess(
+        "--model", f"a={default_gguf_path()}", "--model", f"b={second}", "--memory", BUDGET, "--pin", "a"
+    )
+    try:
+        states = {m["id"]: m["state"] for m in httpx.get(server.url + "/v1/models").json()["data"]}
+        assert states == {"a": "resident", "b": "on disk"}
+        refused = complete(server.url, "b")
+        assert refused.status_code == 503 and "pinned" in refused.json()["error"]["message"], refused.text
+        assert complete(server.url, "a").status_code == 200
+    finally:
+        server.stop()
+
+
+def test_a_model_that_cannot_fit_even_alone_is_refused_at_start_with_the_planners_reason(tmp_path):
+    second = tmp_path / "b.gguf"
+    shutil.copy(default_gguf_path(), second)
+    launch = "import sys\nfrom pagedllm.cli import main\nsys.exit(main(sys.argv[1:]))"
+    done = subprocess.run(
+        [sys.executable, "-c", launch, "serve", "--model", f"a={default_gguf_path()}", "--model", f"b={second}"]
+        + ["--memory", "500MiB", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 3, done.stderr
+    assert "model 'a' does not fit" in done.stderr and "smallest memory that fits" in done.stderr
+
+
+def test_several_models_are_named_by_their_flags_or_their_files(tmp_path):
+    (tmp_path / "m1").mkdir()
+    (tmp_path / "m1" / "config.json").write_text("{}")
+    (tmp_path / "coder.gguf").write_bytes(b"")
+    (tmp_path / "notes.txt").write_text("")
+    specs = parse_specs([f"chat={tmp_path / 'm1'}"], str(tmp_path))
+    assert [(s.name, Path(s.path).name) for s in specs] == [("chat", "m1"), ("coder", "coder.gguf"), ("m1", "m1")]
+    with pytest.raises(ConfigError, match="share a name"):
+        parse_specs([f"x={tmp_path / 'm1'}", f"x={tmp_path / 'coder.gguf'}"], None)
+    with pytest.raises(ConfigError, match="does not exist"):
+        parse_specs([f"x={tmp_path / 'gone'}"], None)
+    # one --model PATH stays the single-model server; NAME=PATH or several make a fleet
+    assert _fleet_models(["serve", "--model", str(tmp_path / "m1")]) == ([], ["serve", "--model", str(tmp_path / "m1")])
+    models, rest = _fleet_models(["serve", "--model", "a=x", "--port", "0", "--model=b=y"])
+    assert models == ["a=x", "b=y"] and rest == ["serve", "--port", "0"]
