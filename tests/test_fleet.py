@@ -88,6 +88,8 @@ def test_two_models_take_turns_under_one_budget_and_sigterm_drains_them(tmp_path
 
         missing = httpx.post(server.url + "/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=30)
         assert missing.status_code == 404 and "nope" in missing.json()["error"]["message"]
+        unnamed = httpx.post(server.url + "/v1/completions", json={"prompt": "x"}, timeout=30)
+        assert unnamed.status_code == 400 and "'a', 'b'" in unnamed.json()["error"]["message"]
 
         stream = threading.Thread(target=lambda: results.append(complete(server.url, "b", "Once upon a time")))
         results: list[httpx.Response] = []

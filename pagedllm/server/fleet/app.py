@@ -117,7 +117,7 @@ def failure(request: Request, status: int, message: str, headers: dict | None = 
 
 def model_of(request: Request, body: bytes, names: list[str]) -> str:
     """The request's model: the body's ``model`` (a POST), or ``?model=``; the only one where
-    there is one. ValueError where it names none of them."""
+    there is one, the first for a GET. ValueError where it names none of them."""
     name = request.query_params.get("model")
     if name is None and body:
         try:
@@ -126,8 +126,8 @@ def model_of(request: Request, body: bytes, names: list[str]) -> str:
             parsed = None  # the model's server answers the bad body
         if isinstance(parsed, dict) and isinstance(parsed.get("model"), str):
             name = parsed["model"]
-    if name is None:
-        if len(names) == 1:
+    if name is None:  # a GET without one (the web page, /v1/plan) goes to the first model
+        if len(names) == 1 or request.method == "GET":
             return names[0]
         raise ValueError(f"say which model: 'model' is one of {names}")
     if name not in names:

@@ -125,23 +125,27 @@ class Fleet:
             )
 
     async def _make_room(self, entry: Entry, deadline: float) -> None:
-        """Until ``entry`` fits: the other resident models shrunk to their need (elastic), then the
-        least recently used unpinned one unloaded, after its requests finish."""
+        """Until ``entry`` fits: the other resident models shrunk to their need (elastic) where
+        that alone makes room, else the least recently used unpinned one unloaded (after its
+        requests finish) and the question asked again. A model about to be unloaded is not
+        shrunk first: that would only cost its server a re-plan."""
         need = entry.plan.need_bytes
-        if self.free_bytes >= need:
-            return
-        for other in self._residents(exclude=entry):
-            if self.free_bytes >= need:
-                return
-            await self._shrink(other)
         while self.free_bytes < need:
-            victims = [e for e in self._residents(exclude=entry) if not e.pinned]
+            others = sorted(self._residents(exclude=entry), key=_last_used)
+            reclaimable = sum(max(0, e.resident.share - e.plan.need_bytes) for e in others if e.resident)
+            if self.free_bytes + reclaimable >= need:
+                for other in others:
+                    if self.free_bytes < need:
+                        await self._shrink(other)
+                if self.free_bytes >= need:
+                    return
+            victims = [e for e in others if not e.pinned]
             if not victims:
                 raise FleetError(
                     f"model {entry.spec.name!r} needs {need} bytes; {self.free_bytes} are free and every "
                     "other resident model is pinned"
                 )
-            await self._unload(min(victims, key=_last_used), deadline)
+            await self._unload(victims[0], deadline)
 
     def _residents(self, exclude: Entry) -> list[Entry]:
         return [e for e in self.entries.values() if e is not exclude and e.resident is not None]
