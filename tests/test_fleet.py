@@ -113,7 +113,6 @@ def _is_fleet_child(pid: int, path: Path) -> bool:
         return False
 
 
-@pytest.mark.serial
 def test_an_idle_model_is_unloaded_and_a_file_gone_fails_that_model_only(tmp_path):
     """``--keep-alive``: a model idle that long is unloaded; a model file deleted while its model
     is unloaded: a 503 naming it, and the other model serves on."""
@@ -135,7 +134,6 @@ def test_an_idle_model_is_unloaded_and_a_file_gone_fails_that_model_only(tmp_pat
         server.stop()
 
 
-@pytest.mark.serial
 def test_a_pinned_model_stays_and_a_model_with_no_room_left_is_a_503(tmp_path):
     """``--pin a``: loaded at start, never unloaded; b, which fits only without a, is refused
     with the reason, and a keeps serving."""
@@ -184,3 +182,45 @@ def test_several_models_are_named_by_their_flags_or_their_files(tmp_path):
     assert _fleet_models(["serve", "--model", str(tmp_path / "m1")]) == ([], ["serve", "--model", str(tmp_path / "m1")])
     models, rest = _fleet_models(["serve", "--model", "a=x", "--port", "0", "--model=b=y"])
     assert models == ["a=x", "b=y"] and rest == ["serve", "--port", "0"]
+
+
+def test_two_models_waiters_cannot_evict_each_other_in_turn(monkeypatch):
+    """A hand-built worst case, on a fleet whose servers are stand-ins: a request for b makes b
+    load (a unloaded), and a request for a arrives meanwhile. b's request must be served by the
+    server just loaded for it (counted in flight before a's load may choose b to unload); a
+    loads once b's request is done. Before: each load's waiter lost its model to the other's
+    load, and the page's two models were loaded in turn for ever."""
+    import asyncio
+
+    from pagedllm.server.fleet import fleet as fleet_module
+    from pagedllm.server.fleet.fleet import Entry, Fleet, Resident
+    from pagedllm.server.fleet.models import ModelSpec
+    from pagedllm.server.fleet.planning import ModelPlan
+
+    loads: list[str] = []
+
+    class StandIns(Fleet):
+        async def _start(self, entry, share, deadline):
+            loads.append(entry.spec.name)
+            await asyncio.sleep(0.01)
+            return Resident(proc=None, url="", share=share, log_path="")  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fleet_module, "_stop", lambda proc, timeout: None)
+    plan = ModelPlan(need_bytes=600, full_bytes=900, weights_bytes=100, max_model_len=512)
+    entries = [Entry(ModelSpec(n, n), plan) for n in ("a", "b")]
+
+    async def scenario() -> None:
+        fleet = StandIns(entries, budget=1000, reserve=100, child_flags=[])  # room for one
+        fleet.release(await fleet.acquire("a"))
+        for_b = asyncio.create_task(fleet.acquire("b"))
+        await asyncio.sleep(0)
+        for_a = asyncio.create_task(fleet.acquire("a"))
+        served_b = await asyncio.wait_for(for_b, 5)
+        assert served_b is fleet.entries["b"].resident and served_b.in_flight == 1 and loads == ["a", "b"]
+        await asyncio.sleep(0.05)
+        assert not for_a.done(), "a waits for b's request to finish"
+        fleet.release(served_b)
+        fleet.release(await asyncio.wait_for(for_a, 5))
+        assert loads == ["a", "b", "a"] and fleet.unloads == 2
+
+    asyncio.run(scenario())

@@ -267,3 +267,36 @@ def test_the_page_works_at_phone_width_and_the_screenshot_is_saved(server, brows
     chat, memory = element(browser, "#chat").rect, element(browser, "#memory").rect
     assert memory["y"] >= chat["y"] + chat["height"] and chat["width"] <= 390
     assert console_errors(browser) == []
+
+
+def test_a_server_with_several_models_has_a_picker_and_shows_the_chosen_ones_plan(browser, tmp_path):
+    """``pagedllm serve --model a=... --model b=...``: the page itself loads no model; the
+    picker lists both, the answer comes from the model chosen (which the server then holds, the
+    other unloaded to make room) and the memory panel shows that model's plan."""
+    from selenium.webdriver.support.ui import Select
+
+    from pagedllm.loading import default_gguf_path
+
+    second = tmp_path / "b.gguf"
+    shutil.copy(default_gguf_path(), second)
+    fleet = ServerProcess("--model", f"a={default_gguf_path()}", "--model", f"b={second}", "--memory", "1.1GiB")
+
+    def states() -> dict:
+        return {m["id"]: m["state"] for m in httpx.get(fleet.url + "/v1/models").json()["data"]}
+
+    try:
+        assert httpx.get(fleet.url + "/").status_code == 200 and states() == {"a": "on disk", "b": "on disk"}
+        browser.get(fleet.url + "/")
+        until(lambda: element(browser, "#model-picker").is_displayed())
+        until(lambda: len(Select(element(browser, "#model-picker")).options) == 2)
+        Select(element(browser, "#model-picker")).select_by_value("b")
+        set_field(browser, "#temperature", "0")
+        set_field(browser, "#max_tokens", "8")
+        ask(browser, "Hi")
+        until(lambda: element(browser, "#send").is_enabled() and last_answer(browser), timeout=120)
+        assert states() == {"a": "on disk", "b": "resident"}
+        budget = httpx.get(fleet.url + "/v1/plan?model=b").json()["budget_bytes"]
+        until(lambda: element(browser, "#budget").text == f"{budget / 2**30:.3f} GiB")
+        assert console_errors(browser) == []
+    finally:
+        fleet.stop()

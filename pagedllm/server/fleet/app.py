@@ -18,8 +18,9 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..errors import error_body
+from ..errors import APIError, error_body
 from ..guards import Guards
+from ..web import router as web_router
 from .fleet import Fleet, FleetError
 
 # hop-by-hop and length headers: the front's own connection decides them
@@ -44,8 +45,10 @@ def create_fleet_app(fleet: Fleet, *, api_key: str | None, max_body_bytes: int) 
         await fleet.stop_all()
         await app.state.client.aclose()
 
-    app = FastAPI(title="pagedllm fleet", lifespan=lifespan)
+    app = FastAPI(title="pagedllm fleet", lifespan=lifespan, exception_handlers={APIError: api_error})
     app.state.fleet, app.state.draining, app.state.errors = fleet, False, errors
+    app.state.api_key_required = api_key is not None  # (the page asks for it)
+    app.include_router(web_router)  # the page and its files, served here: they load no model
     fleet.api_key = api_key
     app.add_middleware(Guards, api_key=api_key, max_body_bytes=max_body_bytes, on_error=count_error)
 
@@ -113,6 +116,10 @@ def failure(request: Request, status: int, message: str, headers: dict | None = 
     count[status] = count.get(status, 0) + 1
     kind = "not_found_error" if status == 404 else "invalid_request_error" if status < 500 else "server_error"
     return JSONResponse(error_body(message, kind, "model"), status_code=status, headers=headers)
+
+
+async def api_error(request: Request, e: APIError) -> JSONResponse:
+    return failure(request, e.status, e.body()["error"]["message"])
 
 
 def model_of(request: Request, body: bytes, names: list[str]) -> str:

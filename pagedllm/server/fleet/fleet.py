@@ -80,21 +80,23 @@ class Fleet:
 
     async def acquire(self, name: str) -> Resident:
         """The model's server, resident (loaded first where it is not); counted in flight until
-        ``release``. FleetError where it cannot be loaded within ``load_timeout``."""
+        ``release``. FleetError where it cannot be loaded within ``load_timeout``. A request
+        that waited for a load is counted in flight under the same lock, before any other load
+        may choose its model to unload: two models' waiters cannot evict each other's in turn."""
         entry = self.entries[name]
+        if entry.state == "resident" and entry.resident is not None:
+            return self._hold(entry.resident)
         deadline = time.monotonic() + self.load_timeout
-        while True:
-            if entry.state == "resident" and entry.resident is not None:
-                entry.resident.in_flight += 1
-                entry.resident.last_used = time.monotonic()
-                return entry.resident
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise FleetError(f"model {name!r} was not loaded within {self.load_timeout:.0f} s")
-            try:
-                await asyncio.wait_for(self._load(entry, deadline), remaining)
-            except asyncio.TimeoutError:
-                raise FleetError(f"model {name!r} was not loaded within {self.load_timeout:.0f} s") from None
+        try:
+            return await asyncio.wait_for(self._load_and_hold(entry, deadline), self.load_timeout)
+        except asyncio.TimeoutError:
+            raise FleetError(f"model {name!r} was not loaded within {self.load_timeout:.0f} s") from None
+
+    @staticmethod
+    def _hold(resident: Resident) -> Resident:
+        resident.in_flight += 1
+        resident.last_used = time.monotonic()
+        return resident
 
     def release(self, resident: Resident) -> None:
         resident.in_flight -= 1
@@ -106,23 +108,21 @@ class Fleet:
     def free_bytes(self) -> int:
         return self.budget - self.reserve - sum(e.resident.share for e in self.entries.values() if e.resident)
 
-    async def _load(self, entry: Entry, deadline: float) -> None:
+    async def _load_and_hold(self, entry: Entry, deadline: float) -> Resident:
         async with self._lock:
-            if entry.state == "resident":
-                return
-            started = time.monotonic()
-            await self._make_room(entry, deadline)
-            entry.state, share = "loading", self.free_bytes
-            try:
-                entry.resident = await self._start(entry, share, deadline)
-            except BaseException:
-                entry.state = "on disk"
-                raise
-            entry.state, entry.loads = "resident", entry.loads + 1
-            entry.last_switch_s = time.monotonic() - started
-            log.warning(
-                "loaded %s in %.1f s (share %d bytes)", entry.spec.name, entry.last_switch_s, entry.resident.share
-            )
+            if entry.state != "resident" or entry.resident is None:
+                started = time.monotonic()
+                await self._make_room(entry, deadline)
+                entry.state, share = "loading", self.free_bytes
+                try:
+                    entry.resident = await self._start(entry, share, deadline)
+                except BaseException:
+                    entry.state = "on disk"
+                    raise
+                entry.state, entry.loads = "resident", entry.loads + 1
+                entry.last_switch_s = time.monotonic() - started
+                log.warning("loaded %s in %.1f s (share %d bytes)", entry.spec.name, entry.last_switch_s, share)
+            return self._hold(entry.resident)
 
     async def _make_room(self, entry: Entry, deadline: float) -> None:
         """Until ``entry`` fits: the other resident models shrunk to their need (elastic) where
@@ -184,23 +184,31 @@ class Fleet:
         command = [sys.executable, *LAUNCH, "serve", *flags, "--port", "0", "--port-file", port_file]
         proc = subprocess.Popen(command + self.child_flags, stdout=log_file, stderr=subprocess.STDOUT)
         log_file.close()
+        try:
+            return await self._until_healthy(entry, proc, port_file, log_file.name, share, deadline)
+        except BaseException:  # not healthy in time, or the waiting request gave up: no server left behind
+            await asyncio.to_thread(_stop, proc, 5)
+            raise
+
+    async def _until_healthy(
+        self, entry: Entry, proc: subprocess.Popen, port_file: str, log_path: str, share: int, deadline: float
+    ) -> Resident:
         url = ""
         async with httpx.AsyncClient(timeout=2) as client:
             while time.monotonic() < deadline:
                 if proc.poll() is not None:
-                    raise FleetError(f"model {entry.spec.name!r} failed to start: {_tail(log_file.name)}")
+                    raise FleetError(f"model {entry.spec.name!r} failed to start: {_tail(log_path)}")
                 if not url and os.path.exists(port_file) and open(port_file).read().endswith("\n"):
                     url = f"http://127.0.0.1:{int(open(port_file).read())}"
                     os.unlink(port_file)
                 if url:
                     try:
                         if (await client.get(url + "/health")).status_code == 200:
-                            return Resident(proc, url, share, log_file.name)
+                            return Resident(proc, url, share, log_path)
                     except httpx.HTTPError:
                         pass
                 await asyncio.sleep(0.1)
-        await asyncio.to_thread(_stop, proc, 5)
-        raise FleetError(f"model {entry.spec.name!r} did not start in time: {_tail(log_file.name)}")
+        raise FleetError(f"model {entry.spec.name!r} did not start in time: {_tail(log_path)}")
 
     def _key(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}

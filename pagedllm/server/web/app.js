@@ -21,6 +21,8 @@ const state = {
   conversation: JSON.parse(localStorage.getItem("pagedllm.conversation") || "[]"),
   controller: null,
   rss: [],
+  refreshing: false,
+  model: "", // a server with several models (pagedllm serve --model A=... --model B=...): the one chosen
 };
 
 // ---- the API, with the key when the server wants one ------------------------------------------
@@ -41,6 +43,50 @@ async function api(path, options = {}) {
     throw new Error("wrong or missing API key");
   }
   return response;
+}
+
+// Where the server has several models, every request says which (a GET in its query).
+function forModel(path) {
+  if (!state.model) return path;
+  return path + (path.includes("?") ? "&" : "?") + "model=" + encodeURIComponent(state.model);
+}
+
+// The server's models: one, the page as it always was; several, a picker in the header.
+async function loadModels() {
+  try {
+    const models = (await (await api("/v1/models")).json()).data;
+    const picker = $("model-picker");
+    picker.hidden = models.length < 2;
+    if (models.length < 2) {
+      state.model = "";
+      return;
+    }
+    const ids = models.map((m) => m.id);
+    const labels = models.map((m) => m.id + " (" + m.state + ")");
+    const saved = localStorage.getItem("pagedllm.model");
+    state.model = ids.includes(state.model) ? state.model : ids.includes(saved) ? saved : ids[0];
+    if ([...picker.options].map((o) => o.textContent).join("|") !== labels.join("|")) {
+      // rebuilt only when a model's state changed: an open list is left alone
+      picker.replaceChildren(
+        ...models.map((m, i) => {
+          const option = document.createElement("option");
+          option.value = m.id;
+          option.textContent = labels[i];
+          return option;
+        }),
+      );
+    }
+    picker.value = state.model;
+  } catch (e) {
+    // the next refresh asks again (a missing key opens the key box)
+  }
+}
+
+function chooseModel() {
+  state.model = $("model-picker").value;
+  localStorage.setItem("pagedllm.model", state.model);
+  state.rss = [];
+  refresh();
 }
 
 function askForKey() {
@@ -157,6 +203,7 @@ async function send() {
   state.controller = new AbortController();
   setBusy(true);
   try {
+    if (state.model) body.model = state.model;
     const response = await api("/v1/chat/completions", {
       method: "POST",
       body: JSON.stringify(body),
@@ -319,15 +366,20 @@ function showMetrics(m, budget) {
 }
 
 async function refresh() {
+  if (state.refreshing) return; // the last tick still waits (a model loading): no pile of them
+  state.refreshing = true;
   try {
-    const plan = await (await api("/v1/plan")).json();
+    await loadModels();
+    const plan = await (await api(forModel("/v1/plan"))).json();
     showPlan(plan);
-    const metrics = parseMetrics(await (await api("/metrics")).text());
+    const metrics = parseMetrics(await (await api(forModel("/metrics"))).text());
     showMetrics(metrics, plan.budget_bytes);
     showExperts(plan, metrics);
     showDiskTier(metrics);
   } catch (e) {
     // shown again on the next tick: a missing key opens the key box, a restart passes
+  } finally {
+    state.refreshing = false;
   }
 }
 
@@ -336,7 +388,7 @@ async function setBudget(event) {
   const memory = $("new-budget").value.trim();
   if (!memory) return;
   try {
-    const response = await api("/v1/memory", { method: "POST", body: JSON.stringify({ memory }) });
+    const response = await api(forModel("/v1/memory"), { method: "POST", body: JSON.stringify({ memory }) });
     const answer = await response.json();
     $("budget-result").textContent = response.ok ? "applied" : answer.error.message;
     refresh();
@@ -365,6 +417,7 @@ async function start() {
   $("new-conversation").addEventListener("click", newConversation);
   $("save-key").addEventListener("click", saveKey);
   $("budget-form").addEventListener("submit", setBudget);
+  $("model-picker").addEventListener("change", chooseModel);
   renderConversation();
   refresh();
   setInterval(refresh, 1000);
