@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -82,7 +83,8 @@ def main() -> int:
     print(f"cold start to first token: {', '.join(f'{c:.2f}' for c in colds)} s")
     print(f"a request that switches (unload, load, first token): {', '.join(f'{s:.2f}' for s in switched)} s")
     print(f"last_switch_seconds: {[m['last_switch_seconds'] for m in listed]}")
-    print(f"worst switch / best cold start: {max(switched) / min(colds):.2f}x")
+    ratio = statistics.median(switched) / statistics.median(colds)
+    print(f"median switch / median cold start: {ratio:.2f}x; worst / best: {max(switched) / min(colds):.2f}x")
     budget = parse_memory(args.budget) / 2**20
     print(
         f"budget {budget:.0f} MiB: the fleet's tree at most {fleet_peak / 2**20:.0f} MiB (sampled after each request);"

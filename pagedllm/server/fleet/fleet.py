@@ -171,10 +171,11 @@ class Fleet:
         entry.state = "unloading"
         while resident.in_flight and (deadline is None or time.monotonic() < deadline):
             await asyncio.sleep(0.02)
+        started = time.monotonic()
         await asyncio.to_thread(_stop, resident.proc, self.shutdown_timeout)
         entry.resident, entry.state = None, "on disk"
         self.unloads += 1
-        log.warning("unloaded %s", entry.spec.name)
+        log.warning("unloaded %s in %.2f s", entry.spec.name, time.monotonic() - started)
 
     async def _start(self, entry: Entry, share: int, deadline: float) -> Resident:
         port_file = tempfile.NamedTemporaryFile(prefix="pagedllm-fleet-port-", delete=False).name
