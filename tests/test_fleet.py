@@ -152,6 +152,33 @@ def test_a_pinned_model_stays_and_a_model_with_no_room_left_is_a_503(tmp_path):
         server.stop()
 
 
+def test_a_resident_model_is_shrunk_to_its_need_where_that_makes_room(tmp_path):
+    """Under a budget that holds both only if the first gives up its spare cache: b's load
+    shrinks a (its server's own plan then says so), nothing is unloaded, both answer."""
+    second = tmp_path / "b.gguf"
+    shutil.copy(default_gguf_path(), second)
+    server = ServerProcess(
+        "--model", f"a={default_gguf_path()}", "--model", f"b={second}", "--memory", "1.9GiB", "--max-model-len", "512"
+    )
+    try:
+        assert complete(server.url, "a").status_code == 200
+        first = {m["id"]: m for m in httpx.get(server.url + "/v1/models").json()["data"]}
+        assert first["a"]["share_bytes"] > first["a"]["need_bytes"], "alone, a takes what is free"
+        assert complete(server.url, "b").status_code == 200
+        listed = {m["id"]: m for m in httpx.get(server.url + "/v1/models").json()["data"]}
+        assert (listed["a"]["state"], listed["b"]["state"]) == ("resident", "resident")
+        assert listed["a"]["share_bytes"] == listed["a"]["need_bytes"]
+        assert server.metric("pagedllm_fleet_unloads_total") == 0
+        plan_a = httpx.get(server.url + "/v1/plan?model=a", timeout=60).json()
+        assert plan_a["budget_bytes"] == listed["a"]["need_bytes"], "a's server runs under the shrunk budget"
+        assert (
+            complete(server.url, "a").json()["choices"][0]["text"]
+            == complete(server.url, "b").json()["choices"][0]["text"]
+        )
+    finally:
+        server.stop()
+
+
 def test_a_model_that_cannot_fit_even_alone_is_refused_at_start_with_the_planners_reason(tmp_path):
     second = tmp_path / "b.gguf"
     shutil.copy(default_gguf_path(), second)
