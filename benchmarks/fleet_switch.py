@@ -20,25 +20,10 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
-from server_process import ServerProcess
+from server_process import ServerProcess, tree_rss
 
 from pagedllm.loading import default_gguf_path
 from pagedllm.sizes import parse_memory
-
-
-def tree_rss(pid: int) -> int:
-    """The resident bytes of ``pid`` and every process under it."""
-    total, stack = 0, [pid]
-    while stack:
-        p = stack.pop()
-        try:
-            with open(f"/proc/{p}/status") as f:
-                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-            for task in Path(f"/proc/{p}/task").iterdir():
-                stack += [int(c) for c in (task / "children").read_text().split()]
-        except (OSError, StopIteration):
-            continue
-    return total
 
 
 def first_token(url: str, model: str | None) -> None:

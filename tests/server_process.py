@@ -29,6 +29,21 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+def tree_rss(pid: int) -> int:
+    """The resident bytes of ``pid`` and every process under it (a server's whole tree)."""
+    total, stack = 0, [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            with open(f"/proc/{p}/status") as f:
+                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+            for task in os.listdir(f"/proc/{p}/task"):
+                stack += [int(c) for c in open(f"/proc/{p}/task/{task}/children").read().split()]
+        except (OSError, StopIteration):
+            continue
+    return total
+
+
 class ServerProcess:
     def __init__(self, *args: str, startup_timeout: float = 300, prelude: str = ""):
         """``prelude``: Python run at start-up in every process of the server, the engine's

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_process import ServerProcess
+from server_process import ServerProcess, tree_rss
 
 from pagedllm.cli import _fleet_models
 from pagedllm.engine_config import ConfigError
@@ -27,21 +27,6 @@ from pagedllm.sizes import parse_memory
 # together in 1.1 GiB with the front's own memory: every switch unloads one.
 BUDGET = "1.1GiB"
 GREEDY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
-
-
-def tree_rss(pid: int) -> int:
-    """The resident bytes of ``pid`` and every process under it."""
-    total, stack = 0, [pid]
-    while stack:
-        p = stack.pop()
-        try:
-            with open(f"/proc/{p}/status") as f:
-                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-            for task in os.listdir(f"/proc/{p}/task"):
-                stack += [int(c) for c in open(f"/proc/{p}/task/{task}/children").read().split()]
-        except (OSError, StopIteration):
-            continue
-    return total
 
 
 class PeakSampler(threading.Thread):
