@@ -236,3 +236,32 @@ def test_two_models_waiters_cannot_evict_each_other_in_turn(monkeypatch):
         assert loads == ["a", "b", "a"] and fleet.unloads == 2
 
     asyncio.run(scenario())
+
+
+def test_stopping_the_fleet_ends_a_server_still_loading():
+    """A server whose model is still loading when the fleet stops (SIGTERM to the front while a
+    request waits for a load) is ended with the rest, not left behind."""
+    import asyncio
+
+    from pagedllm.server.fleet.fleet import Entry, Fleet
+    from pagedllm.server.fleet.models import ModelSpec
+    from pagedllm.server.fleet.planning import ModelPlan
+
+    plan = ModelPlan(need_bytes=600, full_bytes=900, weights_bytes=100, max_model_len=512)
+    fleet = Fleet([Entry(ModelSpec("a", "a"), plan)], budget=1000, reserve=100, child_flags=[], shutdown_timeout=1)
+
+    async def scenario() -> subprocess.Popen:
+        async def never_healthy(entry, share, deadline):  # a server that takes for ever to load
+            fleet._spawned.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+            await asyncio.sleep(60)
+
+        fleet._start = never_healthy  # type: ignore[method-assign]
+        waiting = asyncio.create_task(fleet.acquire("a"))
+        while not fleet._spawned:
+            await asyncio.sleep(0.01)
+        await fleet.stop_all()
+        waiting.cancel()
+        return fleet._spawned[0]
+
+    loading = asyncio.run(scenario())
+    assert loading.poll() is not None, "the loading server must be ended"

@@ -75,6 +75,7 @@ class Fleet:
         self._lock = asyncio.Lock()
         self.unloads = 0
         self.api_key: str | None = None  # the servers' key (the front's own), for the fleet's own calls
+        self._spawned: list[subprocess.Popen] = []  # every server started, a loading one too: stop_all ends them
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -185,6 +186,7 @@ class Fleet:
         command = [sys.executable, *LAUNCH, "serve", *flags, "--port", "0", "--port-file", port_file]
         proc = subprocess.Popen(command + self.child_flags, stdout=log_file, stderr=subprocess.STDOUT)
         log_file.close()
+        self._spawned = [p for p in self._spawned if p.poll() is None] + [proc]
         try:
             return await self._until_healthy(entry, proc, port_file, log_file.name, share, deadline)
         except BaseException:  # not healthy in time, or the waiting request gave up: no server left behind
@@ -231,8 +233,9 @@ class Fleet:
                             await self._unload(entry)
 
     async def stop_all(self) -> None:
-        """Every resident model's server drained (SIGTERM: what is in flight finishes) and gone."""
-        procs = [e.resident.proc for e in self.entries.values() if e.resident is not None]
+        """Every model's server drained (SIGTERM: what is in flight finishes) and gone, one still
+        loading included (its load then fails: nobody waits for it any more)."""
+        procs = [p for p in self._spawned if p.poll() is None]
         await asyncio.gather(*(asyncio.to_thread(_stop, proc, self.shutdown_timeout) for proc in procs))
         for e in self.entries.values():
             e.resident, e.state = None, "on disk"
