@@ -30,9 +30,6 @@ DROPPED_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-len
 def create_fleet_app(fleet: Fleet, *, api_key: str | None, max_body_bytes: int) -> FastAPI:
     errors: dict[int, int] = {}
 
-    def count_error(status: int) -> None:
-        errors[status] = errors.get(status, 0) + 1
-
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10))
@@ -50,7 +47,9 @@ def create_fleet_app(fleet: Fleet, *, api_key: str | None, max_body_bytes: int) 
     app.state.api_key_required = api_key is not None  # (the page asks for it)
     app.include_router(web_router)  # the page and its files, served here: they load no model
     fleet.api_key = api_key
-    app.add_middleware(Guards, api_key=api_key, max_body_bytes=max_body_bytes, on_error=count_error)
+    app.add_middleware(
+        Guards, api_key=api_key, max_body_bytes=max_body_bytes, on_error=lambda status: count_error(errors, status)
+    )
 
     @app.get("/health")
     async def health(request: Request):
@@ -112,10 +111,13 @@ async def forward(request: Request, body: bytes) -> Response:
 
 
 def failure(request: Request, status: int, message: str, headers: dict | None = None) -> JSONResponse:
-    count = request.app.state.errors
-    count[status] = count.get(status, 0) + 1
+    count_error(request.app.state.errors, status)
     kind = "not_found_error" if status == 404 else "invalid_request_error" if status < 500 else "server_error"
     return JSONResponse(error_body(message, kind, "model"), status_code=status, headers=headers)
+
+
+def count_error(errors: dict[int, int], status: int) -> None:
+    errors[status] = errors.get(status, 0) + 1
 
 
 async def api_error(request: Request, e: APIError) -> JSONResponse:

@@ -240,9 +240,6 @@ class Fleet:
         for e in self.entries.values():
             e.resident, e.state = None, "on disk"
 
-    def pids(self) -> list[int]:
-        return [e.resident.proc.pid for e in self.entries.values() if e.resident is not None]
-
     def listing(self) -> list[dict]:
         return [
             {

@@ -15,6 +15,7 @@ from pathlib import Path
 import uvicorn
 
 from ...engine_config import ConfigError, EngineConfig
+from ...memory.machine import resident_bytes
 from ...sizes import parse_memory
 from ..run import bound_socket
 from .app import create_fleet_app
@@ -36,7 +37,7 @@ def serve_fleet(args, models: list[str]) -> int:
     if unknown:
         raise ConfigError("pin", f"no model named {sorted(unknown)}")
     budget = parse_memory(args.memory)
-    reserve = _front_bytes() + FRONT_MARGIN_BYTES
+    reserve = resident_bytes()[0] + FRONT_MARGIN_BYTES
     engine_flags = _engine_flags(args)
     entries = []
     for spec in specs:
@@ -93,14 +94,6 @@ def _take_signals(app, server: uvicorn.Server, fleet: Fleet, timeout: float) -> 
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-
-
-def _front_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _engine_flags(args) -> list[str]:
