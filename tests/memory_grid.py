@@ -92,6 +92,7 @@ def run_grid(loaded, dtype: str, seed: int = 0, kv_dtype: str | None = None) -> 
         quantization="w8a8" if any(getattr(m, "int8_activations", False) for m in loaded.model.modules()) else None,
         amx_tiles=getattr(loaded.model.backend, "amx_tiles", False),
         quant_float_max_rows=getattr(loaded.model.backend, "quant_float_max_rows", QUANT_FLOAT_ANY_ROWS),
+        own_int8_sums=getattr(loaded.model.backend, "own_int8_sums", False),
         kv_dtype=kv_dtype,
     )
     warm = LLMEngine.of(loaded, num_blocks=64, max_model_len=256, kv_cache_dtype=kv_dtype)

@@ -543,6 +543,37 @@ def with_activations_rounded_per_row(model):
     return model
 
 
+@pytest.mark.parametrize("rows, k, n", [(1, 64, 7), (5, 40, 10), (3, 17, 4), (9, 576, 100), (33, 1000, 37)])
+def test_w8a8_op_sums_exactly_what_the_rounded_integers_give(ops, rows, k, n):
+    """The op's integer GEMM (oneDNN's where the CPU has VNNI dot products; int8_gemm.cpp's own
+    on AVX2, which test_kernel_targets.py runs this on) sums exactly: any row count (4-row
+    tiles and their rest), any channel count (3-channel tiles), columns past the last 16, and
+    weights of -128 and 127. Oracle: x rounded per row as docs/quantization.md says, the sums
+    in float64 (exact at these sizes), scaled in float32 in the op's order. A rest of columns
+    dropped, or pairs summed in 16 bits as oneDNN does without VNNI: fails."""
+    g = torch.Generator().manual_seed(rows * 1000 + k)
+    x = torch.randn(rows, k, generator=g) * 3
+    w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    w[0, :] = 127 if n > 1 else w[0, :]  # the largest products a 16-bit pair sum would saturate on
+    w[-1, :] = -128
+    x[0, : k // 2] = x[0].abs().max()  # a row of full-scale values: q = 127 over half of it
+    scale = torch.rand(n, generator=g) + 0.1
+    step = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-30) / 127
+    q = torch.round(x / step)
+    sums = (q.double() @ w.double().t()).float()
+    assert torch.equal(ops.w8a8_linear(x, w, scale), sums * step * scale.view(1, -1))
+
+
+def test_the_plan_knows_which_integer_gemm_the_kernels_sum_w8a8_in(ops):
+    """``pagedllm plan`` predicts, without loading the kernels, whether the w8a8 op sums in its
+    own AVX2 GEMM (built without VNNI) or oneDNN's: their transients differ, and the memory grid
+    holds the plan to within 10% of what the step takes (``workspace``)."""
+    from pagedllm.backends import cpu
+
+    assert cpu.facts("cpu-compiled", "float32").own_int8_sums == ops.w8a8_own_sums()
+    assert not cpu.facts("cpu-torch", "float32").own_int8_sums
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_w8a8_is_the_float_model_with_weights_and_activations_rounded_to_int8(tiny_checkpoints, kernels, arch):
     """w8a8: every matrix in int8 per row (llama's untied lm_head too; qwen2's lm_head is its int8

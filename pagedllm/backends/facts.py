@@ -18,3 +18,4 @@ class PlanFacts:
     amx_tiles: bool  # the compiled kernels run bf16 GEMMs on AMX tiles (quantized weights; dense ones packed)
     device: str = "cpu"  # whose workspace terms the footprint uses (``backends.workspace``)
     quant_float_max_rows: int = ANY_ROWS  # the most float32 rows the compiled quantized kernel takes
+    own_int8_sums: bool = False  # the compiled w8a8 op sums in its own AVX2 GEMM (a CPU without VNNI)

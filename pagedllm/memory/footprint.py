@@ -262,6 +262,7 @@ class EngineSettings:
     # QUANT_FLOAT_AVX2_ROWS on AVX2); more dequantize + GEMM, as bf16 rows beyond
     # QUANT_KERNEL_MAX_ROWS do
     quant_float_max_rows: int = ANY_ROWS
+    own_int8_sums: bool = False  # the compiled w8a8 op sums in its own AVX2 GEMM: no int32 sums tensor
     grammar_cache_bytes: int = 0  # structured output's compiled-grammar caches, at their bound
     disk_tier_bytes: int = 0  # the prefix cache's disk tier: its write buffer's bound and a read buffer
     # Tensor parallelism (distributed.shards): the config is one rank's; the row-parallel outputs

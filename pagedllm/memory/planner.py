@@ -375,6 +375,7 @@ def _settings(
         packed=backends.workspace(facts.device).packs_weights(isa, c.dtype),
         amx_tiles=facts.amx_tiles,
         quant_float_max_rows=facts.quant_float_max_rows,
+        own_int8_sums=facts.own_int8_sums,
         grammar_cache_bytes=grammar_cache_bytes,
         state_checkpoints=c.state_checkpoints,
         disk_tier_bytes=disk_tier_bytes(c),

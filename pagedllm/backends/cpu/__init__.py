@@ -46,6 +46,7 @@ def facts(name: str, dtype: str) -> PlanFacts:
         amx_tiles=kernels == "compiled" and isa == "amx",
         device=DEVICE,
         quant_float_max_rows=machine.kernel_float_max_rows(),
+        own_int8_sums=kernels == "compiled" and machine.kernel_own_int8_sums(),
     )
 
 

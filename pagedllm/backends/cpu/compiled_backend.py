@@ -39,6 +39,9 @@ class CPUCompiledBackend(CPUTorchBackend):
         # none beyond ``QUANT_KERNEL_MAX_ROWS``, by the CPU's vendor: ``float_rows_rule``); more
         # dequantize + GEMM, as bf16 rows beyond ``QUANT_KERNEL_MAX_ROWS`` do.
         self.quant_float_max_rows = float_rows_rule.quant_float_max_rows(ops)
+        # w8a8's integer sums in the kernels' own AVX2 GEMM (built without VNNI), not oneDNN's:
+        # no int32 sums tensor among the step's transients
+        self.own_int8_sums = bool(ops.w8a8_own_sums())
 
     def attention(self, kv_cache: base.KVCache, layout: base.AttentionLayout) -> Attention:
         return attention.CompiledPagedAttention(self.ops, *cpu_step(kv_cache, layout))
@@ -177,4 +180,5 @@ class CPUCompiledBackend(CPUTorchBackend):
             gemm_kind=facts.gemm_kind,
             amx_tiles=self.amx_tiles,
             quant_float_max_rows=self.quant_float_max_rows,
+            own_int8_sums=self.own_int8_sums,
         )

@@ -83,6 +83,18 @@ def kernel_float_max_rows() -> int:
     return QUANT_KERNEL_MAX_ROWS
 
 
+def kernel_own_int8_sums() -> bool:
+    """Whether the compiled w8a8 op would sum in its own AVX2 GEMM here (kernels built without
+    VNNI: x86-64-v3 or -v4, or this CPU where it has neither AVX512-VNNI nor AVX-VNNI), as
+    ``kernels.build`` targets it, for a plan made without loading the kernels; a backend tells it
+    exactly (``w8a8_own_sums``)."""
+    target = env.KERNEL_TARGET.get().replace("native", "")
+    if target:
+        return target in ("x86-64-v3", "x86-64-v4")
+    flags = cpu_flags()
+    return "avx2" in flags and not ({"avx512_vnni", "avx_vnni"} & flags)
+
+
 def onednn_isa_cap() -> str | None:
     """The best kind ONEDNN_MAX_CPU_ISA (or its old name DNNL_MAX_CPU_ISA) lets oneDNN use, or
     None where it caps nothing. oneDNN reads it once, at its first use; pagedllm's own AMX

@@ -267,7 +267,11 @@ class Gemms:
         if self.ours(k, out, packed):
             return rows * out * e
         if s.quantization == "w8a8":  # x in int8, the int32 sums, their float result
-            if s.kernels == "compiled":  # int8_gemm.cpp: x in int8 is freed before the result is made
+            # int8_gemm.cpp: oneDNN's int32 sums beside x in int8, then the result beside the sums;
+            # its own AVX2 sums: the result beside x in int8, then its copy in the activation dtype
+            if s.kernels == "compiled" and s.own_int8_sums:
+                return rows * k + rows * out * 4 if e == 4 else max(rows * k + rows * out * 4, rows * out * (4 + e))
+            if s.kernels == "compiled":
                 return max(rows * k + rows * out * 4, rows * out * 8)
             rounding = 2 * rows * k * 4  # backends.cpu.torch_backend.int8_matmul: x / step and its rounding
             return rows * k + rows * 4 + max(rounding, rows * out * 8)

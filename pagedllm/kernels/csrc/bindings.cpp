@@ -36,6 +36,7 @@ TORCH_LIBRARY(pagedllm, m) {
   // No tensor argument to dispatch on: registered with its schema, for every backend.
   m.def("amx_tiles() -> bool", &pagedllm::amx_tiles);
   m.def("quant_float_max_rows() -> int", &pagedllm::quant_float_max_rows);
+  m.def("w8a8_own_sums() -> bool", &pagedllm::w8a8_own_sums);
   m.def(
       "dequantize(Tensor qweight, Tensor scale, Tensor? zero, int bits, int group, Tensor? rows, ScalarType dtype) "
       "-> Tensor");
