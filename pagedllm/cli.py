@@ -229,6 +229,13 @@ def _batch_job(llm, args, params) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    """``pagedllm bench``: one workload (``bench.run``), or ``--matrix``'s every quantization on two."""
+    from .bench import matrix, run
+
+    return (matrix.main if args.matrix else run.main)(args)
+
+
 def cmd_chat(args) -> int:
     """Interactive chat: each answer streams as it is generated; the history is kept."""
     llm = _llm(args)
@@ -320,6 +327,46 @@ def _bench_flags(bench: argparse.ArgumentParser) -> None:
     )
 
 
+def _serve_flags(serve: argparse.ArgumentParser) -> None:
+    """``serve``'s own flags: where it listens, who may call it, how it stops."""
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000, help="0: any free port (see --port-file)")
+    serve.add_argument("--port-file", default=None, help="write the port listened on here, once listening")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $PAGEDLLM_API_KEY)")
+    serve.add_argument("--served-model-name", default=None, help="the model id clients use")
+    serve.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429")
+    serve.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to finish in-flight requests on SIGTERM before aborting them",
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default="auto",
+        help="split a thinking model's <think> block from its answer as message.reasoning_content "
+        "(auto: when the chat template thinks and the tokenizer has <think> and </think> tokens)",
+    )
+    serve.add_argument(
+        "--engine-in-thread",
+        action="store_true",
+        help="step the engine on a thread of the server's process instead of a process of its own "
+        "(one interpreter for HTTP and the engine: slower under load)",
+    )
+
+
+def _bench_matrix_flags(bench: argparse.ArgumentParser) -> None:
+    bench.add_argument(
+        "--matrix",
+        action="store_true",
+        help="every quantization (float32, bf16, as stored, int8, int4, w8a8; or --variants) x {one request, "
+        "--num-prompts at once} against the peers installed (or --compare), in one table",
+    )
+    bench.add_argument("--matrix-doc", default=None, help="--matrix: also write its table into this Markdown file")
+
+
 def _fleet_flags(serve: argparse.ArgumentParser) -> None:
     """``serve``'s flags for several models (``server/fleet``)."""
     fleet = serve.add_argument_group(
@@ -353,40 +400,16 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_flags(chat)
     chat.set_defaults(func=cmd_chat)
     serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    serve.add_argument("--port", type=int, default=8000, help="0: any free port (see --port-file)")
-    serve.add_argument("--port-file", default=None, help="write the port listened on here, once listening")
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $PAGEDLLM_API_KEY)")
-    serve.add_argument("--served-model-name", default=None, help="the model id clients use")
-    serve.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429")
-    serve.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
-    serve.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=30.0,
-        help="seconds to finish in-flight requests on SIGTERM before aborting them",
-    )
-    serve.add_argument(
-        "--reasoning-parser",
-        choices=REASONING_PARSERS,
-        default="auto",
-        help="split a thinking model's <think> block from its answer as message.reasoning_content "
-        "(auto: when the chat template thinks and the tokenizer has <think> and </think> tokens)",
-    )
-    serve.add_argument(
-        "--engine-in-thread",
-        action="store_true",
-        help="step the engine on a thread of the server's process instead of a process of its own "
-        "(one interpreter for HTTP and the engine: slower under load)",
-    )
+    _serve_flags(serve)
     _fleet_flags(serve)
     add_engine_flags(serve, "serve")
     serve.set_defaults(func=cmd_serve, fleet_models=[])
 
     bench = sub.add_parser("bench", help="offline throughput, against peers on the same workload")
     _bench_flags(bench)
+    _bench_matrix_flags(bench)
     add_engine_flags(bench)
-    bench.set_defaults(func=lambda args: __import__("pagedllm.bench.run", fromlist=["main"]).main(args))
+    bench.set_defaults(func=_bench)
 
     plan = sub.add_parser("plan", help="what the engine needs and what fits, from config.json alone")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")

@@ -88,6 +88,9 @@ ONEDNN_MAX_CPU_ISA = Var(
     "ONEDNN_MAX_CPU_ISA", str, "", "oneDNN's cap on the instructions it uses (pagedllm's AMX kernels obey it too)"
 )
 DNNL_MAX_CPU_ISA = Var("DNNL_MAX_CPU_ISA", str, "", "the old name of ONEDNN_MAX_CPU_ISA")
+MKL_ENABLE_INSTRUCTIONS = Var(
+    "MKL_ENABLE_INSTRUCTIONS", str, "", "MKL's cap on the instructions it uses (bench --matrix: a figure emulated)"
+)
 RANK = Var("RANK", int, -1, "a launcher's (torchrun) rank of this process")
 WORLD_SIZE = Var("WORLD_SIZE", int, 0, "a launcher's count of ranks")
 MASTER_ADDR = Var("MASTER_ADDR", str, "", "a launcher's address of rank 0")
