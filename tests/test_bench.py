@@ -289,24 +289,26 @@ def test_the_machine_limits_are_measured():
 
 def test_bench_matrix_writes_one_table_of_every_variant_and_workload_into_the_doc(tmp_path, tiny_checkpoints):
     """``bench --matrix``: each variant on one request and on a batch, one row each in a table
-    written between its markers (a stale one replaced, the rest of the file kept), its ratios to
-    float32 those of its own tok/s figures (the test divides), the CPU's flags beside it, and an
-    emulation variable set in the run named as such. A stale section left in, or the ratio taken
-    against the wrong row: fails."""
+    written between its markers (its stale section replaced, the machine's own section and the
+    rest of the file kept), its ratios to float32 those of its own tok/s figures (the test
+    divides), the CPU's flags beside it, and an emulation variable set in the run named as such.
+    A stale section left in, or the ratio taken against the wrong row: fails."""
     doc = tmp_path / "benchmarks.md"
-    doc.write_text(
-        "# Benchmarks\n\nbefore\n\n<!-- pagedllm bench --matrix: begin -->\nstale\n"
-        "<!-- pagedllm bench --matrix: end -->\n\nafter\n"
+    emulated = "(MKL_ENABLE_INSTRUCTIONS=AVX2)"
+    native = "<!-- pagedllm bench --matrix: begin -->\nnative\n<!-- pagedllm bench --matrix: end -->\n"
+    stale = (
+        f"<!-- pagedllm bench --matrix {emulated}: begin -->\nstale\n<!-- pagedllm bench --matrix {emulated}: end -->"
     )
+    doc.write_text(f"# Benchmarks\n\n{native}\n{stale}\n\nafter\n")
     cmd = [sys.executable, "-m", "pagedllm.cli", "bench", "--matrix", "--model", str(tiny_checkpoints["llama"][0])]
     cmd += ["--variants", "float32:none,float32:int8", "--num-prompts", "3", "--new-tokens", "4"]
     env = {**os.environ, "MKL_ENABLE_INSTRUCTIONS": "AVX2"}  # stands in for an AVX2 machine's MKL
     res = subprocess.run([*cmd, "--matrix-doc", str(doc)], capture_output=True, text=True, timeout=600, env=env)
     assert res.returncode == 0, res.stderr
     text = doc.read_text()
-    assert text.startswith("# Benchmarks\n\nbefore\n\n") and text.endswith("\n\nafter\n") and "stale" not in text
-    assert text.count("<!-- pagedllm bench --matrix: begin -->") == 1
-    assert "CPU flags" in text and "**emulated** (MKL_ENABLE_INSTRUCTIONS=AVX2)" in text
+    assert text.startswith(f"# Benchmarks\n\n{native}\n") and text.endswith("\n\nafter\n") and "stale" not in text
+    assert text.count(f"<!-- pagedllm bench --matrix {emulated}: begin -->") == 1
+    assert "CPU flags" in text and f"**emulated** {emulated}" in text
     rows = {
         line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in text.splitlines() if line.startswith("| pagedllm")
     }

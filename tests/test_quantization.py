@@ -655,20 +655,25 @@ def test_kernel_on_bf16_rows_sums_what_the_documented_rounding_gives(groups, bit
 def test_the_float_rows_rule_follows_the_vendor_each_side_was_measured_faster_on(ops, monkeypatch):
     """The compiled backend's float32 rule where the kernels leave it open (AVX-512): on an Intel
     CPU (dequantize + GEMM measured 2.7x faster at 64 rows) the packed-weight kernel takes at most
-    ``QUANT_KERNEL_MAX_ROWS``, on an AMD one (the kernel measured faster at 8-512 rows) any count;
-    either way a product equals the dequantized weights' GEMM."""
+    ``QUANT_KERNEL_MAX_ROWS``, on AMD's Zen 4 (the kernel measured faster at 8-512 rows) any count,
+    on Zen 5 (dequantize + GEMM 1.66x faster at 256 rows) 64; either way a product equals the
+    dequantized weights' GEMM."""
     from pagedllm.backends.cpu import float_rows_rule, machine
     from pagedllm.backends.cpu.compiled_backend import CPUCompiledBackend
-    from pagedllm.backends.cpu.workspace import QUANT_FLOAT_ANY_ROWS, QUANT_KERNEL_MAX_ROWS
+    from pagedllm.backends.cpu.workspace import QUANT_FLOAT_ANY_ROWS, QUANT_FLOAT_AVX2_ROWS, QUANT_KERNEL_MAX_ROWS
 
     w = random_quantized(37, 512, 4, 32, True, None, F16)
     x = torch.randn(64, 512)
     exact = x @ torch_backend().dequantize(w, torch.float32).T
     monkeypatch.setattr(ops, "quant_float_max_rows", lambda: QUANT_FLOAT_ANY_ROWS, raising=False)
-    for vendor, rule in (("GenuineIntel", QUANT_KERNEL_MAX_ROWS), ("AuthenticAMD", QUANT_FLOAT_ANY_ROWS)):
+    cases = [("GenuineIntel", 6, QUANT_KERNEL_MAX_ROWS), ("AuthenticAMD", 25, QUANT_FLOAT_ANY_ROWS)]
+    cases += [("AuthenticAMD", 26, QUANT_FLOAT_AVX2_ROWS)]
+    for vendor, family, rule in cases:
         monkeypatch.setattr(machine, "cpu_vendor", lambda vendor=vendor: vendor)
+        monkeypatch.setattr(machine, "cpu_family", lambda family=family: family)
         backend = CPUCompiledBackend(ops)
-        assert backend.quant_float_max_rows == rule == float_rows_rule.quant_float_max_rows(ops, vendor)
-        assert backend.quant_kernel_takes(64, torch.float32) == (rule == QUANT_FLOAT_ANY_ROWS)
+        assert backend.quant_float_max_rows == rule == float_rows_rule.quant_float_max_rows(ops, vendor, family)
+        assert backend.quant_kernel_takes(64, torch.float32) == (rule >= 64)
+        assert backend.quant_kernel_takes(65, torch.float32) == (rule == QUANT_FLOAT_ANY_ROWS)
         assert backend.quant_kernel_takes(QUANT_KERNEL_MAX_ROWS, torch.float32)
         torch.testing.assert_close(backend.quantized_matmul(x, w), exact, rtol=1e-4, atol=1e-4)

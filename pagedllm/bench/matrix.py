@@ -6,9 +6,10 @@ whether it does: one figure per (quantization, workload), each engine in its own
 a time (``run.main``, once per workload), then one table: output tok/s, the ratio to float32 in
 the same run, and the ratio to the best peer row of that workload. Printed, and with
 ``--matrix-doc FILE`` written into that Markdown file between two markers (a later run replaces
-its section). The table carries the CPU's flags, its L3 and what stood in for another kind of
-CPU (``PAGEDLLM_KERNEL_TARGET``, ``ONEDNN_MAX_CPU_ISA``, ``MKL_ENABLE_INSTRUCTIONS``): a figure
-measured under them is emulated, and says so.
+its section; a run under emulation keeps a section of its own). The table carries the CPU's
+flags, its L3 and what stood in for another kind of CPU (``PAGEDLLM_KERNEL_TARGET``,
+``ONEDNN_MAX_CPU_ISA``, ``MKL_ENABLE_INSTRUCTIONS``): a figure measured under them is emulated,
+and says so.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from .host import machine
 # (dtype, quantization) of the pagedllm rows: float32 and bf16 dense, then the model as stored
 # and each load-time quantization in the run's --dtype
 MATRIX_VARIANTS = ("float32:none", "bfloat16:none", "{dtype}:stored", "{dtype}:int8", "{dtype}:int4", "{dtype}:w8a8")
-BEGIN, END = "<!-- pagedllm bench --matrix: begin -->", "<!-- pagedllm bench --matrix: end -->"
 # variables that make this machine stand in for a smaller kind of CPU, and their values that do not
 EMULATION_VARIABLES = (
     (env.KERNEL_TARGET, "native"),
@@ -72,13 +72,20 @@ def l3_size() -> str:
     return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("L3")), "unknown")
 
 
+def markers(emulated: str) -> tuple[str, str]:
+    """The section's first and last lines: one section for the machine as it is, one per emulation."""
+    kind = f" ({emulated})" if emulated else ""
+    return f"<!-- pagedllm bench --matrix{kind}: begin -->", f"<!-- pagedllm bench --matrix{kind}: end -->"
+
+
 def render(runs: list[tuple[str, int, dict]], model: str, facts: str, emulated: str) -> str:
-    """The section: how it was made, then one row per engine row, a column pair per workload."""
+    """The section: how it was made, then one row per engine row, a column of three per workload."""
     names = list(dict.fromkeys(r["engine"] for _, _, result in runs for r in result["results"]))
     head = "| engine | " + " | ".join(f"{w}, {n} at once: tok/s, x float32, x best peer" for w, n, _ in runs) + " |"
+    begin, end = markers(emulated)
     lines = [
-        BEGIN,
-        "## Benchmark matrix (`pagedllm bench --matrix`)",
+        begin,
+        "## Benchmark matrix (`pagedllm bench --matrix`" + (", emulated)" if emulated else ")"),
         "",
         f"{time.strftime('%Y-%m-%d')}, model {model}; {facts}; L3 {l3_size()}; "
         + (f"**emulated** ({emulated})" if emulated else "native (nothing emulated)")
@@ -92,7 +99,7 @@ def render(runs: list[tuple[str, int, dict]], model: str, facts: str, emulated: 
         for _, _, result in runs:
             cells.append(_cell(name, result["results"]))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines.append(END)
+    lines.append(end)
     return "\n".join(lines)
 
 
@@ -108,12 +115,13 @@ def _cell(name: str, rows: list[dict]) -> str:
     return f"{rate:.1f}, {versus_float}, {versus_peer}"
 
 
-def write_section(path: Path, section: str) -> None:
-    """The section into ``path``: in place of the one between the markers, else at its end."""
+def write_section(path: Path, section: str, emulated: str) -> None:
+    """The section into ``path``: in place of the one between its markers, else at its end."""
     text = path.read_text() if path.exists() else ""
-    if BEGIN in text and END in text:
-        before, rest = text.split(BEGIN, 1)
-        text = before + section + rest.split(END, 1)[1]
+    begin, end = markers(emulated)
+    if begin in text and end in text:
+        before, rest = text.split(begin, 1)
+        text = before + section + rest.split(end, 1)[1]
     else:
         text = text.rstrip("\n") + ("\n\n" if text else "") + section + "\n"
     path.write_text(text)
@@ -133,8 +141,9 @@ def main(args) -> int:
                 runs.append((workload, prompts, json.loads(Path(sub.json).read_text())))
     if not runs:
         return code or 1
-    section = render(runs, runs[0][2]["model"], machine(), emulation())
+    emulated = emulation()
+    section = render(runs, runs[0][2]["model"], machine(), emulated)
     print(section)
     if args.matrix_doc:
-        write_section(Path(args.matrix_doc), section)
+        write_section(Path(args.matrix_doc), section, emulated)
     return code

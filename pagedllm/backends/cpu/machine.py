@@ -56,6 +56,19 @@ def cpu_vendor() -> str:
     return ""
 
 
+def cpu_family() -> int:
+    """The CPU's family (/proc/cpuinfo's first 'cpu family'; 0 where it is absent): AMD's Zen 4 is
+    25, Zen 5 26."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("cpu family"):
+                    return int(line.split(":", 1)[1])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (/proc/cpuinfo's first 'flags' line; empty where it is absent)."""
     try:
