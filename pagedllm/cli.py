@@ -361,8 +361,8 @@ def _bench_matrix_flags(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--matrix",
         action="store_true",
-        help="every quantization (float32, bf16, as stored, int8, int4, w8a8; or --variants) x {one request, "
-        "--num-prompts at once} against the peers installed (or --compare), in one table",
+        help="every quantization (float32, bf16; as stored, int8, int4, w8a8 in each; or --variants) x "
+        "{one request, --num-prompts at once} against the peers installed (or --compare), in one table",
     )
     bench.add_argument("--matrix-doc", default=None, help="--matrix: also write its table into this Markdown file")
 

@@ -27,9 +27,14 @@ from .. import env
 from . import run
 from .host import machine
 
-# (dtype, quantization) of the pagedllm rows: float32 and bf16 dense, then the model as stored
-# and each load-time quantization in the run's --dtype
-MATRIX_VARIANTS = ("float32:none", "bfloat16:none", "{dtype}:stored", "{dtype}:int8", "{dtype}:int4", "{dtype}:w8a8")
+# (dtype, quantization) of the pagedllm rows: float32 and bf16 dense, then the model as stored and
+# each load-time quantization, with float32 activations and with bf16 ones (other kernels: bf16
+# rows are rounded to 8 bits per 32 columns and multiplied in integers)
+MATRIX_VARIANTS = ("float32:none", "bfloat16:none") + tuple(
+    f"{dtype}:{quantization}"
+    for dtype in ("float32", "bfloat16")
+    for quantization in ("stored", "int8", "int4", "w8a8")
+)
 # variables that make this machine stand in for a smaller kind of CPU, and their values that do not
 EMULATION_VARIABLES = (
     (env.KERNEL_TARGET, "native"),
@@ -85,7 +90,7 @@ def render(runs: list[tuple[str, int, dict]], model: str, facts: str, emulated: 
     begin, end = markers(emulated)
     lines = [
         begin,
-        "## Benchmark matrix (`pagedllm bench --matrix`" + (", emulated)" if emulated else ")"),
+        "### Benchmark matrix (`pagedllm bench --matrix`" + (", emulated)" if emulated else ")"),
         "",
         f"{time.strftime('%Y-%m-%d')}, model {model}; {facts}; L3 {l3_size()}; "
         + (f"**emulated** ({emulated})" if emulated else "native (nothing emulated)")
@@ -134,7 +139,7 @@ def main(args) -> int:
         for workload, prompts in workloads(args):
             sub = copy.copy(args)
             sub.matrix, sub.workload, sub.num_prompts = False, workload, prompts
-            sub.variants = args.variants or ",".join(v.format(dtype=args.dtype) for v in MATRIX_VARIANTS)
+            sub.variants = args.variants or ",".join(MATRIX_VARIANTS)
             sub.compare, sub.json = ",".join(peers), str(Path(tmp) / f"{workload}.json")
             code = max(code, run.main(sub))
             if Path(sub.json).exists():
