@@ -16,7 +16,7 @@ from . import attention, float_rows_rule
 from .expert_kernel import quantized_expert_arguments
 from .threads import ThreadGovernor
 from .torch_backend import CPUTorchBackend, cpu_step
-from .workspace import QUANT_KERNEL_MAX_ROWS, tile_packable
+from .workspace import DEQUANT_CHUNK_ELEMENTS, PACK_DEQUANTIZED_ROWS, QUANT_KERNEL_MAX_ROWS, tile_packable
 
 if TYPE_CHECKING:
     from ...kinds.sparse_moe.forward import SparseMoE
@@ -126,7 +126,27 @@ class CPUCompiledBackend(CPUTorchBackend):
         tiles = self.amx_tiles and x.dtype == torch.bfloat16 and w.shape[1] % 32 == 0
         if tiles or self.quant_kernel_takes(x.shape[0], x.dtype):
             return self.ops.quant_linear(x.contiguous(), w.qweight, w.scale, w.zero, w.layout, w.group)
+        if x.dtype == torch.float32 and x.shape[0] >= PACK_DEQUANTIZED_ROWS:
+            return self._packed_chunks_matmul(x, w)
         return super().quantized_matmul(x, w)
+
+    def _packed_chunks_matmul(self, x: torch.Tensor, w: quant.QuantizedWeight) -> torch.Tensor:
+        """Float32 rows past the kernel: each chunk of the layer dequantized, packed for oneDNN
+        and multiplied as a packed dense layer is (``workspace.PACK_DEQUANTIZED_ROWS``: MKL's
+        sgemm on the plain chunk ran 2.4x slower here)."""
+        n, k = w.shape
+        chunk = max(1, DEQUANT_CHUNK_ELEMENTS // k)
+        if n <= chunk:
+            return self.linear(x, self._packed(w), None, True)
+        out = x.new_empty(x.shape[0], n)
+        for start in range(0, n, chunk):
+            stop = min(n, start + chunk)
+            out[:, start:stop] = self.linear(x, self._packed(w.rows(start, stop)), None, True)
+        return out
+
+    def _packed(self, w: quant.QuantizedWeight) -> torch.Tensor:
+        """``w`` dequantized to float32 and packed for oneDNN (the plain copy freed on return)."""
+        return torch.ops.mkldnn._reorder_linear_weight(self.dequantize(w, torch.float32), None)
 
     def quant_kernel_takes(self, rows: int, dtype: torch.dtype) -> bool:
         """Few rows, or float32 ones up to what the kernel beats dequantize + GEMM at (AMX tiles
