@@ -100,15 +100,14 @@ def render(runs: list[tuple[str, int, dict]], model: str, facts: str, emulated: 
         "|---|" + "---:|" * len(runs),
     ]
     for name in names:
-        cells = []
-        for _, _, result in runs:
-            cells.append(_cell(name, result["results"]))
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name} | " + " | ".join(_cell(name, result["results"]) for _, _, result in runs) + " |")
     lines.append(end)
     return "\n".join(lines)
 
 
 def _cell(name: str, rows: list[dict]) -> str:
+    """Row ``name``'s figures in one workload's ``rows``: tok/s, over pagedllm's float32 dense
+    row, and (pagedllm's rows) over the fastest peer row; empty where the workload has no such row."""
     row = next((r for r in rows if r["engine"] == name), None)
     if row is None or "skipped" in row:
         return "skipped" if row is not None else ""

@@ -8,7 +8,7 @@
 // The integer GEMM: on a CPU with VNNI dot products (AVX512-VNNI, AVX-VNNI) oneDNN's
 // (at::_int_mm). Without them oneDNN multiplies unsigned by signed bytes in 16-bit pairs
 // (vpmaddubsw), which saturate, so its sums are not exact, and on an AVX2-only EPYC w8a8 ran 18x
-// slower than vLLM's float32 (issue 52): there the sums are ours (int8_sums_avx2), exact: each
+// slower than vLLM's float32 (issue 52): there the sums are ours (int8_channels_avx2), exact: each
 // 16 columns of a weight row widened to 16 bits once for 4 rows of x, vpmaddwd per row.
 
 #include <ATen/ops/_int_mm.h>
@@ -39,7 +39,6 @@ float round_row(const T* __restrict x, int64_t k, int8_t* __restrict q) {
   }
   return step;
 }
-
 
 #if defined(PAGEDLLM_INT8_SUMS_AVX2)
 constexpr int kRowTile = 4, kChannelTile = 3;  // 12 accumulators, 3 widened weight vectors: 15 of 16 registers
