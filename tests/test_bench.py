@@ -244,6 +244,9 @@ def test_limit_shares_are_the_work_done_over_the_machines_rate():
     got = shares(row, machine, "float32", work)
     assert got["gemm"] == pytest.approx((2 * 100e6 * 13000 + 2 * 30e6 * 4000) / 20.0 / 200e9)
     assert got["read"] == pytest.approx(500e6 * 150 / 20.0 / 20e9)
+    # a row that measured the bandwidth beside it is set against that, not the run's first
+    beside = shares({**row, "read_limit_bytes_per_s": 40e9}, machine, "float32", work)
+    assert beside["read"] == pytest.approx(500e6 * 150 / 20.0 / 40e9) and beside["gemm"] == got["gemm"]
     assert shares({"output_tokens": 4000, "elapsed_s": 20.0}, machine, "float32", work).keys() == {"gemm"}
 
 

@@ -10,7 +10,10 @@ bench's own process (a few seconds, before any engine starts):
 A row's **GEMM share** is the dense work its tokens need (2 FLOPs per weight of the decoder's
 linear layers for every prompt and output token, and of the lm_head for every output token) over
 its elapsed time, as a share of that rate; its **read share** (pagedllm's rows, which report their
-steps) is the weights read once per step over the elapsed time, as a share of the bandwidth. A
+steps) is the weights read once per step over the elapsed time, as a share of the bandwidth
+measured just before and just after that row ran (their mean: a host whose bandwidth drifts
+between runs, 33-69 GB/s within an hour on a 2-core EPYC VM, otherwise sets a row against
+another moment's limit). A
 batched workload is bound by the first, one request alone by the second. In a mixture of experts a
 token's work is its top_k experts', and a step reads the experts its rows chose: with the step's
 mean rows (output tokens / steps) routed evenly, 1 - (1 - top_k / experts) ** rows of each layer's
@@ -34,6 +37,11 @@ GEMM_ROWS = 512  # a full step's worth of rows (the default step budget)
 class MachineLimits:
     gemm_flops: dict[str, float]  # dtype name -> FLOP/s on the model's MLP shape
     read_bytes_per_s: float
+    read_bytes: int = READ_BYTES  # the buffer it was read from
+
+    def read_now(self) -> float:
+        """The bandwidth again, now, as it was measured (beside a row: ``shares``)."""
+        return read_bandwidth(self.read_bytes)
 
     def describe(self) -> str:
         rates = ", ".join(f"{d} GEMM {r / 1e9:.0f} GFLOP/s" for d, r in self.gemm_flops.items())
@@ -76,7 +84,7 @@ def measure(hidden: int, intermediate: int, dtypes: list[str], read_bytes: int =
     import torch
 
     rates = {d: gemm_flops(getattr(torch, d), hidden, intermediate) for d in dict.fromkeys(dtypes)}
-    return MachineLimits(rates, read_bandwidth(read_bytes))
+    return MachineLimits(rates, read_bandwidth(read_bytes), read_bytes)
 
 
 @dataclass(frozen=True)
@@ -118,5 +126,6 @@ def shares(result: dict, limits: MachineLimits, dtype: str, work: Work) -> dict[
         out["gemm"] = work.flops(result["output_tokens"]) / result["elapsed_s"] / limits.gemm_flops[dtype]
     if "steps" in result and "weights_bytes" in result:
         read = result["weights_bytes"] * work.read_fraction(result["output_tokens"] / max(result["steps"], 1))
-        out["read"] = read * result["steps"] / result["elapsed_s"] / limits.read_bytes_per_s
+        bandwidth = result.get("read_limit_bytes_per_s", limits.read_bytes_per_s)  # measured beside the row
+        out["read"] = read * result["steps"] / result["elapsed_s"] / bandwidth
     return out

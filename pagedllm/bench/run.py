@@ -111,8 +111,11 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def pagedllm_rows(args, workload_file: str, model_dir: str, sizes: list[int], pythons: dict) -> list[dict]:
-    """One row per variant and tensor-parallel size, each engine in its own process."""
+def pagedllm_rows(
+    args, workload_file: str, model_dir: str, sizes: list[int], pythons: dict, machine_limits: limits.MachineLimits
+) -> list[dict]:
+    """One row per variant and tensor-parallel size, each engine in its own process, the memory's
+    read bandwidth measured just before and after each."""
     # every engine flag the user set, but the ones each variant sets itself (dtype, quantization, kv dtype)
     engine_options = {
         f.name: getattr(args, f.name)
@@ -137,7 +140,9 @@ def pagedllm_rows(args, workload_file: str, model_dir: str, sizes: list[int], py
             options["kv_cache_dtype"] = kv
         if len(sizes) > 1:  # the same cores, split between the ranks
             options.update(tensor_parallel_size=tp, threads=args.threads or max(1, usable_cpus() // tp))
+        before = machine_limits.read_now()
         result = run_engine("pagedllm", workload_file, model_dir, dtype, options, pythons, args.timeout)
+        result["read_limit_bytes_per_s"] = (before + machine_limits.read_now()) / 2  # ``limits.shares``
         if args.variants:
             result["engine"] = f"pagedllm {dtype} {quantization or 'stored'}" + (f" kv {kv}" if kv else "")
         if len(sizes) > 1 and "skipped" not in result:
@@ -273,7 +278,7 @@ def main(args) -> int:
     print(f"# {machine_limits.describe()}", flush=True)
     work = limits.Work.of(cfg, workload.prompt_tokens)
     try:
-        results = pagedllm_rows(args, workload_file, str(model_dir), sizes, pythons)
+        results = pagedllm_rows(args, workload_file, str(model_dir), sizes, pythons, machine_limits)
         for engine in compare:
             results += peer_rows(args, engine, workload, workload_file, str(model_dir), peer_options, pythons)
     finally:
