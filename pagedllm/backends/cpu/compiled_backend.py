@@ -15,8 +15,8 @@ from ..base import Attention, PlanFacts
 from . import attention, float_rows_rule
 from .expert_kernel import quantized_expert_arguments
 from .threads import ThreadGovernor
-from .torch_backend import CPUTorchBackend, cpu_step
-from .workspace import DEQUANT_CHUNK_ELEMENTS, PACK_DEQUANTIZED_ROWS, QUANT_KERNEL_MAX_ROWS, tile_packable
+from .torch_backend import CPUTorchBackend, chunked_matmul, cpu_step
+from .workspace import PACK_DEQUANTIZED_ROWS, QUANT_KERNEL_MAX_ROWS, tile_packable
 
 if TYPE_CHECKING:
     from ...kinds.sparse_moe.forward import SparseMoE
@@ -134,15 +134,7 @@ class CPUCompiledBackend(CPUTorchBackend):
         """Float32 rows past the kernel: each chunk of the layer dequantized, packed for oneDNN
         and multiplied as a packed dense layer is (``workspace.PACK_DEQUANTIZED_ROWS``: MKL's
         sgemm on the plain chunk ran 2.4x slower here)."""
-        n, k = w.shape
-        chunk = max(1, DEQUANT_CHUNK_ELEMENTS // k)
-        if n <= chunk:
-            return self.linear(x, self._packed(w), None, True)
-        out = x.new_empty(x.shape[0], n)
-        for start in range(0, n, chunk):
-            stop = min(n, start + chunk)
-            out[:, start:stop] = self.linear(x, self._packed(w.rows(start, stop)), None, True)
-        return out
+        return chunked_matmul(x, w, lambda part: self.linear(x, self._packed(part), None, True))
 
     def _packed(self, w: quant.QuantizedWeight) -> torch.Tensor:
         """``w`` dequantized to float32 and packed for oneDNN (the plain copy freed on return)."""

@@ -44,41 +44,32 @@ _ONEDNN_CAPS = {
 }
 
 
-def cpu_vendor() -> str:
-    """The CPU's vendor (/proc/cpuinfo's first 'vendor_id'; empty where it is absent)."""
+def _cpuinfo(field: str) -> str:
+    """The value of /proc/cpuinfo's first line named ``field`` ("" where it or the file is absent)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("vendor_id"):
+                if line.startswith(field):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return ""
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor ('vendor_id'; empty where it is absent)."""
+    return _cpuinfo("vendor_id")
+
+
 def cpu_family() -> int:
-    """The CPU's family (/proc/cpuinfo's first 'cpu family'; 0 where it is absent): AMD's Zen 4 is
-    25, Zen 5 26."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("cpu family"):
-                    return int(line.split(":", 1)[1])
-    except (OSError, ValueError):
-        pass
-    return 0
+    """The CPU's family ('cpu family'; 0 where it is absent): AMD's Zen 4 is 25, Zen 5 26."""
+    family = _cpuinfo("cpu family")
+    return int(family) if family.isdigit() else 0
 
 
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (/proc/cpuinfo's first 'flags' line; empty where it is absent)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    """The CPU's feature flags (the first 'flags' line; empty where it is absent)."""
+    return frozenset(_cpuinfo("flags").split())
 
 
 def kernel_float_max_rows() -> int:

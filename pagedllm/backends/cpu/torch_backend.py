@@ -4,6 +4,7 @@ against, and what runs where no C++ compiler is (one log line says so)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -134,15 +135,7 @@ class CPUTorchBackend(Backend):
 
     def quantized_matmul(self, x: torch.Tensor, w: quant.QuantizedWeight) -> torch.Tensor:
         """Dequantize the layer (at most ``DEQUANT_CHUNK_ELEMENTS`` weights at a time) + GEMM."""
-        n, k = w.shape
-        chunk = max(1, DEQUANT_CHUNK_ELEMENTS // k)
-        if n <= chunk:
-            return F.linear(x, self.dequantize(w, x.dtype))
-        out = x.new_empty(x.shape[0], n)
-        for start in range(0, n, chunk):
-            stop = min(n, start + chunk)
-            out[:, start:stop] = F.linear(x, self.dequantize(w.rows(start, stop), x.dtype))
-        return out
+        return chunked_matmul(x, w, lambda part: F.linear(x, self.dequantize(part, x.dtype)))
 
     def int8_matmul(self, x: torch.Tensor, w: quant.QuantizedWeight) -> torch.Tensor:
         """oneDNN's int8 GEMM (VNNI dot products, int32 sums) on x rounded per row, then one
@@ -190,6 +183,22 @@ def _warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
         log.warning(message)
+
+
+def chunked_matmul(
+    x: torch.Tensor, w: quant.QuantizedWeight, product: Callable[[quant.QuantizedWeight], torch.Tensor]
+) -> torch.Tensor:
+    """x @ w^T as ``product`` of at most ``DEQUANT_CHUNK_ELEMENTS`` weights' rows at a time (one
+    dequantized chunk alive at once), into one output; the whole layer where it fits one chunk."""
+    n, k = w.shape
+    chunk = max(1, DEQUANT_CHUNK_ELEMENTS // k)
+    if n <= chunk:
+        return product(w)
+    out = x.new_empty(x.shape[0], n)
+    for start in range(0, n, chunk):
+        stop = min(n, start + chunk)
+        out[:, start:stop] = product(w.rows(start, stop))
+    return out
 
 
 def cpu_step(kv_cache: base.KVCache, layout: base.AttentionLayout) -> tuple[KVCache, attention.StepLayout]:
