@@ -320,4 +320,7 @@ def test_bench_matrix_writes_one_table_of_every_variant_and_workload_into_the_do
         base = float(rows["pagedllm float32 none"][column].split(",")[0])
         for cells in rows.values():
             rate, versus_float, versus_peer = (c.strip(" |") for c in cells[column].split(","))
-            assert versus_float == f"{float(rate) / base:.2f}x" and versus_peer == "-"  # no peer in this run
+            # the table's rates are rounded to 0.1 tok/s, its ratio taken from the unrounded rates
+            slack = 0.005 + 0.05 / base + 0.05 * float(rate) / base**2
+            assert abs(float(versus_float.removesuffix("x")) - float(rate) / base) <= slack, (versus_float, rate, base)
+            assert versus_peer == "-"  # no peer in this run

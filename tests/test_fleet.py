@@ -6,7 +6,6 @@ missing file an error for its model only, SIGTERM draining everything."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -47,7 +46,7 @@ def complete(url: str, model: str, prompt: str = "The capital of France is") -> 
 @pytest.mark.serial  # peak resident memory of the process tree against the budget: measured alone
 def test_two_models_take_turns_under_one_budget_and_sigterm_drains_them(tmp_path):
     second = tmp_path / "b.gguf"
-    shutil.copy(default_gguf_path(), second)
+    second.symlink_to(default_gguf_path())  # a second name: its own model, one conversion (the first's)
     server = ServerProcess(
         "--model", f"a={default_gguf_path()}", "--model", f"b={second}", "--memory", BUDGET, "--max-model-len", "512"
     )
@@ -102,7 +101,7 @@ def test_an_idle_model_is_unloaded_and_a_file_gone_fails_that_model_only(tmp_pat
     """``--keep-alive``: a model idle that long is unloaded; a model file deleted while its model
     is unloaded: a 503 naming it, and the other model serves on."""
     second = tmp_path / "b.gguf"
-    shutil.copy(default_gguf_path(), second)
+    second.symlink_to(default_gguf_path())  # a second name: its own model, one conversion (the first's)
     server = ServerProcess(
         "--model", f"a={default_gguf_path()}", "--model", f"b={second}", "--memory", BUDGET, "--keep-alive", "1"
     )
@@ -123,7 +122,7 @@ def test_a_pinned_model_stays_and_a_model_with_no_room_left_is_a_503(tmp_path):
     """``--pin a``: loaded at start, never unloaded; b, which fits only without a, is refused
     with the reason, and a keeps serving."""
     second = tmp_path / "b.gguf"
-    shutil.copy(default_gguf_path(), second)
+    second.symlink_to(default_gguf_path())  # a second name: its own model, one conversion (the first's)
     server = ServerProcess(
         "--model", f"a={default_gguf_path()}", "--model", f"b={second}", "--memory", BUDGET, "--pin", "a"
     )
@@ -141,7 +140,7 @@ def test_a_resident_model_is_shrunk_to_its_need_where_that_makes_room(tmp_path):
     """Under a budget that holds both only if the first gives up its spare cache: b's load
     shrinks a (its server's own plan then says so), nothing is unloaded, both answer."""
     second = tmp_path / "b.gguf"
-    shutil.copy(default_gguf_path(), second)
+    second.symlink_to(default_gguf_path())  # a second name: its own model, one conversion (the first's)
     server = ServerProcess(
         "--model", f"a={default_gguf_path()}", "--model", f"b={second}", "--memory", "1.9GiB", "--max-model-len", "512"
     )
@@ -166,7 +165,7 @@ def test_a_resident_model_is_shrunk_to_its_need_where_that_makes_room(tmp_path):
 
 def test_a_model_that_cannot_fit_even_alone_is_refused_at_start_with_the_planners_reason(tmp_path):
     second = tmp_path / "b.gguf"
-    shutil.copy(default_gguf_path(), second)
+    second.symlink_to(default_gguf_path())  # a second name: its own model, one conversion (the first's)
     launch = "import sys\nfrom pagedllm.cli import main\nsys.exit(main(sys.argv[1:]))"
     done = subprocess.run(
         [sys.executable, "-c", launch, "serve", "--model", f"a={default_gguf_path()}", "--model", f"b={second}"]

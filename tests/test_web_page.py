@@ -278,7 +278,7 @@ def test_a_server_with_several_models_has_a_picker_and_shows_the_chosen_ones_pla
     from pagedllm.loading import default_gguf_path
 
     second = tmp_path / "b.gguf"
-    shutil.copy(default_gguf_path(), second)
+    second.symlink_to(default_gguf_path())  # a second name: its own model, one conversion (the first's)
     fleet = ServerProcess("--model", f"a={default_gguf_path()}", "--model", f"b={second}", "--memory", "1.1GiB")
 
     def states() -> dict:
