@@ -2,6 +2,8 @@
 same outputs as transformers through every way the engine cuts, mixes, forks and restarts
 sequences, and the states planned as the config's arithmetic says."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from flat_steps import flat_step
@@ -472,8 +474,29 @@ GGUF_CASES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def hybrid_gguf(tmp_path_factory):
+    """(arch, weights) -> (the GGUF file, transformers' model), each written once for both kernel
+    paths (the second LLM finds the file's conversion in the cache)."""
+    made: dict[tuple[str, str], tuple[Path, torch.nn.Module]] = {}
+
+    def of(arch: str, weights: str) -> tuple[Path, torch.nn.Module]:
+        if (arch, weights) not in made:
+            path = tmp_path_factory.mktemp(f"gguf-{arch}-{weights}") / f"{arch}.gguf"
+            if arch == "lfm2":
+                hf = save_tiny_lfm2_gguf(path)
+            elif arch.startswith("granite"):
+                hf = save_tiny_granite_gguf(arch, path, weights=weights)
+            else:
+                hf = save_tiny_qwen35_gguf(arch, path, weights=weights)
+            made[arch, weights] = (path, hf)
+        return made[arch, weights]
+
+    return of
+
+
 @pytest.mark.parametrize(("arch", "weights"), GGUF_CASES)
-def test_a_gguf_file_as_llama_cpp_writes_it_equals_transformers(tmp_path, arch, weights, kernels):
+def test_a_gguf_file_as_llama_cpp_writes_it_equals_transformers(hybrid_gguf, arch, weights, kernels):
     """Logits of every position of a mixed step, and greedy batched and chunked. Qwen3.5: the
     value heads regrouped by llama.cpp's converter (two per key head here), A_log stored as
     -exp(A_log), the norms plus one and the convolution flattened; LFM2: its layer types read
@@ -482,13 +505,7 @@ def test_a_gguf_file_as_llama_cpp_writes_it_equals_transformers(tmp_path, arch, 
     Granite-4.0-H: its layer types likewise, A_log as -exp(A_log), D and the gated norm's scale
     reshaped, q/k rows in llama.cpp's rope order, its multipliers from the metadata. All must come
     back as transformers holds them."""
-    path = tmp_path / f"{arch}.gguf"
-    if arch == "lfm2":
-        hf = save_tiny_lfm2_gguf(path)
-    elif arch.startswith("granite"):
-        hf = save_tiny_granite_gguf(arch, path, weights=weights)
-    else:
-        hf = save_tiny_qwen35_gguf(arch, path, weights=weights)
+    path, hf = hybrid_gguf(arch, weights)
     llm = LLM(str(path), dtype="float32", max_batch_tokens=16, max_num_seqs=4)
     config = llm.engine.loaded.config
     if arch == "lfm2":
