@@ -248,6 +248,28 @@ def test_limit_shares_are_the_work_done_over_the_machines_rate():
     beside = shares({**row, "read_limit_bytes_per_s": 40e9}, machine, "float32", work)
     assert beside["read"] == pytest.approx(500e6 * 150 / 20.0 / 40e9) and beside["gemm"] == got["gemm"]
     assert shares({"output_tokens": 4000, "elapsed_s": 20.0}, machine, "float32", work).keys() == {"gemm"}
+    # an untied embedding table is not read whole each step: the row's own count of what is
+    assert shares({**row, "step_read_bytes": 450e6}, machine, "float32", work)["read"] == pytest.approx(
+        450e6 * 150 / 20.0 / 20e9
+    )
+
+
+def test_a_step_reads_every_weight_but_an_untied_embedding_table(tiny_checkpoints):
+    """The bytes a decode step reads: the plan's weights less the untied embedding table
+    (vocabulary x hidden float32 values here), of which a step reads only its tokens' rows."""
+    from pagedllm import LLM
+    from pagedllm.bench.runners import _untied_embedding_bytes
+
+    checkpoint = str(tiny_checkpoints["llama"][0])
+    llm = LLM(checkpoint, dtype="float32")
+    cfg = llm.engine.loaded.config
+    assert not cfg.tie_word_embeddings  # the case this measures
+    assert _untied_embedding_bytes(llm.engine.loaded.model) == cfg.vocab_size * cfg.hidden_size * 4
+    # kept quantized (int8: a byte a value and a float16 scale per 32 columns)
+    int8 = LLM(checkpoint, dtype="float32", quantization="int8")
+    assert _untied_embedding_bytes(int8.engine.loaded.model) == cfg.vocab_size * (
+        cfg.hidden_size + cfg.hidden_size // 32 * 2
+    )
 
 
 def test_the_work_counts_every_linear_weight_of_the_model():

@@ -10,7 +10,8 @@ bench's own process (a few seconds, before any engine starts):
 A row's **GEMM share** is the dense work its tokens need (2 FLOPs per weight of the decoder's
 linear layers for every prompt and output token, and of the lm_head for every output token) over
 its elapsed time, as a share of that rate; its **read share** (pagedllm's rows, which report their
-steps) is the weights read once per step over the elapsed time, as a share of the bandwidth
+steps) is the weights read once per step (all but an untied embedding table, of which a step reads
+a row per token) over the elapsed time, as a share of the bandwidth
 measured just before and just after that row ran (their mean: a host whose bandwidth drifts
 between runs, 33-69 GB/s within an hour on a 2-core EPYC VM, otherwise sets a row against
 another moment's limit). A
@@ -125,7 +126,8 @@ def shares(result: dict, limits: MachineLimits, dtype: str, work: Work) -> dict[
     if dtype in limits.gemm_flops:
         out["gemm"] = work.flops(result["output_tokens"]) / result["elapsed_s"] / limits.gemm_flops[dtype]
     if "steps" in result and "weights_bytes" in result:
-        read = result["weights_bytes"] * work.read_fraction(result["output_tokens"] / max(result["steps"], 1))
+        weights = result.get("step_read_bytes", result["weights_bytes"])  # an untied embedding's table not
+        read = weights * work.read_fraction(result["output_tokens"] / max(result["steps"], 1))
         bandwidth = result.get("read_limit_bytes_per_s", limits.read_bytes_per_s)  # measured beside the row
         out["read"] = read * result["steps"] / result["elapsed_s"] / bandwidth
     return out
