@@ -126,7 +126,7 @@ def shares(result: dict, limits: MachineLimits, dtype: str, work: Work) -> dict[
     if dtype in limits.gemm_flops:
         out["gemm"] = work.flops(result["output_tokens"]) / result["elapsed_s"] / limits.gemm_flops[dtype]
     if "steps" in result and "weights_bytes" in result:
-        weights = result.get("step_read_bytes", result["weights_bytes"])  # an untied embedding's table not
+        weights = result.get("step_read_bytes", result["weights_bytes"])  # less an untied embedding table
         read = weights * work.read_fraction(result["output_tokens"] / max(result["steps"], 1))
         bandwidth = result.get("read_limit_bytes_per_s", limits.read_bytes_per_s)  # measured beside the row
         out["read"] = read * result["steps"] / result["elapsed_s"] / bandwidth

@@ -116,6 +116,7 @@ def _untied_embedding_bytes(model) -> int:
         return 0
     table = model.model.embed_tokens
     held = [t.numel() * t.element_size() for t in [*table.parameters(), *table.buffers()]]
+    # a table kept quantized (QuantizedEmbedding) holds its weight outside parameters and buffers
     return sum(held) + sum(w.nbytes() for w in getattr(table, "quantized_weights", list)())
 
 

@@ -380,15 +380,15 @@ void tile_vnni_raw(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, int64
   const int64_t block_bytes = raw_block_bytes(Type), blocks = m.k / kSuperBlock, rb = m.row_bytes();
   for (int64_t blk = 0; blk < blocks; ++blk) {
     __m512 scales[NC];
-    const uint8_t* blocks[NC];
+    const uint8_t* channel_block[NC];  // each channel's block blk
     for (int c = 0; c < NC; ++c) {
-      blocks[c] = m.q + (n0 + c) * rb + blk * block_bytes;
-      for (int64_t line = 0; line < block_bytes; line += 64) prefetch_ahead(blocks[c] + line);
+      channel_block[c] = m.q + (n0 + c) * rb + blk * block_bytes;
+      for (int64_t line = 0; line < block_bytes; line += 64) prefetch_ahead(channel_block[c] + line);
     }
     if constexpr (NC == 4 && Type != kQ6K)
-      k4_block_scales4(blocks, scales);
+      k4_block_scales4(channel_block, scales);
     else
-      for (int c = 0; c < NC; ++c) scales[c] = raw_block_scales<Type>(blocks[c]);
+      for (int c = 0; c < NC; ++c) scales[c] = raw_block_scales<Type>(channel_block[c]);
     for (int h = 0; h < 2; ++h) {
       __m512i xa[MR], xb[MR];
       __m512 xsa[MR], xsb[MR];
