@@ -415,7 +415,18 @@ void tile_rows_vnni(const QuantMatrix& m, const Int8Rows& xr, int64_t n0, float*
   }
 }
 
+// One row of x (a decode step of one sequence) reads each channel's weights to their end before
+// the next channel's: one address stream per thread. Four channels read in turn (four streams
+// 1-2 KiB apart) drew 72-78% of a plain sum's read bandwidth from memory on a Zen 5 (32 MiB L3),
+// one channel at a time 85-100% (docs/benchmarks.md, issue 65). `flatten` inlines the helpers
+// into the one-channel tile, which GCC otherwise left as calls (half the speed in L2).
+__attribute__((flatten)) inline void channels_one_row_vnni(const QuantMatrix& m, const Int8Rows& xr, int64_t n0,
+                                                           int64_t n1, float* Y) {
+  for (int64_t n = n0; n < n1; ++n) tile_any_vnni<1, 1>(m, xr, 0, n, Y, m.n);
+}
+
 inline void channels_vnni(const QuantMatrix& m, const Int8Rows& xr, int64_t n0, int64_t n1, float* Y) {
+  if (xr.rows == 1) return channels_one_row_vnni(m, xr, n0, n1, Y);
   int64_t n = n0;
   for (; n + 4 <= n1; n += 4) tile_rows_vnni<4>(m, xr, n, Y);
   for (; n < n1; ++n) tile_rows_vnni<1>(m, xr, n, Y);

@@ -378,6 +378,7 @@ void tile_vnni_raw(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, int64
   for (int c = 0; c < NC; ++c)
     for (int r = 0; r < MR; ++r) acc[c][r] = _mm512_setzero_ps();
   const int64_t block_bytes = raw_block_bytes(Type), blocks = m.k / kSuperBlock, rb = m.row_bytes();
+  __m512 next_scales[4];
   for (int64_t blk = 0; blk < blocks; ++blk) {
     __m512 scales[NC];
     const uint8_t* channel_block[NC];  // each channel's block blk
@@ -385,10 +386,18 @@ void tile_vnni_raw(const QuantMatrix& m, const Int8Rows& xr, int64_t row0, int64
       channel_block[c] = m.q + (n0 + c) * rb + blk * block_bytes;
       for (int64_t line = 0; line < block_bytes; line += 64) prefetch_ahead(channel_block[c] + line);
     }
-    if constexpr (NC == 4 && Type != kQ6K)
+    if constexpr (NC == 4 && Type != kQ6K) {
       k4_block_scales4(channel_block, scales);
-    else
+    } else if constexpr (NC == 1 && Type != kQ6K) {  // one channel: its next four blocks' in one pass
+      if (blk % 4 == 0 && blk + 4 <= blocks) {
+        const uint8_t* const next[4] = {channel_block[0], channel_block[0] + block_bytes,
+                                        channel_block[0] + 2 * block_bytes, channel_block[0] + 3 * block_bytes};
+        k4_block_scales4(next, next_scales);
+      }
+      scales[0] = blk / 4 * 4 + 4 <= blocks ? next_scales[blk % 4] : raw_block_scales<Type>(channel_block[0]);
+    } else {
       for (int c = 0; c < NC; ++c) scales[c] = raw_block_scales<Type>(channel_block[c]);
+    }
     for (int h = 0; h < 2; ++h) {
       __m512i xa[MR], xb[MR];
       __m512 xsa[MR], xsb[MR];
