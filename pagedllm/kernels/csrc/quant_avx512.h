@@ -82,8 +82,10 @@ void tile(const QuantMatrix& m, const float* X, int64_t ldx, int64_t n0, float* 
     for (int r = 0; r < MR; ++r) Y[r * ldy + n0 + c] = _mm512_reduce_add_ps(acc[c][r]);
 }
 
+// `flatten`: dequant_step, scale_at and byte_of inlined into the tiles (GCC left them as calls:
+// one float32 row of Q4_1 or Q8_0 ran at 6 GB/s in L2, 13-16 with them inlined, issue 52).
 template <int NC>
-void tile_rows(const QuantMatrix& m, const float* X, int64_t rows, int64_t n0, float* Y) {
+__attribute__((flatten)) void tile_rows(const QuantMatrix& m, const float* X, int64_t rows, int64_t n0, float* Y) {
   int64_t r = 0;
   for (; r + 4 <= rows; r += 4) tile<NC, 4>(m, X + r * m.k, m.k, n0, Y + r * m.n, m.n);
   switch (rows - r) {
