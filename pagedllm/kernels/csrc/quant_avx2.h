@@ -216,7 +216,8 @@ inline void rows_of_channel(const QuantMatrix& m, const float* X, int64_t rows, 
 // accumulators and its weight vectors must fit. One row: four channels at a time; more (a
 // decode step with speculative guesses, a few sequences decoding): one channel at a time, its
 // rows in blocks (measured faster than two channels or two rows at a time, from 2 to 12 rows).
-inline void channels(const QuantMatrix& m, const float* X, int64_t rows, int64_t n0, int64_t n1, float* Y) {
+__attribute__((flatten)) inline void channels(const QuantMatrix& m, const float* X, int64_t rows, int64_t n0, int64_t n1,
+                                              float* Y) {
   if (rows != 1) {  // (none: nothing to write)
     for (int64_t n = n0; n < n1; ++n) rows_of_channel(m, X, rows, n, Y);
     return;
