@@ -15,18 +15,49 @@
 
 namespace pagedllm::avx2 {
 
+// Group j's 32 small integers u of a Q4_K, Q5_K or Q6_K block b (raw_group_bits in registers:
+// the types of a Q4_K_M file; the scalar loop made its one-row products run at 3 GB/s).
+inline __m256i raw_group_bits_avx2(int64_t type, const uint8_t* b, int64_t j) {
+  const __m256i low4 = _mm256_set1_epi8(15);
+  const auto load = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
+  // bytes shifted right in 16-bit lanes: the masks drop what crossed from the next byte
+  const auto shifted = [&](const uint8_t* p, int64_t bits) {
+    return _mm256_srl_epi16(load(p), _mm_cvtsi32_si128(int(bits)));
+  };
+  if (type == kQ6K) {
+    const int64_t h = j / 4, t = j % 4;
+    const __m256i low = _mm256_and_si256(shifted(b + 64 * h + 32 * (t & 1), 4 * (t >> 1)), low4);
+    const __m256i top = _mm256_and_si256(shifted(b + 128 + 32 * h, 2 * t), _mm256_set1_epi8(3));
+    return _mm256_or_si256(low, _mm256_slli_epi16(top, 4));  // top <= 3: stays within its byte
+  }
+  const __m256i u = _mm256_and_si256(shifted(b + (type == kQ5K ? 48 : 16) + 32 * (j / 2), 4 * (j & 1)), low4);
+  if (type != kQ5K) return u;
+  const __m256i bit = _mm256_set1_epi8(char(1 << j));  // the fifth bit: bit j of qh[l]
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(load(b + 16), bit), bit);
+  return _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+}
+
 // dequant_step_scalar in registers: w[v] = columns k0 + 8v .. k0 + 8v + 7 (v < 4 for 4 bits,
 // v < 2 for 8 bits).
 inline void dequant_step(const QuantMatrix& m, int64_t n, int64_t k0, __m256 w[4]) {
-  if (m.raw) {  // a K-quant block's 32 columns, decoded by the scalar code (quant_blocks.h)
-    alignas(16) uint8_t u[32];
+  if (m.raw) {  // a K-quant block's 32 columns: Q4_K-Q6_K's bits in registers, the rest scalar
+    alignas(32) uint8_t u[32];
     float s[2], z[2];
-    raw_step_scalar(m.raw, m.q + n * m.row_bytes(), k0, u, s, z);
-    for (int v = 0; v < 4; ++v) {
-      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(u + 8 * v));
-      w[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), _mm256_set1_ps(s[v / 2]),
-                             _mm256_set1_ps(z[v / 2]));
+    const int64_t j = (k0 % kSuperBlock) / 32;
+    const uint8_t* b = m.q + n * m.row_bytes() + k0 / kSuperBlock * raw_block_bytes(m.raw);
+    raw_group_affine(m.raw, b, j, s, z);
+    __m256i q;
+    if (m.raw == kQ4K || m.raw == kQ5K || m.raw == kQ6K) {
+      q = raw_group_bits_avx2(m.raw, b, j);
+    } else {
+      raw_group_bits(m.raw, b, j, u);
+      q = _mm256_load_si256(reinterpret_cast<const __m256i*>(u));
     }
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    const __m128i bytes[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int v = 0; v < 4; ++v)
+      w[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes[v])), _mm256_set1_ps(s[v / 2]),
+                             _mm256_set1_ps(z[v / 2]));
     return;
   }
   const int64_t g = n * m.G + m.group_of(k0);
@@ -216,8 +247,10 @@ inline void rows_of_channel(const QuantMatrix& m, const float* X, int64_t rows, 
 // accumulators and its weight vectors must fit. One row: four channels at a time; more (a
 // decode step with speculative guesses, a few sequences decoding): one channel at a time, its
 // rows in blocks (measured faster than two channels or two rows at a time, from 2 to 12 rows).
-__attribute__((flatten)) inline void channels(const QuantMatrix& m, const float* X, int64_t rows, int64_t n0, int64_t n1,
-                                              float* Y) {
+// `flatten`: the tiles' helpers inlined (GCC left dequant_step and scale_at as calls: half the
+// speed of one float32 row of Q4_1 or Q8_0, issue 52).
+__attribute__((flatten)) inline void channels(const QuantMatrix& m, const float* X, int64_t rows, int64_t n0,
+                                              int64_t n1, float* Y) {
   if (rows != 1) {  // (none: nothing to write)
     for (int64_t n = n0; n < n1; ++n) rows_of_channel(m, X, rows, n, Y);
     return;
