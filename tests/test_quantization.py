@@ -186,6 +186,67 @@ def test_k_quants_kept_as_stored_multiply_as_the_gguf_package_dequantizes_them(o
     assert (got - exact).norm() <= 0.01 * exact.norm()
 
 
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
+def test_one_bf16_row_reads_one_channel_at_a_time_or_four_to_the_same_sums(ops, type_name):
+    """One bf16 row against a K-quant matrix reads one channel at a time (weights streaming from
+    memory) or four (weights in the caches): the same integer sums in the same order, so the same
+    floats, each within 1% of x @ W^T with W as the gguf package reads it. 37 channels: nine tiles
+    of four and one left over; 1280 columns: five blocks, one past the one-channel walk's four."""
+    raw = k_quant_blocks(type_name, 37, 1280, seed=3)
+    w = Q.QuantizedWeight.of_blocks(torch.from_numpy(raw), type_name)
+    values = torch.from_numpy(gguf.quants.dequantize(raw, GGMLQuantizationType[type_name]))
+    x = torch.randn(1, 1280, generator=torch.Generator().manual_seed(3)).bfloat16()
+    exact = (x.double() @ values.double().T).float()
+    got = []
+    for by_channel in (True, False):
+        before = ops.set_k_quant_row_by_channel(by_channel)
+        try:
+            got.append(ops.quant_linear(x, w.qweight, w.scale, w.zero, w.layout, w.group).float())
+        finally:
+            ops.set_k_quant_row_by_channel(before)
+    torch.testing.assert_close(got[0], got[1], rtol=0, atol=0)
+    assert (got[0] - exact).norm() <= 0.01 * exact.norm()
+
+
+def test_one_row_walk_follows_whether_the_held_weights_outgrow_the_l3(ops, monkeypatch):
+    """The backend reads K-quants one channel at a time once the weights of the models it holds
+    (a draft beside its target counts too) are more than the L3, four at a time while they fit,
+    one at a time where the L3's size is unknown; a model freed stops counting."""
+    import gc
+    import weakref
+
+    from pagedllm.backends.cpu import compiled_backend as compiled
+    from pagedllm.backends.cpu import machine
+
+    class Held:  # what the backend reads of a model
+        def __init__(self, nbytes: int):
+            self.nbytes = nbytes
+
+        def weight_bytes(self) -> int:
+            return self.nbytes
+
+    monkeypatch.setattr(machine, "l3_bytes", lambda: 32 << 20)
+    monkeypatch.setattr(compiled, "_HELD", weakref.WeakKeyDictionary())
+    backend = compiled_backend()
+    before = ops.set_k_quant_row_by_channel(True)
+    try:
+        target = Held(20 << 20)
+        backend.hold_weights(target)  # 20 MiB in a 32 MiB L3: four channels
+        assert ops.set_k_quant_row_by_channel(False) is False
+        draft = Held(13 << 20)
+        backend.hold_weights(draft)  # 33 MiB held: one channel
+        assert ops.set_k_quant_row_by_channel(False) is True
+        del draft
+        gc.collect()
+        backend.hold_weights(target)  # 20 MiB again
+        assert ops.set_k_quant_row_by_channel(False) is False
+        monkeypatch.setattr(machine, "l3_bytes", lambda: 0)
+        backend.hold_weights(target)
+        assert ops.set_k_quant_row_by_channel(False) is True
+    finally:
+        ops.set_k_quant_row_by_channel(before)
+
+
 def test_k_quant_blocks_of_another_size_are_refused(ops):
     raw = torch.zeros(2, 143, dtype=torch.uint8)
     with pytest.raises(ValueError, match="multiple of its block"):

@@ -337,6 +337,10 @@ class Backend:
     def plan_facts(self, dtype: str) -> PlanFacts:
         raise NotImplementedError
 
+    def hold_weights(self, model: DecoderLM) -> None:
+        """Told once a loaded model is about to run, so that the kernels can choose by where its
+        weights will be read from (the caches or memory); nothing to choose by default."""
+
     def decode_program(self, model: DecoderLM) -> DecodeProgram | None:
         """The model's decode step in one compiled call (``backends.cpu.decode_program``), or None:
         the model's Python layer loop runs every step."""

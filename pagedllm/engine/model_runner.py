@@ -68,6 +68,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.sampler = sampler
         self.backend = backend
+        backend.hold_weights(model)
         cfg = model.config
         self.group_size = cfg.num_heads // cfg.num_kv_heads
         # [P, hidden] float32: the sums of the pooled hidden states of the step ``execute`` ran

@@ -5,6 +5,7 @@ arithmetic of ``cpu-torch``, for that call only."""
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -12,7 +13,7 @@ import torch
 from ...layers import quantized as quant
 from .. import base
 from ..base import Attention, PlanFacts
-from . import attention, float_rows_rule
+from . import attention, float_rows_rule, machine
 from .expert_kernel import quantized_expert_arguments
 from .threads import ThreadGovernor
 from .torch_backend import CPUTorchBackend, chunked_matmul, cpu_step
@@ -22,6 +23,10 @@ if TYPE_CHECKING:
     from ...kinds.sparse_moe.forward import SparseMoE
     from ...models.decoder import DecoderLM
     from ..base import DecodeProgram
+
+
+# The weight bytes of every model this process holds (``hold_weights``); a model once, while it lives.
+_HELD: weakref.WeakKeyDictionary[DecoderLM, int] = weakref.WeakKeyDictionary()
 
 
 class CPUCompiledBackend(CPUTorchBackend):
@@ -145,6 +150,16 @@ class CPUCompiledBackend(CPUTorchBackend):
         also take any bf16 rows whose width is a multiple of 32, which the decode step does not
         assume)."""
         return rows <= QUANT_KERNEL_MAX_ROWS or (dtype == torch.float32 and rows <= self.quant_float_max_rows)
+
+    def hold_weights(self, model: DecoderLM) -> None:
+        """One bf16 row against a K-quant matrix reads one channel at a time once the weights this
+        process holds outgrow the L3 (they stream from memory, where one address stream a thread
+        reads fastest), four channels at a time while they fit (the caches serve four streams,
+        and the four share each load of x): ``set_k_quant_row_by_channel``. A process holding two
+        models (a draft beside its target) counts both."""
+        _HELD[model] = model.weight_bytes()
+        l3 = machine.l3_bytes()
+        self.ops.set_k_quant_row_by_channel(l3 == 0 or sum(_HELD.values()) > l3)
 
     def decode_program(self, model: DecoderLM) -> DecodeProgram | None:
         from .decode_program import build

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import shutil
+from pathlib import Path
 
 from ... import env
 from .workspace import QUANT_FLOAT_AVX2_ROWS, QUANT_KERNEL_MAX_ROWS
@@ -65,6 +66,21 @@ def cpu_family() -> int:
     """The CPU's family ('cpu family'; 0 where it is absent): AMD's Zen 4 is 25, Zen 5 26."""
     family = _cpuinfo("cpu family")
     return int(family) if family.isdigit() else 0
+
+
+def l3_bytes() -> int:
+    """The L3 cache's size in bytes as sysfs gives it for CPU 0 (0 where it is absent)."""
+    root = Path("/sys/devices/system/cpu/cpu0/cache")
+    for index in sorted(root.glob("index*")):
+        try:
+            if (index / "level").read_text().strip() != "3":
+                continue
+            size = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 1024, "M": 1024**2, "G": 1024**3}
+        return int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+    return 0
 
 
 def cpu_flags() -> frozenset[str]:

@@ -37,6 +37,7 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def("amx_tiles() -> bool", &pagedllm::amx_tiles);
   m.def("quant_float_max_rows() -> int", &pagedllm::quant_float_max_rows);
   m.def("w8a8_own_sums() -> bool", &pagedllm::w8a8_own_sums);
+  m.def("set_k_quant_row_by_channel(bool on) -> bool", &pagedllm::set_k_quant_row_by_channel);
   m.def(
       "dequantize(Tensor qweight, Tensor scale, Tensor? zero, int bits, int group, Tensor? rows, ScalarType dtype) "
       "-> Tensor");

@@ -58,6 +58,9 @@ Tensor quant_linear(const Tensor& x, const Tensor& qweight, const Tensor& scale,
                     int64_t bits, int64_t group);
 bool amx_tiles();  // AMX tiles usable here: built for them, granted, not capped
 int64_t quant_float_max_rows();  // the most float32 rows quant_linear beats dequantize + GEMM at
+// Whether one bf16 row against a K-quant matrix reads one channel at a time (weights streaming
+// from memory) or four (weights in the caches); returns the setting it replaces.
+bool set_k_quant_row_by_channel(bool on);
 bool w8a8_own_sums();  // w8a8_linear sums in its own AVX2 GEMM (no VNNI here), not oneDNN's
 Tensor dequantize(const Tensor& qweight, const Tensor& scale, const c10::optional<Tensor>& zero, int64_t bits,
                   int64_t group, const c10::optional<Tensor>& rows, at::ScalarType dtype);

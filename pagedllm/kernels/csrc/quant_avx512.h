@@ -427,8 +427,10 @@ __attribute__((flatten)) inline void channels_one_row_vnni(const QuantMatrix& m,
   for (int64_t n = n0; n < n1; ++n) tile_any_vnni<1, 1>(m, xr, 0, n, Y, m.n);
 }
 
-inline void channels_vnni(const QuantMatrix& m, const Int8Rows& xr, int64_t n0, int64_t n1, float* Y) {
-  if (xr.rows == 1) return channels_one_row_vnni(m, xr, n0, n1, Y);
+// by_channel: one row reads one channel at a time (channels_one_row_vnni); else four, as more rows.
+inline void channels_vnni(const QuantMatrix& m, const Int8Rows& xr, int64_t n0, int64_t n1, float* Y,
+                          bool by_channel = true) {
+  if (xr.rows == 1 && by_channel) return channels_one_row_vnni(m, xr, n0, n1, Y);
   int64_t n = n0;
   for (; n + 4 <= n1; n += 4) tile_rows_vnni<4>(m, xr, n, Y);
   for (; n < n1; ++n) tile_rows_vnni<1>(m, xr, n, Y);

@@ -15,6 +15,7 @@
 // - amx_tiles: whether the kernels' bf16 GEMMs run on AMX tiles in this process (quant_linear's
 //   many rows; dense_gemm.cpp's dense_linear, for which the backend then packs bf16 weights).
 
+#include <atomic>
 #include <limits>
 
 #include "amx.h"
@@ -25,6 +26,12 @@
 #include "quant_avx512.h"
 
 namespace pagedllm {
+
+// One bf16 row against a K-quant matrix: one channel at a time while the model's weights stream
+// from memory (one address stream a thread: 36-41 GB/s against 33 for four channels in turn, the
+// Zen 5 EPYC), four while they fit in the L3 (in L3 four channels ran 69-72 GB/s, one 52-55):
+// the backend sets it from the weights its models hold (CompiledBackend.hold_weights).
+static std::atomic<bool> k_quant_row_by_channel{true};
 namespace {
 
 // Channels [n0, n1) of Y = X W^T, X float32 [rows, K].
@@ -173,8 +180,9 @@ Tensor quant_linear(const Tensor& x, const Tensor& qweight, const Tensor& scale,
   if (x.scalar_type() == at::kBFloat16 && vnni_layout) {
     avx512::Int8Rows xr;
     avx512::quantize_rows(xp, rows, m.k, xr);
+    const bool by_channel = !m.raw || k_quant_row_by_channel.load(std::memory_order_relaxed);
     at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-      avx512::channels_vnni(m, xr, t0 * 4, std::min(m.n, t1 * 4), yp);
+      avx512::channels_vnni(m, xr, t0 * 4, std::min(m.n, t1 * 4), yp, by_channel);
     });
     return Y.to(x.scalar_type());
   }
@@ -208,6 +216,8 @@ Tensor dequantize(const Tensor& qweight, const Tensor& scale, const c10::optiona
   });
   return out;
 }
+
+bool set_k_quant_row_by_channel(bool on) { return k_quant_row_by_channel.exchange(on); }
 
 int64_t quant_float_max_rows() {
 #if defined(PAGEDLLM_AVX512)
