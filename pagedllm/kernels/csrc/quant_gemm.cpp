@@ -30,7 +30,7 @@ namespace pagedllm {
 // One bf16 row against a K-quant matrix: one channel at a time while the model's weights stream
 // from memory (one address stream a thread: 36-41 GB/s against 33 for four channels in turn, the
 // Zen 5 EPYC), four while they fit in the L3 (in L3 four channels ran 69-72 GB/s, one 52-55):
-// the backend sets it from the weights its models hold (CompiledBackend.hold_weights).
+// the backend sets it from the weights its models hold (CPUCompiledBackend.hold_weights).
 static std::atomic<bool> k_quant_row_by_channel{true};
 namespace {
 
